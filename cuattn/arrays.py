@@ -1,0 +1,330 @@
+"""The framework boundary: the only module that knows NumPy, CuPy, PyTorch and JAX apart.
+
+Every public op calls ``import_arrays`` on its array arguments. GPU arrays become ``Tensor``
+descriptors (pointer, shape, strides, logical dtype) without a copy; CPU arrays from PyTorch or
+JAX become NumPy views (the reference path). Results go back with ``export``: an array that
+cuattn allocated with ``empty`` in the caller's framework, or a zero-copy DLPack view.
+bf16 and fp8 cross DLPack as uint16 / uint8 views; ``Tensor.dtype`` keeps the logical type.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import DeviceUnavailableError
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+
+# Spellings accepted for dtype arguments, beyond anything np.dtype() understands.
+_DTYPE_NAMES = {"f16": np.float16, "fp16": np.float16, "half": np.float16, "float16": np.float16,
+                "bf16": bfloat16, "bfloat16": bfloat16, "f32": np.float32, "fp32": np.float32,
+                "float32": np.float32, "e4m3": float8_e4m3, "float8_e4m3fn": float8_e4m3,
+                "fp8_e4m3": float8_e4m3, "e5m2": float8_e5m2, "float8_e5m2": float8_e5m2,
+                "fp8_e5m2": float8_e5m2, "int32": np.int32, "uint8": np.uint8}
+# Raw views a framework without the type (CuPy) may hold such data in.
+RAW_VIEW = {bfloat16: np.dtype(np.uint16), float8_e4m3: np.dtype(np.uint8),
+            float8_e5m2: np.dtype(np.uint8)}
+SHORT_NAME = {np.dtype(np.float16): "f16", bfloat16: "bf16", np.dtype(np.float32): "f32",
+              float8_e4m3: "e4m3", float8_e5m2: "e5m2"}
+
+
+def as_dtype(value: Any, name: str, fn: str) -> np.dtype:
+    """A dtype argument given as NumPy dtype, string, or a torch/JAX dtype."""
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return np.dtype(_DTYPE_NAMES[value.lower()])
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
+        return _torch_to_numpy_dtype(value)
+    try:
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be a dtype (e.g. 'float16', 'bfloat16'), got {value!r}") from None
+
+
+def _torch_to_numpy_dtype(dtype) -> np.dtype:
+    import torch
+    table = {torch.float16: np.float16, torch.bfloat16: bfloat16, torch.float32: np.float32,
+             torch.float8_e4m3fn: float8_e4m3, torch.float8_e5m2: float8_e5m2, torch.int32: np.int32,
+             torch.int64: np.int64, torch.uint8: np.uint8, torch.int8: np.int8, torch.bool: np.bool_,
+             torch.uint16: np.uint16}
+    if dtype not in table:
+        raise TypeError(f"torch dtype {dtype} is not supported by cuattn")
+    return np.dtype(table[dtype])
+
+
+# ---------------------------------------------------------------------------- CuPy
+
+
+@functools.cache
+def cupy_module():
+    """CuPy, or DeviceUnavailableError saying what to install."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise DeviceUnavailableError(
+            'CuPy is not installed, so GPU arrays cannot be used; install cuattn with a CUDA extra: '
+            'pip install "cuattn[cu12]" (CUDA 12 driver) or "cuattn[cu13]" (CUDA 13 driver). '
+            'NumPy arrays run the CPU path without it.') from e
+    return cupy
+
+
+def gpu_available() -> bool:
+    """True when CuPy is installed and sees at least one usable GPU."""
+    try:
+        cp = cupy_module()
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except DeviceUnavailableError:
+        return False
+    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, no device
+        if type(e).__name__ == "CUDARuntimeError":
+            return False
+        raise
+
+
+@functools.cache
+def _external_stream(handle: int, device: int):
+    return cupy_module().cuda.ExternalStream(handle, device)
+
+
+# ---------------------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """A GPU array seen through the boundary. Strides are in elements."""
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype       # logical dtype; may differ from the raw dtype the framework reports
+    device: int
+    framework: str        # "cupy" | "torch" | "jax" | "cai"
+    obj: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+def framework_of(x: Any) -> str:
+    module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return "numpy"
+    if module == "cupy":
+        return "cupy"
+    if module == "torch":
+        return "torch"
+    if module in ("jax", "jaxlib"):
+        return "jax"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    return "unknown"
+
+
+def is_device_array(x: Any) -> bool:
+    fw = framework_of(x)
+    if fw == "numpy":
+        return False
+    if fw == "torch":
+        return x.is_cuda
+    if fw == "jax":
+        return any(d.platform == "gpu" for d in x.devices())
+    if fw in ("cupy", "cai"):
+        return True
+    if fw == "dlpack":
+        return x.__dlpack_device__()[0] in (2, 3, 13)  # CUDA, CUDA host, CUDA managed
+    return False
+
+
+def _check_strides(shape, strides, name: str, fn: str) -> None:
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{fn}: {name} must not have negative strides, got strides {tuple(strides)}")
+    if shape and shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
+                         f"got stride {strides[-1]} (elements); call .contiguous()/ascontiguousarray")
+
+
+def device_tensor(x: Any, name: str, fn: str) -> Tensor:
+    """Describe a GPU array without copying it."""
+    fw = framework_of(x)
+    if fw == "cupy":
+        itemsize = x.dtype.itemsize
+        strides = tuple(s // itemsize for s in x.strides)
+        t = Tensor(x.data.ptr, x.shape, strides, np.dtype(x.dtype), x.device.id, fw, x)
+    elif fw == "torch":
+        t = Tensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), _torch_to_numpy_dtype(x.dtype),
+                   x.device.index or 0, fw, x)
+    elif fw in ("jax", "cai", "dlpack"):
+        if fw == "jax" and x.dtype in (bfloat16, float8_e4m3, float8_e5m2):
+            raw = cupy_module().from_dlpack(_jax_bitcast(x))   # CuPy does not read these types
+            logical = np.dtype(x.dtype)
+        else:
+            raw = cupy_module().from_dlpack(x) if fw != "cai" else cupy_module().asarray(x)
+            logical = np.dtype(raw.dtype)
+        itemsize = raw.dtype.itemsize
+        t = Tensor(raw.data.ptr, raw.shape, tuple(s // itemsize for s in raw.strides), logical,
+                   raw.device.id, fw, x)
+    else:
+        raise TypeError(f"{fn}: {name} must be a NumPy, CuPy, PyTorch or JAX array (or export "
+                        f"__dlpack__/__cuda_array_interface__), got {type(x).__name__}")
+    _check_strides(t.shape, t.strides, name, fn)
+    return t
+
+
+def _jax_bitcast(x):
+    import jax
+    raw = np.uint16 if x.dtype.itemsize == 2 else np.uint8
+    return jax.lax.bitcast_convert_type(x, raw)
+
+
+def host_array(x: Any, name: str, fn: str) -> np.ndarray:
+    """A NumPy view of a CPU array (NumPy, PyTorch-CPU, JAX-CPU, any __dlpack__ exporter)."""
+    fw = framework_of(x)
+    if fw == "numpy":
+        arr = np.asarray(x)
+    elif fw == "torch":
+        logical = _torch_to_numpy_dtype(x.dtype)
+        if logical in RAW_VIEW:  # NumPy's DLPack has no bf16 / fp8 codes
+            import torch
+            raw = torch.uint16 if logical.itemsize == 2 else torch.uint8
+            arr = np.from_dlpack(x.detach().view(raw)).view(logical)
+        else:
+            arr = np.from_dlpack(x.detach())
+    elif fw == "jax":
+        arr = np.asarray(x)   # zero-copy view of a CPU buffer
+    elif hasattr(x, "__dlpack__"):
+        arr = np.from_dlpack(x)
+    else:
+        raise TypeError(f"{fn}: {name} must be a NumPy, CuPy, PyTorch or JAX array, "
+                        f"got {type(x).__name__}")
+    if arr.ndim:
+        itemsize = arr.dtype.itemsize
+        _check_strides(arr.shape, tuple(s // itemsize for s in arr.strides), name, fn)
+    return arr
+
+
+# ---------------------------------------------------------------------------- a call's context
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a call runs: the caller's framework, and for GPU calls the device and stream."""
+    framework: str
+    device: int           # -1 on the CPU path
+    stream: Any           # a CuPy stream object on the GPU path, else None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device >= 0
+
+
+def context_of(fn: str, arrays: dict[str, Any], stream: Any = None) -> Context:
+    """The shared framework/device of a call's arrays; mixing them is an error."""
+    named = [(k, v) for k, v in arrays.items() if v is not None]
+    if not named:
+        raise ValueError(f"{fn}: no array arguments")
+    kinds = {k: (framework_of(v), is_device_array(v)) for k, v in named}
+    first_name, (fw, on_gpu) = named[0][0], kinds[named[0][0]]
+    for k, (kfw, kgpu) in kinds.items():
+        if kgpu != on_gpu:
+            raise ValueError(f"{fn}: {k} is on the {'GPU' if kgpu else 'CPU'} but {first_name} is on "
+                             f"the {'GPU' if on_gpu else 'CPU'}; all arrays of a call must be on one device")
+        if kfw != fw and on_gpu:
+            raise TypeError(f"{fn}: {k} is a {kfw} array but {first_name} is a {fw} array; "
+                            f"pass arrays of one framework per call")
+    if not on_gpu:
+        return Context(fw, -1, None)
+    device = _device_id(named[0][1])
+    for k, v in named[1:]:
+        if _device_id(v) != device:
+            raise ValueError(f"{fn}: {k} is on GPU {_device_id(v)} but {first_name} is on GPU {device}")
+    return Context(fw, device, resolve_stream(fw, device, stream))
+
+
+def _device_id(x) -> int:
+    fw = framework_of(x)
+    if fw == "cupy":
+        return x.device.id
+    if fw == "torch":
+        return x.device.index or 0
+    if fw == "jax":
+        return next(iter(x.devices())).id
+    if fw == "dlpack":
+        return x.__dlpack_device__()[1]
+    return cupy_module().cuda.runtime.getDevice()
+
+
+def resolve_stream(framework: str, device: int, stream: Any = None):
+    """The stream to launch on: ``stream`` if given, else the caller framework's current one."""
+    cp = cupy_module()
+    if stream is not None:
+        if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            return stream
+        handle = getattr(stream, "cuda_stream", stream)   # torch.cuda.Stream or a raw handle
+        if not isinstance(handle, int):
+            raise TypeError(f"stream must be a CuPy stream, a torch.cuda.Stream or an int handle, "
+                            f"got {type(stream).__name__}")
+        return _external_stream(handle, device)
+    if framework == "torch":
+        import torch
+        return _external_stream(torch.cuda.current_stream(device).cuda_stream, device)
+    return cp.cuda.get_current_stream(device)
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+def empty(ctx: Context, shape: tuple, dtype: np.dtype):
+    """Allocate an uninitialised result in the caller's framework (CuPy for JAX callers)."""
+    dtype = np.dtype(dtype)
+    if not ctx.on_gpu:
+        return np.empty(shape, dtype)
+    if ctx.framework == "torch":
+        import torch
+        tdt = {np.dtype(np.float16): torch.float16, bfloat16: torch.bfloat16, np.dtype(np.float32): torch.float32,
+               np.dtype(np.int32): torch.int32, float8_e4m3: torch.float8_e4m3fn,
+               float8_e5m2: torch.float8_e5m2, np.dtype(np.uint8): torch.uint8}[dtype]
+        return torch.empty(shape, dtype=tdt, device=f"cuda:{ctx.device}")
+    cp = cupy_module()
+    with cp.cuda.Device(ctx.device):
+        return cp.empty(shape, RAW_VIEW.get(dtype, dtype))
+
+
+def export(ctx: Context, x: Any, dtype: np.dtype | None = None):
+    """Hand ``x`` (allocated by ``empty`` or a NumPy result) back in the caller's framework."""
+    if ctx.framework in ("numpy", "cupy", "cai", "dlpack") or (ctx.framework == "torch" and ctx.on_gpu):
+        return x
+    if ctx.framework == "torch":                      # NumPy result -> torch CPU, zero-copy
+        import torch
+        logical = np.dtype(dtype or x.dtype)
+        if logical in RAW_VIEW:
+            return torch.from_dlpack(np.ascontiguousarray(x).view(RAW_VIEW[logical])).view(
+                {bfloat16: torch.bfloat16, float8_e4m3: torch.float8_e4m3fn,
+                 float8_e5m2: torch.float8_e5m2}[logical])
+        return torch.from_dlpack(x)
+    if ctx.framework == "jax":
+        import jax
+        logical = np.dtype(dtype or x.dtype)
+        if not ctx.on_gpu:
+            return jax.numpy.asarray(x)
+        out = jax.dlpack.from_dlpack(x)
+        if logical in RAW_VIEW:
+            out = jax.lax.bitcast_convert_type(out, logical)
+        return out
+    raise TypeError(f"cannot export to framework {ctx.framework}")

@@ -1,0 +1,305 @@
+"""Run-time compilation: kernels_cu/ sources -> NVRTC -> cubin (disk cache) -> CuPy module.
+
+A kernel specialization is a frozen dataclass (a ``KernelSpec``): its ``name`` is readable,
+``defines()`` gives the ``-D`` options, ``source`` names the file under ``kernels_cu/``.
+``compile_kernel(spec, arch)`` works with no GPU (NVRTC is called directly through ctypes,
+so CI compiles every shipped kernel for sm_80 and sm_90a); ``get_function`` loads the cubin
+for a device and returns a launchable CuPy function.
+
+Cache layout: one file per key in ``cache_dir()``; the key is a SHA-256 over the package
+version, the assembled translation unit (our headers inlined), the options, the arch and
+the NVRTC version. Entries carry a payload hash (a corrupt entry is recompiled), are
+written atomically, and a per-key file lock keeps parallel workers from compiling twice.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ._version import __version__
+from .errors import CompileError, DeviceUnavailableError
+
+# A wheel carries the sources inside the package; a checkout has them beside it.
+_PACKAGED = Path(__file__).resolve().parent / "kernels_cu"
+KERNELS_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "kernels_cu"
+
+SHIPPED_ARCHS = ("sm_80", "sm_90a")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_MAGIC = b"CUATTN1\n"
+_INSTALL_HINT = 'install cuattn with a CUDA extra: pip install "cuattn[cu12]" (or "cuattn[cu13]")'
+
+
+class KernelSpec(Protocol):
+    source: str                      # file name under kernels_cu/
+
+    @property
+    def name(self) -> str: ...       # readable and unique per specialization
+
+    def defines(self) -> tuple[str, ...]: ...
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    spec_name: str
+    arch: str
+    cubin: bytes
+    resources: dict          # entry -> {"registers", "spill_stores", "spill_loads", "stack_frame"}
+    seconds: float           # NVRTC wall time when it was compiled
+    from_cache: bool
+
+
+# ---------------------------------------------------------------------------- source
+
+
+@functools.cache
+def assemble_source(source: str) -> str:
+    """The translation unit for ``kernels_cu/<source>``, our own headers inlined once each."""
+    seen: set[Path] = set()
+
+    def inline(path: Path) -> str:
+        if path in seen:
+            return ""
+        seen.add(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"kernel source {path} not found (KERNELS_DIR={KERNELS_DIR})")
+        text = path.read_text()
+        # include paths are relative to kernels_cu/, e.g. "common/dtypes.cuh"
+        return _INCLUDE.sub(lambda m: inline((KERNELS_DIR / m.group(1)).resolve()), text)
+
+    return inline((KERNELS_DIR / source).resolve())
+
+
+# ---------------------------------------------------------------------------- NVRTC
+
+
+class _Nvrtc:
+    """The few NVRTC entry points we need, through ctypes (works with no GPU or driver)."""
+
+    def __init__(self):
+        try:
+            from cuda import pathfinder
+        except ImportError as e:
+            raise DeviceUnavailableError(f"cuda-pathfinder is not installed; {_INSTALL_HINT}") from e
+        try:
+            loaded = pathfinder.load_nvidia_dynamic_lib("nvrtc")
+        except Exception as e:  # pathfinder raises several not-found types
+            raise DeviceUnavailableError(f"NVRTC library not found ({e}); {_INSTALL_HINT}") from e
+        self.path = loaded.abs_path
+        lib = ctypes.CDLL(loaded.abs_path)
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self.lib = lib
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed: {self.lib.nvrtcGetErrorString(status).decode()}")
+
+    def compile(self, source: str, name: str, options: tuple[str, ...]) -> tuple[int, bytes, str]:
+        """Returns (status, cubin, log); status != 0 means the program did not compile."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
+                                           0, None, None), "nvrtcCreateProgram")
+        try:
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self._check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+            log = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            cubin = b""
+            if status == 0:
+                self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+                buf = ctypes.create_string_buffer(size.value)
+                self._check(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+                cubin = buf.raw
+            return status, cubin, log.value.decode(errors="replace")
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.cache
+def _nvrtc() -> _Nvrtc:
+    return _Nvrtc()
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return _nvrtc().version
+
+
+def compile_options(spec: KernelSpec, arch: str) -> tuple[str, ...]:
+    cc = re.sub(r"\D", "", arch)
+    return (f"--gpu-architecture={arch}", "--std=c++17", "--ptxas-options=-v",
+            f"-DCUATTN_ARCH={cc}") + tuple(spec.defines())
+
+
+_PTXAS_ENTRY = re.compile(r"Function properties for (\w+)\s*\n[^\d\n]*(\d+) bytes stack frame, "
+                          r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", re.S)
+
+
+def parse_ptxas_log(log: str) -> dict:
+    """Per-function register, spill and stack counts from ``--ptxas-options=-v`` output."""
+    out: dict[str, dict[str, int]] = {}
+    for name, stack, stores, loads in _PTXAS_ENTRY.findall(log):
+        out.setdefault(name, {}).update(stack_frame=int(stack), spill_stores=int(stores),
+                                        spill_loads=int(loads))
+    for name, regs in _PTXAS_REGS.findall(log):
+        out.setdefault(name, {})["registers"] = int(regs)
+    return out
+
+
+# ---------------------------------------------------------------------------- disk cache
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CUATTN_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cuattn"
+
+
+def cache_key(spec: KernelSpec, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (__version__, spec.name, assemble_source(spec.source), "\0".join(compile_options(spec, arch)),
+                 arch, "%d.%d" % nvrtc_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _entry_path(spec: KernelSpec, arch: str, key: str) -> Path:
+    return cache_dir() / f"{spec.name}.{arch}.{key[:24]}.cubin"
+
+
+def _read_entry(path: Path) -> tuple[bytes, dict] | None:
+    """The cubin and metadata of a cache entry, or None if it is missing or corrupt."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    head = len(_MAGIC) + 32
+    if len(data) < head + 4 or not data.startswith(_MAGIC):
+        return None
+    payload = data[head:]
+    if hashlib.sha256(payload).digest() != data[len(_MAGIC):head]:
+        return None
+    (meta_len,) = struct.unpack_from("<I", payload)
+    try:
+        meta = json.loads(payload[4:4 + meta_len])
+    except ValueError:
+        return None
+    return payload[4 + meta_len:], meta
+
+
+def _write_entry(path: Path, cubin: bytes, meta: dict) -> None:
+    meta_bytes = json.dumps(meta).encode()
+    payload = struct.pack("<I", len(meta_bytes)) + meta_bytes + cubin
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_memo: dict[tuple[str, str], CompiledKernel] = {}
+
+
+def compile_kernel(spec: KernelSpec, arch: str) -> CompiledKernel:
+    """Compile ``spec`` for ``arch`` (e.g. "sm_90a"), or fetch it from the memo / disk cache."""
+    key = cache_key(spec, arch)
+    memo_key = (str(cache_dir()), key)
+    if memo_key in _memo:
+        return _memo[memo_key]
+    path = _entry_path(spec, arch, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = _read_entry(path)
+    if entry is None:
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)     # another process may be compiling this key
+            entry = _read_entry(path)
+            if entry is None:
+                compiled = _compile_now(spec, arch)
+                _write_entry(path, compiled.cubin, {"resources": compiled.resources,
+                                                    "seconds": compiled.seconds})
+                _memo[memo_key] = compiled
+                return compiled
+    cubin, meta = entry
+    compiled = CompiledKernel(spec.name, arch, cubin, meta["resources"], meta["seconds"], True)
+    _memo[memo_key] = compiled
+    return compiled
+
+
+def _compile_now(spec: KernelSpec, arch: str) -> CompiledKernel:
+    source, options = assemble_source(spec.source), compile_options(spec, arch)
+    if os.environ.get("CUATTN_SAVE_SOURCE"):
+        (cache_dir() / f"{spec.name}.{arch}.cu").write_text(source)
+    start = time.perf_counter()
+    status, cubin, log = _nvrtc().compile(source, f"{spec.name}.cu", options)
+    seconds = time.perf_counter() - start
+    if status != 0:
+        raise CompileError(spec.name, options, log, source)
+    if os.environ.get("CUATTN_VERBOSE"):
+        print(f"cuattn: compiled {spec.name} for {arch} in {seconds:.2f} s")
+    return CompiledKernel(spec.name, arch, cubin, parse_ptxas_log(log), seconds, False)
+
+
+def clear_cache() -> int:
+    """Delete every cache entry; returns how many files were removed."""
+    removed = 0
+    if cache_dir().is_dir():
+        for p in cache_dir().iterdir():
+            if p.suffix in (".cubin", ".lock", ".cu") or p.name.startswith(".tmp-"):
+                p.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def cache_usage() -> tuple[int, int]:
+    """(number of cached kernels, total bytes)."""
+    if not cache_dir().is_dir():
+        return 0, 0
+    files = [p for p in cache_dir().iterdir() if p.suffix == ".cubin"]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def device_arch(device_id: int) -> str:
+    """The NVRTC target for a device: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
+    from .arrays import cupy_module
+    cc = cupy_module().cuda.Device(device_id).compute_capability
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+@functools.cache
+def _module(spec: KernelSpec, device_id: int):
+    from .arrays import cupy_module
+    cp = cupy_module()
+    compiled = compile_kernel(spec, device_arch(device_id))
+    with cp.cuda.Device(device_id):
+        module = cp.cuda.function.Module()
+        module.load(compiled.cubin)
+    return module       # memoized: its functions stay valid for the process
+
+
+@functools.cache
+def get_function(spec: KernelSpec, entry: str, device_id: int):
+    """A launchable ``cupy.cuda.function.Function`` for ``entry`` of ``spec`` on ``device_id``."""
+    return _module(spec, device_id).get_function(entry)

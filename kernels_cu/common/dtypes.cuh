@@ -1,0 +1,69 @@
+// dtypes.cuh — storage types and conversions, without cuda_fp16.h / cuda_bf16.h.
+// Kernels only move bits and convert to and from fp32, so a few PTX conversions suffice and
+// every translation unit stays self-contained (fast NVRTC compiles, no runtime headers needed).
+#pragma once
+
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+typedef int int32_t;
+
+namespace cuattn {
+
+struct f16  { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+struct e4m3 { uint8_t bits; };
+struct e5m2 { uint8_t bits; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(uint32_t(x.bits) << 16); }
+
+template <class T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ f16 from_float<f16>(float f) {
+  f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float f) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+
+// -- two 16-bit values in one 32-bit register: element 0 in the low half
+template <class T> __device__ __forceinline__ float2 unpack2(uint32_t w);
+template <> __device__ __forceinline__ float2 unpack2<f16>(uint32_t w) {
+  return make_float2(to_float(f16{uint16_t(w & 0xffff)}), to_float(f16{uint16_t(w >> 16)}));
+}
+template <> __device__ __forceinline__ float2 unpack2<bf16>(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<f16>(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ uint32_t pack2<bf16>(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace cuattn

@@ -1,0 +1,46 @@
+import functools
+import os
+
+import pytest
+
+from cuattn import arrays
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+@functools.cache
+def gpu_cc() -> int:
+    """Compute capability of GPU 0 as an int (90 for H100), or 0 without a usable GPU."""
+    if not arrays.gpu_available():
+        return 0
+    return int(arrays.cupy_module().cuda.Device(0).compute_capability)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU (cupy sees none)")
+    skip_slow = pytest.mark.skip(reason="slow; pass --runslow")
+    for item in items:
+        if "gpu" in item.keywords and not gpu_cc():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+
+
+def requires_sm(cc: int):
+    return pytest.mark.skipif(gpu_cc() < cc, reason=f"needs compute capability >= {cc / 10:.1f}")
+
+
+@pytest.fixture
+def tmp_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_cache_dir(tmp_path_factory):
+    """Tests share one cache dir of their own unless CUATTN_CACHE_DIR is set."""
+    if "CUATTN_CACHE_DIR" not in os.environ:
+        os.environ["CUATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cuattn-cache"))
+    yield
