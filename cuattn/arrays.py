@@ -35,6 +35,11 @@ SHORT_NAME = {np.dtype(np.float16): "f16", bfloat16: "bf16", np.dtype(np.float32
               float8_e4m3: "e4m3", float8_e5m2: "e5m2"}
 
 
+def same_storage(a: np.dtype, b: np.dtype) -> bool:
+    """Equal dtypes, or one is the raw view (uint16 for bf16, uint8 for fp8) of the other."""
+    return a == b or RAW_VIEW.get(a) == b or RAW_VIEW.get(b) == a
+
+
 def as_dtype(value: Any, name: str, fn: str) -> np.dtype:
     """A dtype argument given as NumPy dtype, string, or a torch/JAX dtype."""
     if isinstance(value, str) and value.lower() in _DTYPE_NAMES:

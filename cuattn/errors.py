@@ -17,6 +17,10 @@ class DeviceUnavailableError(CuattnError, RuntimeError):
     """A GPU call was made where no usable GPU or CUDA library is present."""
 
 
+class CacheFullError(CuattnError, MemoryError):
+    """PagedKVCache has too few free pages for a request; the cache is left unchanged."""
+
+
 class CompileError(CuattnError):
     """NVRTC rejected a kernel. Carries the spec name, options, log and assembled source."""
 

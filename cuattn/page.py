@@ -1,0 +1,472 @@
+"""The paged KV cache: FlashInfer's CSR page table, appends, and a page-owning cache class.
+
+Page table (int32): ``kv_indptr[batch + 1]``, ``kv_indices[kv_indptr[-1]]``, ``kv_last_page_len[batch]``.
+Storage: NHD ``[num_pages, 2, page_size, num_kv_heads, head_dim]``, HND ``[num_pages, 2,
+num_kv_heads, page_size, head_dim]``, or a ``(k, v)`` pair of such arrays without the ``2``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+from typing import Any
+
+import numpy as np
+
+from . import arrays, jit, reference
+from .errors import CacheFullError
+from .arrays import Tensor
+
+_SOURCE = "page.cu"
+KV_LAYOUTS = ("NHD", "HND")
+KV_DTYPES = (np.dtype(np.float16), arrays.bfloat16, np.dtype(np.float32), arrays.float8_e4m3,
+             arrays.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    vec_bytes: int          # bytes per copy: 16 unless alignment forbids it
+    source = _SOURCE
+
+    @property
+    def name(self) -> str:
+        return f"page_vec{self.vec_bytes}"
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DVEC_BYTES={self.vec_bytes}",)
+
+
+def shipped_specs() -> list[PageSpec]:
+    return [PageSpec(v) for v in (16, 8, 4, 2, 1)]
+
+
+# ---------------------------------------------------------------------------- cache arrays
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A paged cache seen through the boundary: K and V tensors with shared element strides."""
+    k: Tensor
+    v: Tensor
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    stride_page: int       # elements
+    stride_slot: int
+    stride_head: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.k.dtype
+
+
+def _layout_dims(shape: tuple, kv_layout: str) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, num_kv_heads, head_dim) of one K or V array."""
+    if kv_layout == "NHD":
+        return shape[0], shape[1], shape[2], shape[3]
+    return shape[0], shape[2], shape[1], shape[3]
+
+
+def check_kv_layout(kv_layout: str, fn: str) -> str:
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"{fn}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return kv_layout
+
+
+def _split_cache(paged_kv_cache: Any, fn: str) -> tuple[Any, Any, bool]:
+    """(k, v, combined): the two halves of a cache given as one array or a (k, v) pair."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"{fn}: paged_kv_cache must be one array or a (k_cache, v_cache) pair, "
+                             f"got a sequence of {len(paged_kv_cache)}")
+        return paged_kv_cache[0], paged_kv_cache[1], False
+    return paged_kv_cache, None, True
+
+
+def paged_kv_tensors(paged_kv_cache: Any, kv_layout: str, fn: str) -> PagedKV:
+    """Describe a GPU paged cache (either form, either layout) without copying it."""
+    check_kv_layout(kv_layout, fn)
+    k, v, combined = _split_cache(paged_kv_cache, fn)
+    if combined:
+        t = arrays.device_tensor(k, "paged_kv_cache", fn)
+        if t.ndim != 5 or t.shape[1] != 2:
+            raise ValueError(f"{fn}: paged_kv_cache must have shape [num_pages, 2, ...] (5 dims) for "
+                             f"kv_layout={kv_layout}, got {t.shape}")
+        shape = (t.shape[0],) + t.shape[2:]
+        strides = (t.strides[0],) + t.strides[2:]
+        kt = Tensor(t.ptr, shape, strides, t.dtype, t.device, t.framework, t.obj)
+        vt = Tensor(t.ptr + t.strides[1] * t.dtype.itemsize, shape, strides, t.dtype, t.device,
+                    t.framework, t.obj)
+    else:
+        kt = arrays.device_tensor(k, "k_cache", fn)
+        vt = arrays.device_tensor(v, "v_cache", fn)
+        for name, x in (("k_cache", kt), ("v_cache", vt)):
+            if x.ndim != 4:
+                raise ValueError(f"{fn}: {name} must have 4 dims for kv_layout={kv_layout}, got {x.shape}")
+        if kt.shape != vt.shape or kt.strides != vt.strides:
+            raise ValueError(f"{fn}: k_cache and v_cache must have the same shape and strides, got "
+                             f"{kt.shape}/{kt.strides} and {vt.shape}/{vt.strides}")
+        if kt.dtype != vt.dtype:
+            raise ValueError(f"{fn}: k_cache and v_cache must have the same dtype, got "
+                             f"k_cache={kt.dtype}, v_cache={vt.dtype}")
+    num_pages, page_size, heads, head_dim = _layout_dims(kt.shape, kv_layout)
+    s = kt.strides
+    stride_slot, stride_head = (s[1], s[2]) if kv_layout == "NHD" else (s[2], s[1])
+    return PagedKV(kt, vt, num_pages, page_size, heads, head_dim, s[0], stride_slot, stride_head)
+
+
+def paged_kv_host(paged_kv_cache: Any, kv_layout: str, fn: str) -> tuple[np.ndarray, np.ndarray]:
+    """NHD NumPy views (k_pages, v_pages), each [num_pages, page_size, num_kv_heads, head_dim]."""
+    check_kv_layout(kv_layout, fn)
+    k, v, combined = _split_cache(paged_kv_cache, fn)
+    if combined:
+        arr = arrays.host_array(k, "paged_kv_cache", fn)
+        if arr.ndim != 5 or arr.shape[1] != 2:
+            raise ValueError(f"{fn}: paged_kv_cache must have shape [num_pages, 2, ...] (5 dims), got {arr.shape}")
+        return reference.split_paged_kv_cache(arr, kv_layout)
+    ka, va = arrays.host_array(k, "k_cache", fn), arrays.host_array(v, "v_cache", fn)
+    if ka.ndim != 4 or ka.shape != va.shape or ka.dtype != va.dtype:
+        raise ValueError(f"{fn}: k_cache and v_cache must be 4-dim arrays of one shape and dtype, "
+                         f"got {ka.shape}/{ka.dtype} and {va.shape}/{va.dtype}")
+    return reference.split_paged_kv_cache((ka, va), kv_layout)
+
+
+def _int32_vector(x: Any, name: str, fn: str, length: int | None = None) -> np.ndarray:
+    """Host copy of int32 page-table metadata, checked for dtype, rank and length."""
+    a = np.asarray(x) if isinstance(x, (np.ndarray, list, tuple)) else None
+    if a is None:
+        a = arrays.host_array(x, name, fn) if not arrays.is_device_array(x) else None
+    if a is None:
+        raise TypeError(f"{fn}: {name} must be host metadata here")
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
+    if length is not None and len(a) != length:
+        raise ValueError(f"{fn}: {name} must have length {length}, got {len(a)}")
+    return a.astype(np.int32, copy=False)
+
+
+def validate_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages: int | None,
+                        fn: str) -> None:
+    """Check host page-table arrays: monotone indptr matching indices, last_page_len in range."""
+    if len(kv_indptr) < 1 or kv_indptr[0] != 0:
+        raise ValueError(f"{fn}: kv_indptr must start at 0, got {kv_indptr[:1]}")
+    if np.any(np.diff(kv_indptr) < 0):
+        raise ValueError(f"{fn}: kv_indptr must be non-decreasing")
+    if kv_indptr[-1] != len(kv_indices):
+        raise ValueError(f"{fn}: kv_indptr[-1] must equal len(kv_indices)={len(kv_indices)}, got {kv_indptr[-1]}")
+    batch = len(kv_indptr) - 1
+    if kv_last_page_len is not None:
+        if len(kv_last_page_len) != batch:
+            raise ValueError(f"{fn}: kv_last_page_len must have length batch={batch}, got {len(kv_last_page_len)}")
+        has_pages = np.diff(kv_indptr) > 0
+        bad = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
+        if np.any(bad):
+            i = int(np.argmax(bad))
+            raise ValueError(f"{fn}: kv_last_page_len must be in 1..page_size={page_size}, "
+                             f"got {kv_last_page_len[i]} for request {i}")
+    if num_pages is not None and len(kv_indices) and (kv_indices.min() < 0 or kv_indices.max() >= num_pages):
+        raise ValueError(f"{fn}: kv_indices must be in 0..{num_pages - 1} (num_pages of the cache), got "
+                         f"values in {kv_indices.min()}..{kv_indices.max()}")
+
+
+# ---------------------------------------------------------------------------- ops
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *, stream=None):
+    """Request index and position of every appended token.
+
+    Parameters
+    ----------
+    append_indptr : array, shape (batch + 1,), int32
+        Appended tokens of request i are rows ``append_indptr[i]:append_indptr[i+1]``.
+    seq_lens : array, shape (batch,), int32
+        KV length of each request after the append.
+    nnz : int
+        Number of appended tokens (``append_indptr[-1]``).
+
+    Returns
+    -------
+    batch_indices, positions : arrays, shape (nnz,), int32, in the framework of ``append_indptr``
+    """
+    fn = "get_batch_indices_positions"
+    ctx = arrays.context_of(fn, {"append_indptr": append_indptr, "seq_lens": seq_lens}, stream)
+    if not ctx.on_gpu:
+        indptr = _int32_vector(append_indptr, "append_indptr", fn)
+        lens = _int32_vector(seq_lens, "seq_lens", fn, len(indptr) - 1)
+        if indptr[-1] != nnz:
+            raise ValueError(f"{fn}: nnz must equal append_indptr[-1]={indptr[-1]}, got {nnz}")
+        if np.any(np.diff(indptr) > lens):
+            raise ValueError(f"{fn}: seq_lens must be >= the appended length of each request")
+        b, p = reference.get_batch_indices_positions(indptr, lens, nnz)
+        return arrays.export(ctx, b), arrays.export(ctx, p)
+    indptr_t = arrays.device_tensor(append_indptr, "append_indptr", fn)
+    lens_t = arrays.device_tensor(seq_lens, "seq_lens", fn)
+    for name, t in (("append_indptr", indptr_t), ("seq_lens", lens_t)):
+        if t.dtype != np.int32 or t.ndim != 1:
+            raise ValueError(f"{fn}: {name} must be a 1-D int32 array, got {t.dtype} {t.shape}")
+    batch = indptr_t.shape[0] - 1
+    if lens_t.shape[0] != batch:
+        raise ValueError(f"{fn}: seq_lens must have length batch={batch}, got {lens_t.shape[0]}")
+    b, p = arrays.empty(ctx, (nnz,), np.int32), arrays.empty(ctx, (nnz,), np.int32)
+    if nnz:
+        f = jit.get_function(PageSpec(16), "cuattn_batch_indices_positions", ctx.device)
+        bt, pt = arrays.device_tensor(b, "out", fn), arrays.device_tensor(p, "out", fn)
+        f(((nnz + 255) // 256, 1, 1), (256, 1, 1),
+          (np.uint64(indptr_t.ptr), np.uint64(lens_t.ptr), np.uint64(bt.ptr), np.uint64(pt.ptr),
+           np.int32(batch), np.int32(nnz)), stream=ctx.stream)
+    return arrays.export(ctx, b), arrays.export(ctx, p)
+
+
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                          kv_indices, kv_indptr, kv_last_page_len, kv_layout: str = "NHD", *,
+                          stream=None) -> None:
+    """Write appended tokens' K/V rows into their page slots (in place).
+
+    Parameters
+    ----------
+    append_key, append_value : array, shape (nnz, num_kv_heads, head_dim), dtype of the cache
+    batch_indices, positions : array, shape (nnz,), int32
+        From ``get_batch_indices_positions``: each token's request and position in its KV.
+    paged_kv_cache : array or (k_cache, v_cache)
+        See the module docstring for shapes; fp16, bf16, fp32, fp8 e4m3/e5m2 (fp8 and bf16 may
+        be given as uint8 / uint16 views from frameworks without those types).
+    kv_indices, kv_indptr, kv_last_page_len : array, int32
+        The page table, already covering the appended positions.
+
+    On the GPU, a token whose position lies beyond its request's pages, or whose page index is
+    out of range, is skipped rather than written out of bounds; NumPy inputs raise ValueError.
+    """
+    fn = "append_paged_kv_cache"
+    check_kv_layout(kv_layout, fn)
+    named = {"append_key": append_key, "append_value": append_value, "batch_indices": batch_indices,
+             "positions": positions, "kv_indices": kv_indices, "kv_indptr": kv_indptr,
+             "kv_last_page_len": kv_last_page_len}
+    k0, v0, _ = _split_cache(paged_kv_cache, fn)
+    ctx = arrays.context_of(fn, {**named, "paged_kv_cache": k0, "v_cache": v0}, stream)
+    if not ctx.on_gpu:
+        _append_host(fn, kv_layout, paged_kv_cache, **named)
+        return
+    cache = paged_kv_tensors(paged_kv_cache, kv_layout, fn)
+    ak = arrays.device_tensor(append_key, "append_key", fn)
+    av = arrays.device_tensor(append_value, "append_value", fn)
+    expected = (ak.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, t in (("append_key", ak), ("append_value", av)):
+        if t.shape != expected:
+            raise ValueError(f"{fn}: {name} must have shape (nnz, num_kv_heads, head_dim)={expected}, got {t.shape}")
+        if not arrays.same_storage(t.dtype, cache.dtype):
+            raise TypeError(f"{fn}: {name} must have the cache's dtype {cache.dtype}, got {t.dtype}")
+    nnz = ak.shape[0]
+    meta = {}
+    for name, length in (("batch_indices", nnz), ("positions", nnz), ("kv_indptr", None), ("kv_indices", None)):
+        t = arrays.device_tensor(named[name], name, fn)
+        if t.dtype != np.int32 or t.ndim != 1 or (length is not None and t.shape[0] != length):
+            raise ValueError(f"{fn}: {name} must be a 1-D int32 array" + (f" of length {length}" if length else "")
+                             + f", got {t.dtype} {t.shape}")
+        meta[name] = t
+    if nnz == 0:
+        return
+    item = cache.dtype.itemsize
+    row_bytes = cache.head_dim * item
+    strides_bytes = [s * item for s in (ak.strides[0], ak.strides[1], av.strides[0], av.strides[1],
+                                        cache.stride_page, cache.stride_slot, cache.stride_head)]
+    vec = 16
+    for n in [row_bytes, ak.ptr, av.ptr, cache.k.ptr, cache.v.ptr, *strides_bytes]:
+        vec = gcd(vec, n)
+    f = jit.get_function(PageSpec(vec), "cuattn_page_append", ctx.device)
+    vecs_per_row = row_bytes // vec
+    total = nnz * cache.num_kv_heads * vecs_per_row
+    u64, i32, i64 = np.uint64, np.int32, np.int64
+    f(((total + 255) // 256, 1, 1), (256, 1, 1),
+      (u64(ak.ptr), u64(av.ptr), u64(meta["batch_indices"].ptr), u64(meta["positions"].ptr),
+       u64(cache.k.ptr), u64(cache.v.ptr), u64(meta["kv_indices"].ptr), u64(meta["kv_indptr"].ptr),
+       i64(nnz), i32(cache.num_kv_heads), i32(vecs_per_row), i32(cache.page_size), i32(cache.num_pages),
+       *[i64(s) for s in strides_bytes]), stream=ctx.stream)
+
+
+def _append_host(fn, kv_layout, paged_kv_cache, append_key, append_value, batch_indices, positions,
+                 kv_indices, kv_indptr, kv_last_page_len):
+    k_pages, v_pages = paged_kv_host(paged_kv_cache, kv_layout, fn)
+    num_pages, page_size, heads, head_dim = k_pages.shape
+    ak = arrays.host_array(append_key, "append_key", fn)
+    av = arrays.host_array(append_value, "append_value", fn)
+    for name, a in (("append_key", ak), ("append_value", av)):
+        if a.ndim != 3 or a.shape[1:] != (heads, head_dim):
+            raise ValueError(f"{fn}: {name} must have shape (nnz, {heads}, {head_dim}), got {a.shape}")
+        if a.dtype != k_pages.dtype:
+            raise TypeError(f"{fn}: {name} must have the cache's dtype {k_pages.dtype}, got {a.dtype}")
+    nnz = ak.shape[0]
+    if av.shape[0] != nnz:
+        raise ValueError(f"{fn}: append_value must have {nnz} rows like append_key, got {av.shape[0]}")
+    b = _int32_vector(batch_indices, "batch_indices", fn, nnz)
+    p = _int32_vector(positions, "positions", fn, nnz)
+    indptr = _int32_vector(kv_indptr, "kv_indptr", fn)
+    indices = _int32_vector(kv_indices, "kv_indices", fn)
+    last = _int32_vector(kv_last_page_len, "kv_last_page_len", fn)
+    validate_page_table(indptr, indices, last, page_size, num_pages, fn)
+    batch = len(indptr) - 1
+    if nnz and (b.min() < 0 or b.max() >= batch):
+        raise ValueError(f"{fn}: batch_indices must be in 0..{batch - 1}, got {b.min()}..{b.max()}")
+    capacity = (np.diff(indptr) * page_size)[b] if nnz else np.zeros(0, np.int32)
+    if nnz and (np.any(p < 0) or np.any(p >= capacity)):
+        raise ValueError(f"{fn}: positions must lie within each request's pages (0..pages*page_size-1)")
+    reference.append_paged_kv_cache(ak, av, b, p, k_pages, v_pages, indices, indptr)
+
+
+# ---------------------------------------------------------------------------- PagedKVCache
+
+
+@dataclass(frozen=True)
+class AppendBatch:
+    """Where one step's new tokens go; made by ``PagedKVCache.reserve``, used by every layer.
+
+    Host arrays are NumPy; on a GPU cache, ``device`` holds the same arrays uploaded once.
+    """
+    seq_ids: tuple[int, ...]
+    append_indptr: np.ndarray       # [batch + 1]
+    batch_indices: np.ndarray       # [nnz]
+    positions: np.ndarray           # [nnz]
+    kv_indptr: np.ndarray           # page table of seq_ids after the append
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    device: dict | None = None      # same names -> device arrays (GPU caches)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.append_indptr[-1])
+
+
+class PagedKVCache:
+    """KV storage for all layers, with page allocation per sequence.
+
+    Storage is one array ``[num_layers, max_num_pages, 2, page_size, num_kv_heads, head_dim]``
+    (NHD) or ``[..., 2, num_kv_heads, page_size, head_dim]`` (HND); ``layer(i)`` is the
+    ``paged_kv_cache`` argument of the attention wrappers. ``device="cpu"`` stores NumPy arrays
+    (the reference path), ``"cuda"`` or ``"cuda:N"`` CuPy arrays (bf16/fp8 as uint16/uint8 views).
+
+    A step: ``batch = cache.reserve(seq_ids, num_new_tokens)`` grows the sequences (all or
+    nothing), then ``cache.append(layer, keys, values, batch)`` for each layer, and
+    ``cache.page_table(seq_ids)`` gives the CSR arrays for attention.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 max_num_pages: int, dtype="float16", kv_layout: str = "NHD", device: str = "cpu"):
+        fn = "PagedKVCache"
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("page_size", page_size), ("max_num_pages", max_num_pages)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
+        self.dtype = arrays.as_dtype(dtype, "dtype", fn)
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"{fn}: dtype must be one of float16, bfloat16, float32, float8_e4m3fn, "
+                             f"float8_e5m2, got {self.dtype}")
+        self.kv_layout = check_kv_layout(kv_layout, fn)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.max_num_pages = page_size, max_num_pages
+        inner = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
+        shape = (num_layers, max_num_pages, 2, *inner, head_dim)
+        if device == "cpu":
+            self.device_id = -1
+            self.storage = np.zeros(shape, self.dtype)
+        elif device.startswith("cuda"):
+            self.device_id = int(device.partition(":")[2] or 0)
+            cp = arrays.cupy_module()
+            with cp.cuda.Device(self.device_id):
+                self.storage = cp.zeros(shape, arrays.RAW_VIEW.get(self.dtype, self.dtype))
+        else:
+            raise ValueError(f"{fn}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        self._free = list(range(max_num_pages - 1, -1, -1))     # pop() hands out low pages first
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # -- bookkeeping
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._pages)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens[self._check_seq(seq_id)]
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        return list(self._pages[self._check_seq(seq_id)])
+
+    def _check_seq(self, seq_id: int) -> int:
+        if seq_id not in self._pages:
+            raise KeyError(f"PagedKVCache: no sequence with id {seq_id!r}")
+        return seq_id
+
+    def add_sequence(self) -> int:
+        """Start an empty sequence; returns its id."""
+        seq_id = self._next_id
+        self._next_id += 1
+        self._pages[seq_id], self._lens[seq_id] = [], 0
+        return seq_id
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Free a finished sequence's pages."""
+        self._check_seq(seq_id)
+        self._free.extend(reversed(self._pages.pop(seq_id)))
+        del self._lens[seq_id]
+
+    def reserve(self, seq_ids, num_new_tokens) -> AppendBatch:
+        """Grow each sequence by its count of new tokens, allocating pages; all or nothing.
+
+        Raises CacheFullError (leaving the cache unchanged) if the free pages do not suffice.
+        """
+        seq_ids = [self._check_seq(int(s)) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"PagedKVCache.reserve: seq_ids must be distinct, got {seq_ids}")
+        counts = np.asarray(num_new_tokens, np.int64).reshape(-1)
+        if len(counts) != len(seq_ids) or np.any(counts < 0):
+            raise ValueError(f"PagedKVCache.reserve: num_new_tokens must be {len(seq_ids)} counts >= 0, "
+                             f"got {list(counts)}")
+        new_lens = [self._lens[s] + int(c) for s, c in zip(seq_ids, counts)]
+        needed = [-(-n // self.page_size) - len(self._pages[s]) for s, n in zip(seq_ids, new_lens)]
+        if sum(needed) > len(self._free):
+            raise CacheFullError(f"PagedKVCache.reserve: needs {sum(needed)} free pages, only "
+                                 f"{len(self._free)} of {self.max_num_pages} are free; free finished "
+                                 f"sequences (remove_sequence) or make a larger cache")
+        for s, n, k in zip(seq_ids, new_lens, needed):
+            self._pages[s].extend(self._free.pop() for _ in range(k))
+            self._lens[s] = n
+        append_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        batch_indices, positions = reference.get_batch_indices_positions(
+            append_indptr, np.asarray(new_lens, np.int32), int(append_indptr[-1]))
+        kv_indptr, kv_indices, kv_last_page_len = self.page_table(seq_ids)
+        host = dict(append_indptr=append_indptr, batch_indices=batch_indices, positions=positions,
+                    kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+        device = None
+        if self.device_id >= 0:
+            cp = arrays.cupy_module()
+            with cp.cuda.Device(self.device_id):
+                device = {k: cp.asarray(v) for k, v in host.items()}
+        return AppendBatch(tuple(seq_ids), device=device, **host)
+
+    def page_table(self, seq_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(kv_indptr, kv_indices, kv_last_page_len) as NumPy int32 for these sequences, in order."""
+        pages = [self._pages[self._check_seq(int(s))] for s in seq_ids]
+        kv_indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int32)
+        kv_indices = np.asarray([i for p in pages for i in p], np.int32)
+        lens = np.asarray([self._lens[int(s)] for s in seq_ids], np.int64)
+        kv_last_page_len = np.where(lens > 0, (lens - 1) % self.page_size + 1, 0).astype(np.int32)
+        return kv_indptr, kv_indices, kv_last_page_len
+
+    # -- data
+
+    def layer(self, layer: int):
+        """The paged_kv_cache array of one layer: [max_num_pages, 2, ...] in the cache's layout."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"PagedKVCache.layer: layer must be in 0..{self.num_layers - 1}, got {layer}")
+        return self.storage[layer]
+
+    def append(self, layer: int, keys, values, batch: AppendBatch, *, stream=None) -> None:
+        """Write one layer's new K/V rows ([nnz, num_kv_heads, head_dim]) where ``batch`` says."""
+        meta = batch.device if self.device_id >= 0 else batch.__dict__
+        append_paged_kv_cache(keys, values, meta["batch_indices"], meta["positions"], self.layer(layer),
+                              meta["kv_indices"], meta["kv_indptr"], meta["kv_last_page_len"],
+                              self.kv_layout, stream=stream)
