@@ -1,0 +1,56 @@
+import subprocess
+import sys
+
+import pytest
+
+from cuattn import cli, jit
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cuattn.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_info_reports_versions_gpu_and_cache():
+    out = run_cli("info")
+    assert out.returncode == 0, out.stderr
+    for word in ("cuattn", "cupy", "nvrtc", "gpu", "cache"):
+        assert word in out.stdout
+
+
+def test_every_shipped_kernel_compiles_for_sm80_and_sm90a_without_spills():
+    for arch in jit.SHIPPED_ARCHS:
+        for spec in cli.shipped_specs():
+            compiled = jit.compile_kernel(spec, arch)
+            for entry, res in compiled.resources.items():
+                assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (spec.name, arch, entry, res)
+
+
+def test_precompile_then_cache_clear(tmp_cache_dir):
+    import os
+    env = {**os.environ, "CUATTN_CACHE_DIR": str(tmp_cache_dir)}
+    out = run_cli("precompile", "--arch", "sm_80", env=env)
+    assert out.returncode == 0, out.stderr
+    n = len(cli.shipped_specs())
+    assert f"precompiled {n} kernels for sm_80" in out.stdout
+    assert len(list(tmp_cache_dir.glob("*.cubin"))) == n
+    out = run_cli("cache", "clear", env=env)
+    assert out.returncode == 0 and not list(tmp_cache_dir.glob("*.cubin"))
+
+
+def test_demo_runs_on_the_cpu_path_and_says_so():
+    out = run_cli("demo", "--cpu")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CPU (NumPy reference path)" in out.stdout and "demo OK" in out.stdout
+
+
+@pytest.mark.gpu
+def test_demo_and_precompile_on_the_gpu(tmp_cache_dir):
+    import os
+    env = {**os.environ, "CUATTN_CACHE_DIR": str(tmp_cache_dir)}
+    out = run_cli("demo", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "running on the GPU" in out.stdout and "demo OK" in out.stdout
+    out = run_cli("precompile", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "sm_90a" in out.stdout or "sm_80" in out.stdout
