@@ -93,9 +93,22 @@ def gpu_available() -> bool:
         raise
 
 
+def require_gpu(fn: str) -> None:
+    """Raise DeviceUnavailableError, saying what to do, unless a GPU is usable."""
+    if not gpu_available():
+        cupy_module()    # raises the install hint when CuPy is missing
+        raise DeviceUnavailableError(
+            f"{fn}: no usable CUDA GPU (CuPy sees no device, or the driver is missing or too old "
+            f"for this CuPy build; `cuattn info` shows what was found). Use NumPy arrays / "
+            f"device='cpu' for the CPU path.")
+
+
 @functools.cache
 def _external_stream(handle: int, device: int):
-    return cupy_module().cuda.ExternalStream(handle, device)
+    import warnings
+    with warnings.catch_warnings():   # CuPy 14 prefers Stream.from_external, which needs an object
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy_module().cuda.ExternalStream(handle, device)
 
 
 # ---------------------------------------------------------------------------- descriptors
@@ -175,27 +188,23 @@ def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     elif fw == "torch":
         t = Tensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), _torch_to_numpy_dtype(x.dtype),
                    x.device.index or 0, fw, x)
-    elif fw in ("jax", "cai", "dlpack"):
-        if fw == "jax" and x.dtype in (bfloat16, float8_e4m3, float8_e5m2):
-            raw = cupy_module().from_dlpack(_jax_bitcast(x))   # CuPy does not read these types
-            logical = np.dtype(x.dtype)
-        else:
-            raw = cupy_module().from_dlpack(x) if fw != "cai" else cupy_module().asarray(x)
-            logical = np.dtype(raw.dtype)
+    elif fw == "jax":
+        # JAX arrays are dense row-major; wait for the computation that produces x (JAX runs on
+        # its own streams), then read its buffer directly: zero-copy for every dtype, bf16/fp8 too.
+        x.block_until_ready()
+        shape = tuple(x.shape)
+        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+        t = Tensor(x.unsafe_buffer_pointer(), shape, strides, np.dtype(x.dtype), _device_id(x), fw, x)
+    elif fw in ("cai", "dlpack"):
+        raw = cupy_module().from_dlpack(x) if fw == "dlpack" else cupy_module().asarray(x)
         itemsize = raw.dtype.itemsize
-        t = Tensor(raw.data.ptr, raw.shape, tuple(s // itemsize for s in raw.strides), logical,
+        t = Tensor(raw.data.ptr, raw.shape, tuple(s // itemsize for s in raw.strides), np.dtype(raw.dtype),
                    raw.device.id, fw, x)
     else:
         raise TypeError(f"{fn}: {name} must be a NumPy, CuPy, PyTorch or JAX array (or export "
                         f"__dlpack__/__cuda_array_interface__), got {type(x).__name__}")
     _check_strides(t.shape, t.strides, name, fn)
     return t
-
-
-def _jax_bitcast(x):
-    import jax
-    raw = np.uint16 if x.dtype.itemsize == 2 else np.uint8
-    return jax.lax.bitcast_convert_type(x, raw)
 
 
 def host_array(x: Any, name: str, fn: str) -> np.ndarray:

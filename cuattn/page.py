@@ -369,6 +369,7 @@ class PagedKVCache:
             self.storage = np.zeros(shape, self.dtype)
         elif device.startswith("cuda"):
             self.device_id = int(device.partition(":")[2] or 0)
+            arrays.require_gpu(fn)
             cp = arrays.cupy_module()
             with cp.cuda.Device(self.device_id):
                 self.storage = cp.zeros(shape, arrays.RAW_VIEW.get(self.dtype, self.dtype))

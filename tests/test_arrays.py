@@ -73,3 +73,29 @@ def test_gpu_frameworks_are_imported_zero_copy():
     z = jax.device_put(jax.numpy.ones((4, 8), jax.numpy.float16), jax.devices("gpu")[0])
     tz = arrays.device_tensor(z, "z", "f")
     assert tz.ptr == z.unsafe_buffer_pointer()
+
+
+def test_import_and_cpu_path_work_without_cupy_and_gpu_calls_say_what_to_install():
+    import subprocess
+    import sys
+    script = (
+        "import sys; sys.modules['cupy'] = None\n"           # makes `import cupy` fail
+        "import numpy as np, cuattn\n"
+        "c = cuattn.PagedKVCache(1, 1, 8, 4, 4)\n"
+        "s = c.add_sequence(); b = c.reserve([s], [3])\n"
+        "c.append(0, np.ones((3, 1, 8), np.float16), np.ones((3, 1, 8), np.float16), b)\n"
+        "try:\n"
+        "    cuattn.PagedKVCache(1, 1, 8, 4, 4, device='cuda')\n"
+        "except cuattn.DeviceUnavailableError as e:\n"
+        "    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "ERR" in out.stdout and 'pip install "cuattn[cu12]"' in out.stdout
+
+
+@pytest.mark.skipif(arrays.gpu_available(), reason="checks the no-GPU message")
+def test_gpu_cache_without_a_gpu_raises_a_clear_error():
+    pytest.importorskip("cupy")
+    import cuattn
+    with pytest.raises(cuattn.DeviceUnavailableError, match="no usable CUDA GPU"):
+        cuattn.PagedKVCache(1, 1, 8, 4, 4, device="cuda")
