@@ -1,0 +1,635 @@
+"""Decode attention: one new query token per request over its KV (paged or contiguous).
+
+GPU path: ``kernels_cu/decode.cu`` (tensor-core decode, query heads of a GQA group as the mma M
+dimension, K/V read once per group) plus a merge kernel for split-KV. ``plan()`` builds the work
+list on the host once per step; ``run()`` only launches. NumPy inputs run ``reference.py``.
+
+LSE (``return_lse=True``) is in natural-log units (base e): ``lse = log(sum_j exp(s_j))``.
+FlashInfer returns base 2; multiply cuattn's LSE by ``1 / ln 2`` to compare.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import arrays, jit, plan as _plan, reference
+from .errors import UnsupportedError
+from .page import check_kv_layout, paged_kv_host, paged_kv_tensors
+
+_SOURCE = "decode.cu"
+_ENTRY = "cuattn_decode_paged"
+_MERGE_ENTRY = "cuattn_decode_merge"
+HEAD_DIMS = (64, 128, 256)
+_GPU_DTYPES = (np.dtype(np.float16), arrays.bfloat16)
+_M_TILE = 16                  # query heads per CTA (mma M)
+_THREADS = 128
+_LOG2E = 1.4426950408889634
+_SMEM_PER_SM = 227 * 1024     # sm_80 / sm_90 per-block opt-in limit; per-SM capacity is ~228 KB
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    head_dim: int       # 64 | 128 | 256
+    dtype_q: str        # "f16" | "bf16"
+    dtype_kv: str       # "f16" | "bf16"
+    source = _SOURCE
+
+    @property
+    def name(self) -> str:     # "decode_hd128_qf16_kvf16"
+        return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}"
+
+    @property
+    def stages(self) -> int:   # cp.async depth: ~70-135 KB of K/V in flight per CTA
+        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
+                f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}")
+
+    @property
+    def smem_bytes(self) -> int:
+        row = self.head_dim * 2 + 16
+        return _M_TILE * row + self.stages * 2 * 64 * row
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return max(1, min(4, (228 * 1024) // (self.smem_bytes + 1024)))
+
+
+def shipped_specs() -> list[DecodeSpec]:
+    return [DecodeSpec(d, q, kv) for d in HEAD_DIMS for q in ("f16", "bf16") for kv in ("f16", "bf16")]
+
+
+@functools.cache
+def _num_sms(device: int) -> int:
+    cp = arrays.cupy_module()
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+_configured: set = set()
+
+
+def _functions(spec: DecodeSpec, device: int):
+    fn = jit.get_function(spec, _ENTRY, device)
+    merge = jit.get_function(spec, _MERGE_ENTRY, device)
+    key = (spec, device)
+    if key not in _configured:
+        fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _configured.add(key)
+    return fn, merge
+
+
+def _short(dtype: np.dtype) -> str:
+    return arrays.SHORT_NAME.get(np.dtype(dtype), str(dtype))
+
+
+def _same_dtype(t_dtype: np.dtype, want: np.dtype) -> bool:
+    """A device tensor's dtype matches ``want`` (bf16 may arrive from CuPy as a uint16 view)."""
+    return t_dtype == want or arrays.RAW_VIEW.get(want) == t_dtype
+
+
+# ---------------------------------------------------------------------------- plan buffers
+
+
+class _DeviceBuffers:
+    """Device memory owned by a wrapper: plan rows, uploaded indices, partial outputs."""
+
+    def __init__(self, device: int, fixed: bool):
+        self.device, self.fixed = device, fixed
+        self.plan = None          # int32 cupy
+        self.indices = None       # int32 cupy
+        self.partial = None       # float32 cupy (when no workspace buffer was given)
+
+    def _ensure(self, name: str, size: int, dtype, what: str):
+        cp = arrays.cupy_module()
+        cur = getattr(self, name)
+        if cur is not None and cur.size >= size:
+            return cur
+        if cur is not None and self.fixed:
+            raise ValueError(f"BatchDecodeWithPagedKVCacheWrapper.plan: {what} must fit the buffers "
+                             f"captured with use_cuda_graph=True ({cur.size} elements), got {size}; "
+                             f"plan the largest batch first or make a new wrapper")
+        with cp.cuda.Device(self.device):
+            new = cp.empty(max(size, 1 if cur is None else 2 * cur.size), dtype)
+        setattr(self, name, new)
+        return new
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batch decode over a paged KV cache (FlashInfer's API): ``plan()`` once per step, ``run()``
+    per layer.
+
+    Parameters
+    ----------
+    workspace_buffer : array, optional
+        GPU scratch for split-KV partial outputs (any framework, any dtype; FlashInfer's 128 MB
+        torch uint8 buffer works). cuattn allocates its own when omitted.
+    kv_layout : "NHD" or "HND"
+    use_cuda_graph : bool
+        Device buffers keep fixed addresses after the first ``plan()`` and the grid is sized for
+        their capacity, so ``run()`` can be captured once and replayed after later plans.
+    """
+
+    def __init__(self, workspace_buffer: Any = None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: Any = None,
+                 paged_kv_indices_buffer: Any = None, paged_kv_last_page_len_buffer: Any = None,
+                 backend: str = "auto", jit_args: Any = None):
+        fn = "BatchDecodeWithPagedKVCacheWrapper"
+        self._kv_layout = check_kv_layout(kv_layout, fn)
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._workspace = None
+        self._device = None
+        if workspace_buffer is not None and arrays.is_device_array(workspace_buffer):
+            t = arrays.device_tensor(workspace_buffer, "workspace_buffer", fn)
+            nbytes = t.dtype.itemsize
+            for s in t.shape:
+                nbytes *= s
+            self._workspace = (t.ptr, nbytes, workspace_buffer)
+            self._device = t.device
+        self._bufs: _DeviceBuffers | None = None
+        self._planned = False
+        # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type: Any = "float16", kv_data_type: Any = None,
+             data_type: Any = None, sm_scale: float | None = None, rope_scale: float | None = None,
+             rope_theta: float | None = None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, check_page_indices: bool = False) -> None:
+        """Build the work list for one decode step (reused by every layer's ``run()``).
+
+        Parameters
+        ----------
+        indptr : int array, shape (batch + 1,)
+            Host (NumPy) arrays avoid a device sync; GPU arrays are copied to the host once.
+        indices : int32 array, shape (indptr[-1],)
+            Page ids. A GPU array is used in place (not copied, not range-checked unless
+            ``check_page_indices=True``, which syncs); a host array is uploaded and checked
+            against the cache's num_pages at ``run()``.
+        last_page_len : int array, shape (batch,), values in 1..page_size
+        num_qo_heads, num_kv_heads : int, num_qo_heads % num_kv_heads == 0
+        head_dim : int (GPU: 64, 128, 256)
+        page_size : int >= 1
+        q_data_type, kv_data_type : dtype (NumPy, string or torch); kv defaults to q's.
+        sm_scale : float, optional, default ``1 / sqrt(head_dim)``
+        fixed_split_size : int, optional
+            Cut every request into pieces of this many tokens (split-KV), instead of the
+            heuristic. ``disable_split_kv=True`` never splits.
+        """
+        fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
+        if pos_encoding_mode not in ("NONE", None):
+            raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} is not implemented; "
+                                   f"supported: 'NONE' (apply RoPE before appending to the cache)")
+        if window_left not in (-1, None):
+            raise UnsupportedError(f"{fn}: window_left={window_left} is not implemented; supported: -1")
+        if logits_soft_cap not in (None, 0, 0.0):
+            raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} is not implemented")
+        if rope_scale is not None or rope_theta is not None:
+            raise UnsupportedError(f"{fn}: rope_scale/rope_theta are not implemented (no fused RoPE)")
+        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                          ("head_dim", head_dim), ("page_size", page_size)):
+            if not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
+                             f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
+        if data_type is not None and q_data_type == "float16":
+            q_data_type = data_type
+        q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
+        kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
+
+        indptr_h = self._host_int(indptr, "indptr", fn)
+        lpl_h = self._host_int(last_page_len, "last_page_len", fn)
+        indices_dev = arrays.is_device_array(indices)
+        if not indices_dev:
+            indices_h = self._host_int(indices, "indices", fn)
+            num_indices = len(indices_h)
+        else:
+            idx_t = arrays.device_tensor(indices, "indices", fn)
+            if idx_t.ndim != 1 or idx_t.dtype != np.int32:
+                raise ValueError(f"{fn}: indices must be a 1-D int32 array, got shape {idx_t.shape} "
+                                 f"dtype {idx_t.dtype}")
+            num_indices = idx_t.shape[0]
+            indices_h = None
+        kv_lens = _plan.check_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
+        if indices_h is not None and len(indices_h) and indices_h.min() < 0:
+            raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
+        max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
+        if indices_dev and check_page_indices and num_indices:
+            import cupy
+            raw = cupy.asarray(idx_t.obj) if idx_t.framework == "cupy" else cupy.from_dlpack(indices)
+            lo, hi = int(raw.min()), int(raw.max())   # syncs: opt-in
+            if lo < 0:
+                raise ValueError(f"{fn}: indices must be >= 0, got min {lo}")
+            max_index = hi
+
+        self._batch = len(kv_lens)
+        self._num_qo_heads, self._num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self._group = self._num_qo_heads // self._num_kv_heads
+        self._m_tiles = -(-self._group // _M_TILE)
+        self._head_dim, self._page_size = int(head_dim), int(page_size)
+        self._q_dtype, self._kv_dtype = q_dtype, kv_dtype
+        self._sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self._max_index = max_index
+        self._indptr_h, self._lpl_h = indptr_h, lpl_h
+        self._indices_h, self._indices_src = indices_h, indices
+        self._gpu_error = None
+        if head_dim not in HEAD_DIMS:
+            self._gpu_error = f"{fn}: head_dim={head_dim} has no GPU kernel; supported: 64, 128, 256"
+        elif q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
+            self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
+                               f"supported: float16, bfloat16")
+        self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype))
+        self._planned = True
+
+        device = self._device
+        if device is None and indices_dev:
+            device = idx_t.device
+        if device is None and arrays.gpu_available():
+            device = arrays.cupy_module().cuda.runtime.getDevice()
+        self._device = device
+        if device is None or self._spec is None:       # CPU-only plan
+            self._work = None
+            return
+
+        heads_work = self._num_kv_heads * self._m_tiles
+        if disable_split_kv:
+            chunk = 0
+        elif fixed_split_size is not None:
+            if int(fixed_split_size) < 1:
+                raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
+            chunk = int(fixed_split_size)
+        else:
+            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm)
+        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk)
+        if len(wl.work) > 65535:
+            raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
+                                   f"pass a larger fixed_split_size")
+        self._work = wl
+        self._upload(wl, indices_h, indices_dev, idx_t if indices_dev else None, fn)
+
+    @staticmethod
+    def _host_int(x, name: str, fn: str) -> np.ndarray:
+        if isinstance(x, (list, tuple)):
+            a = np.asarray(x)
+        elif arrays.is_device_array(x):
+            fw = arrays.framework_of(x)
+            if fw == "torch":
+                a = x.detach().cpu().numpy()
+            else:
+                a = arrays.cupy_module().asnumpy(arrays.cupy_module().from_dlpack(x)
+                                                 if fw != "cupy" else x)
+        else:
+            a = arrays.host_array(x, name, fn)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
+        return a
+
+    def _upload(self, wl, indices_h, indices_dev, idx_t, fn):
+        cp = arrays.cupy_module()
+        if self._bufs is None:
+            self._bufs = _DeviceBuffers(self._device, self._use_cuda_graph)
+        bufs = self._bufs
+        n_work, n_merge = len(wl.work), len(wl.merge)
+        if self._use_cuda_graph:
+            # capacity fixed at the first plan (with headroom): the captured grid covers it
+            if bufs.plan is None:
+                self._cap_work = max(2 * n_work, 1024)
+                self._cap_merge = max(2 * n_merge, 256)
+            n_work_c, n_merge_c = self._cap_work, self._cap_merge
+            if n_work > n_work_c or n_merge > n_merge_c:
+                raise ValueError(f"{fn}: the work list ({n_work} items) must fit the capacity fixed by the "
+                                 f"first plan with use_cuda_graph=True ({n_work_c}); make a new wrapper")
+        else:
+            n_work_c, n_merge_c = n_work, n_merge
+        host = np.full(n_work_c * 8 + n_merge_c * 4, -1, np.int32)
+        host[:n_work * 8] = wl.work.ravel()
+        host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
+        with cp.cuda.Device(self._device):
+            plan_dev = bufs._ensure("plan", host.size, np.int32, "the work list")
+            plan_dev[:host.size].set(host)
+            self._grid_work, self._grid_merge = n_work_c, n_merge_c
+            self._work_ptr = plan_dev.data.ptr
+            self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
+            self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
+            if indices_dev and not self._use_cuda_graph:
+                self._indices_ptr = idx_t.ptr
+                self._indices_keep = idx_t.obj
+            else:
+                if indices_dev:
+                    src = idx_t.obj if idx_t.framework == "cupy" else cp.from_dlpack(idx_t.obj)
+                    n = src.size
+                else:
+                    src = indices_h.astype(np.int32, copy=False)
+                    n = len(src)
+                dev = bufs._ensure("indices", max(n, 1), np.int32, "indices")
+                if n:
+                    if indices_dev:
+                        dev[:n] = src
+                    else:
+                        dev[:n].set(src)
+                self._indices_ptr = dev.data.ptr
+            # -- partial outputs for split requests: fp32 rows + LSE
+            slots = max(wl.num_slots, 1)
+            if self._use_cuda_graph:
+                slots = max(slots, self._cap_work)
+            need = slots * self._num_qo_heads * (self._head_dim + 1)
+            if self._workspace is not None:
+                ptr, nbytes, _ = self._workspace
+                if need * 4 > nbytes:
+                    raise ValueError(f"{fn}: workspace_buffer must hold at least {need * 4} bytes for this "
+                                     f"plan, got {nbytes}")
+            else:
+                ptr = bufs._ensure("partial", need, np.float32, "the split-KV workspace").data.ptr
+            self._part_o = ptr
+            self._part_lse = ptr + slots * self._num_qo_heads * self._head_dim * 4
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False,
+            k_scale: float | None = None, v_scale: float | None = None, enable_pdl: bool | None = None,
+            stream: Any = None):
+        """Decode attention for the planned batch.
+
+        Parameters
+        ----------
+        q : array, shape (batch, num_qo_heads, head_dim), dtype q_data_type
+        paged_kv_cache : array [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD) or
+            [num_pages, 2, num_kv_heads, page_size, head_dim] (HND), or a (k_cache, v_cache) pair
+            of [num_pages, page_size, num_kv_heads, head_dim] / [num_pages, num_kv_heads, page_size,
+            head_dim]; dtype kv_data_type.
+        out : array, optional, shape of q, dtype of q: written in place (no allocation).
+        lse : float32 array, optional, shape (batch, num_qo_heads): written in place.
+        return_lse : bool
+            Also return the LSE, float32 [batch, num_qo_heads], natural log (base e).
+
+        Returns
+        -------
+        out, or (out, lse) with ``return_lse``; in q's framework.
+        """
+        fn = "BatchDecodeWithPagedKVCacheWrapper.run"
+        if not self._planned:
+            raise ValueError(f"{fn}: plan() must be called before run()")
+        if args:
+            raise UnsupportedError(f"{fn}: q_rope_offset (fused RoPE) is not implemented")
+        if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
+            raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) are not implemented")
+        if not arrays.is_device_array(q):
+            return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn)
+        if self._gpu_error:
+            raise UnsupportedError(self._gpu_error)
+        qt = arrays.device_tensor(q, "q", fn)
+        if qt.device != self._device or self._work is None:
+            raise ValueError(f"{fn}: q must be on the GPU the plan was made for (GPU {self._device}), "
+                             f"got GPU {qt.device}")
+        want_q = (self._batch, self._num_qo_heads, self._head_dim)
+        if qt.shape != want_q:
+            raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qt.shape}")
+        if not _same_dtype(qt.dtype, self._q_dtype):
+            raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qt.dtype}")
+        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self._page_size, self._num_kv_heads, self._head_dim):
+            raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
+                             f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
+                             f"{(kv.page_size, kv.num_kv_heads, kv.head_dim)} (kv_layout={self._kv_layout})")
+        if not _same_dtype(kv.dtype, self._kv_dtype):
+            raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
+                             f"got {kv.dtype}")
+        if kv.k.device != qt.device:
+            raise ValueError(f"{fn}: paged_kv_cache must be on GPU {qt.device} like q, got GPU {kv.k.device}")
+        if self._max_index >= kv.num_pages:
+            raise ValueError(f"{fn}: indices must be in 0..{kv.num_pages - 1} (num_pages of the cache), "
+                             f"got max {self._max_index}")
+        ctx = arrays.Context(qt.framework, qt.device,
+                             arrays.resolve_stream(qt.framework, qt.device, stream))
+        out_obj, ot = self._output(ctx, out, qt, fn)
+        lse_obj, lse_ptr = None, 0
+        if lse is not None or return_lse:
+            lse_obj, lse_ptr = self._lse_output(ctx, lse, fn)
+        self._launch(qt, kv, ot, lse_ptr, ctx.stream)
+        result = arrays.export(ctx, out_obj, self._q_dtype)
+        if return_lse:
+            return result, arrays.export(ctx, lse_obj)
+        return result
+
+    forward = run
+
+    def _output(self, ctx, out, qt, fn):
+        if out is None:
+            out = arrays.empty(ctx, qt.shape, self._q_dtype)
+        ot = arrays.device_tensor(out, "out", fn)
+        if ot.shape != qt.shape or not _same_dtype(ot.dtype, self._q_dtype):
+            raise ValueError(f"{fn}: out must have shape {qt.shape} and dtype {self._q_dtype}, "
+                             f"got {ot.shape} {ot.dtype}")
+        if ot.device != qt.device:
+            raise ValueError(f"{fn}: out must be on GPU {qt.device}, got GPU {ot.device}")
+        return out, ot
+
+    def _lse_output(self, ctx, lse, fn):
+        shape = (self._batch, self._num_qo_heads)
+        if lse is None:
+            lse = arrays.empty(ctx, shape, np.float32)
+        lt = arrays.device_tensor(lse, "lse", fn)
+        if lt.shape != shape or lt.dtype != np.float32 or not lt.is_contiguous():
+            raise ValueError(f"{fn}: lse must be a contiguous float32 array of shape {shape}, "
+                             f"got {lt.shape} {lt.dtype}")
+        return lse, lt.ptr
+
+    def _launch(self, qt, kv, ot, lse_ptr, stream):
+        spec = self._spec
+        kernel, merge = _functions(spec, qt.device)
+        u64, i64, i32 = np.uint64, np.int64, np.int32
+        kernel((self._num_kv_heads * self._m_tiles, self._grid_work, 1), (_THREADS, 1, 1),
+               (u64(self._work_ptr), u64(qt.ptr), u64(kv.k.ptr), u64(kv.v.ptr), u64(self._indices_ptr),
+                u64(ot.ptr), u64(lse_ptr), u64(self._part_o), u64(self._part_lse),
+                i64(qt.strides[0]), i64(qt.strides[1]), i64(ot.strides[0]), i64(ot.strides[1]),
+                i64(kv.stride_page), i64(kv.stride_slot), i64(kv.stride_head),
+                i32(self._page_size), i32(self._num_qo_heads), i32(self._group), i32(self._m_tiles),
+                np.float32(self._sm_scale * _LOG2E)),
+               shared_mem=spec.smem_bytes, stream=stream)
+        if self._has_merge:
+            hpb = _THREADS // (spec.head_dim // 4)
+            merge((self._grid_merge, -(-self._num_qo_heads // hpb), 1), (_THREADS, 1, 1),
+                  (u64(self._merge_ptr), u64(self._part_o), u64(self._part_lse), u64(ot.ptr), u64(lse_ptr),
+                   i64(ot.strides[0]), i64(ot.strides[1]), i32(self._num_qo_heads)), stream=stream)
+
+    def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn):
+        qa = arrays.host_array(q, "q", fn)
+        ctx = arrays.Context(arrays.framework_of(q), -1, None)
+        want_q = (self._batch, self._num_qo_heads, self._head_dim)
+        if qa.shape != want_q:
+            raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qa.shape}")
+        if qa.dtype != self._q_dtype:
+            raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qa.dtype}")
+        k_pages, v_pages = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
+        if k_pages.shape[1:] != (self._page_size, self._num_kv_heads, self._head_dim):
+            raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
+                             f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
+                             f"{k_pages.shape[1:]} (kv_layout={self._kv_layout})")
+        if k_pages.dtype != self._kv_dtype:
+            raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
+                             f"got {k_pages.dtype}")
+        indices = self._indices_h
+        if indices is None:
+            indices = self._host_int(self._indices_src, "indices", fn)
+        if len(indices) and (indices.min() < 0 or indices.max() >= k_pages.shape[0]):
+            raise ValueError(f"{fn}: indices must be in 0..{k_pages.shape[0] - 1} (num_pages of the cache), "
+                             f"got values in {int(indices.min())}..{int(indices.max())}")
+        o = np.empty(want_q, np.float32)
+        s = np.empty(want_q[:2], np.float32)
+        for b in range(self._batch):
+            k, v = reference.gather_paged_kv(k_pages, v_pages, indices, self._indptr_h, self._lpl_h, b)
+            ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale)
+            o[b], s[b] = ob[0], sb[0]
+        return _host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
+
+
+def _host_results(ctx, o, s, out, lse, return_lse, q_dtype, fn):
+    o = o.astype(q_dtype)
+    if out is not None:
+        oa = arrays.host_array(out, "out", fn)
+        if oa.shape != o.shape or oa.dtype != q_dtype:
+            raise ValueError(f"{fn}: out must have shape {o.shape} and dtype {q_dtype}, got {oa.shape} {oa.dtype}")
+        oa[...] = o
+        result = out
+    else:
+        result = arrays.export(ctx, o, q_dtype)
+    if lse is not None:
+        la = arrays.host_array(lse, "lse", fn)
+        if la.shape != s.shape or la.dtype != np.float32:
+            raise ValueError(f"{fn}: lse must be float32 of shape {s.shape}, got {la.shape} {la.dtype}")
+        la[...] = s
+    if return_lse:
+        return result, (lse if lse is not None else arrays.export(ctx, s))
+    return result
+
+
+# ---------------------------------------------------------------------------- single request
+
+
+@functools.cache
+def _single_plan(kv_len: int, num_kv_heads: int, m_tiles: int, device: int, ctas_per_sm: int):
+    """Work list for one contiguous request (one 'page' of kv_len tokens), cached per shape."""
+    cp = arrays.cupy_module()
+    indptr = np.array([0, 1], np.int64)
+    kv_lens = np.array([kv_len], np.int64)
+    chunk = _plan.choose_chunk(kv_lens, num_kv_heads * m_tiles, _num_sms(device), ctas_per_sm)
+    wl = _plan.decode_work_list(indptr, kv_lens, chunk)
+    with cp.cuda.Device(device):
+        work = cp.asarray(wl.work)
+        merge = cp.asarray(wl.merge) if len(wl.merge) else None
+        indices = cp.zeros(1, np.int32)
+    return wl, work, merge, indices
+
+
+def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
+                                window_left: int = -1, logits_soft_cap: float | None = None, *,
+                                sm_scale: float | None = None, rope_scale=None, rope_theta=None,
+                                return_lse: bool = False, stream: Any = None):
+    """Attention of one new token over one request's contiguous KV.
+
+    Parameters
+    ----------
+    q : array, shape (num_qo_heads, head_dim), float16 or bfloat16
+        NumPy runs the reference path; CuPy, or any CUDA array exporting ``__dlpack__``
+        (PyTorch, JAX), runs the CUDA kernel.
+    k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD",
+        (num_kv_heads, kv_len, head_dim) for "HND"; last dimension contiguous; same strides.
+    sm_scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    return_lse : bool
+        Also return the LSE, float32 (num_qo_heads,), natural log (base e).
+
+    Returns
+    -------
+    out : array, shape (num_qo_heads, head_dim), dtype of ``q``, same framework as ``q``
+    """
+    fn = "single_decode_with_kv_cache"
+    check_kv_layout(kv_layout, fn)
+    if pos_encoding_mode not in ("NONE", None) or window_left not in (-1, None) or \
+            logits_soft_cap not in (None, 0, 0.0) or rope_scale is not None or rope_theta is not None:
+        raise UnsupportedError(f"{fn}: only pos_encoding_mode='NONE', window_left=-1, no soft cap and no "
+                               f"RoPE are implemented")
+    if any(s not in (None, 1.0) for s in (q_scale, k_scale, v_scale)):
+        raise UnsupportedError(f"{fn}: q_scale/k_scale/v_scale (fp8) are not implemented")
+    ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
+    if not ctx.on_gpu:
+        qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        hq, d, hkv = _check_single(fn, qa.shape, ka.shape, va.shape, kv_layout)
+        if ka.dtype != va.dtype:
+            raise ValueError(f"{fn}: k and v must have the same dtype, got k={ka.dtype}, v={va.dtype}")
+        if kv_layout == "HND":
+            ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
+        scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+        o, s = reference.attention(qa[None], ka, va, sm_scale=scale)
+        return _host_results(ctx, o[0], s[0], None, None, return_lse, qa.dtype, fn)
+
+    qt, kt, vt = (arrays.device_tensor(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    hq, d, hkv = _check_single(fn, qt.shape, kt.shape, vt.shape, kv_layout)
+    q_dtype = arrays.bfloat16 if qt.dtype == np.uint16 else qt.dtype
+    kv_dtype = arrays.bfloat16 if kt.dtype == np.uint16 else kt.dtype
+    if not _same_dtype(vt.dtype, kv_dtype) or kt.strides != vt.strides:
+        raise ValueError(f"{fn}: k and v must have the same dtype and strides, got k={kt.dtype} {kt.strides}, "
+                         f"v={vt.dtype} {vt.strides}")
+    if d not in HEAD_DIMS:
+        raise UnsupportedError(f"{fn}: head_dim={d} has no GPU kernel; supported: 64, 128, 256")
+    if q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
+        raise UnsupportedError(f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
+                               f"supported: float16, bfloat16")
+    spec = DecodeSpec(d, _short(q_dtype), _short(kv_dtype))
+    kv_len = kt.shape[0] if kv_layout == "NHD" else kt.shape[1]
+    s_tok, s_head = (kt.strides[0], kt.strides[1]) if kv_layout == "NHD" else (kt.strides[1], kt.strides[0])
+    group = hq // hkv
+    m_tiles = -(-group // _M_TILE)
+    wl, work, merge_dev, indices = _single_plan(kv_len, hkv, m_tiles, ctx.device, spec.ctas_per_sm)
+    out = arrays.empty(ctx, (1, hq, d), q_dtype)
+    ot = arrays.device_tensor(out, "out", fn)
+    cp = arrays.cupy_module()
+    lse_dev = arrays.empty(ctx, (1, hq), np.float32) if return_lse else None
+    lse_ptr = arrays.device_tensor(lse_dev, "lse", fn).ptr if return_lse else 0
+    slots = max(wl.num_slots, 1)
+    with cp.cuda.Device(ctx.device), ctx.stream:     # pool memory tagged with the launch stream
+        part = cp.empty(slots * hq * (d + 1), np.float32)
+    part_o, part_lse = part.data.ptr, part.data.ptr + slots * hq * d * 4
+    kernel, merge = _functions(spec, ctx.device)
+    u64, i64, i32 = np.uint64, np.int64, np.int32
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    kernel((hkv * m_tiles, len(wl.work), 1), (_THREADS, 1, 1),
+           (u64(work.data.ptr), u64(qt.ptr), u64(kt.ptr), u64(vt.ptr), u64(indices.data.ptr),
+            u64(ot.ptr), u64(lse_ptr), u64(part_o), u64(part_lse),
+            i64(0), i64(qt.strides[0]), i64(0), i64(ot.strides[1]),
+            i64(0), i64(s_tok), i64(s_head),
+            i32(max(kv_len, 1)), i32(hq), i32(group), i32(m_tiles), np.float32(scale * _LOG2E)),
+           shared_mem=spec.smem_bytes, stream=ctx.stream)
+    if merge_dev is not None:
+        hpb = _THREADS // (d // 4)
+        merge((len(wl.merge), -(-hq // hpb), 1), (_THREADS, 1, 1),
+              (u64(merge_dev.data.ptr), u64(part_o), u64(part_lse), u64(ot.ptr), u64(lse_ptr),
+               i64(0), i64(ot.strides[1]), i32(hq)), stream=ctx.stream)
+    del part   # CuPy's pool reuses it only in stream order after the launches above
+    result = arrays.export(ctx, out[0], q_dtype)
+    if return_lse:
+        return result, arrays.export(ctx, lse_dev[0])
+    return result
+
+
+def _check_single(fn, qs, ks, vs, kv_layout):
+    if len(qs) != 2:
+        raise ValueError(f"{fn}: q must have shape (num_qo_heads, head_dim), got {qs}")
+    if len(ks) != 3 or ks != vs:
+        raise ValueError(f"{fn}: k and v must have the same 3-dim shape, got k={ks}, v={vs}")
+    hq, d = qs
+    hkv = ks[1] if kv_layout == "NHD" else ks[0]
+    if ks[2] != d:
+        raise ValueError(f"{fn}: k must have head_dim {d} (q's last dim), got {ks[2]}")
+    if hq % hkv:
+        raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
+                         f"num_qo_heads={hq}, num_kv_heads={hkv}")
+    return hq, d, hkv

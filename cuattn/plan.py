@@ -1,0 +1,128 @@
+"""Host-side scheduling (NumPy): page-table checks and the decode work list.
+
+A decode work item is one (request, kv range) piece; the kernel's grid runs every item for every
+(kv head, tile of up to 16 query heads), so the items of one request cover its KV exactly once
+per kv head. A request whose KV is cut into several pieces (split-KV) writes fp32 partial
+outputs and LSEs (base e) into workspace slots, and a merge item combines them.
+
+Work item rows are 8 int32: request, first page slot in ``kv_indices``, kv_start, kv_end,
+partial slot (-1: the CTA writes the final output), 3 unused. Merge rows are 4 int32: request,
+first slot, end slot, unused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK_N = 64          # tokens per pipeline stage of the decode kernel; pieces are multiples
+MIN_CHUNK = 128       # never split a request into pieces shorter than this
+WORK_COLS = 8
+MERGE_COLS = 4
+
+
+@dataclass(frozen=True)
+class DecodeWorkList:
+    work: np.ndarray          # int32 [num_work, 8]
+    merge: np.ndarray         # int32 [num_merge, 4]
+    num_slots: int            # partial-output rows needed (pieces of split requests)
+    chunk: int                # tokens per piece (0: nothing split)
+    kv_lens: np.ndarray       # int64 [batch]
+
+    @property
+    def split(self) -> bool:
+        return len(self.merge) > 0
+
+
+def check_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
+                     num_indices: int | None) -> np.ndarray:
+    """Validate CSR metadata (host arrays); returns kv_len per request (int64)."""
+    if indptr.ndim != 1 or len(indptr) < 1:
+        raise ValueError(f"{fn}: indptr must be 1-D of length batch + 1, got shape {indptr.shape}")
+    batch = len(indptr) - 1
+    if last_page_len.shape != (batch,):
+        raise ValueError(f"{fn}: last_page_len must have shape (batch,) = ({batch},) to match indptr, "
+                         f"got {last_page_len.shape}")
+    if not np.issubdtype(indptr.dtype, np.integer) or not np.issubdtype(last_page_len.dtype, np.integer):
+        raise TypeError(f"{fn}: indptr and last_page_len must be integer arrays, "
+                        f"got {indptr.dtype} and {last_page_len.dtype}")
+    if page_size < 1:
+        raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
+    pages = np.diff(indptr.astype(np.int64))
+    if batch and indptr[0] < 0:
+        raise ValueError(f"{fn}: indptr must start at >= 0, got indptr[0]={int(indptr[0])}")
+    if np.any(pages < 0):
+        bad = int(np.argmax(pages < 0))
+        raise ValueError(f"{fn}: indptr must be non-decreasing, got indptr[{bad}]={int(indptr[bad])} > "
+                         f"indptr[{bad + 1}]={int(indptr[bad + 1])}")
+    if num_indices is not None and int(indptr[-1]) != num_indices:
+        raise ValueError(f"{fn}: indptr[-1] must equal len(indices) = {num_indices}, got {int(indptr[-1])}")
+    lpl = last_page_len.astype(np.int64)
+    bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
+    if np.any(bad):
+        b = int(np.argmax(bad))
+        raise ValueError(f"{fn}: last_page_len must be in 1..page_size={page_size} for every request "
+                         f"with pages, got last_page_len[{b}]={int(lpl[b])}")
+    return np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+
+
+def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Tokens per piece for split-KV; 0 means no request is split.
+
+    Enough CTAs to fill every SM (ctas_per_sm resident each) when the batch alone cannot, and
+    long requests in a skewed batch cut to ~2x the mean so one request does not set the time.
+    """
+    batch = len(kv_lens)
+    if batch == 0:
+        return 0
+    total = int(kv_lens.sum())
+    max_len = int(kv_lens.max())
+    slots = num_sms * ctas_per_sm
+    chunk = -(-total * heads_work // slots)
+    if batch * heads_work >= 0.9 * num_sms:            # the batch alone fills the GPU
+        chunk = max(chunk, 2 * (-(-total // batch)))   # split only requests > 2x the mean
+    chunk = max(MIN_CHUNK, -(-chunk // BLOCK_N) * BLOCK_N)
+    return 0 if max_len <= chunk else chunk
+
+
+def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> DecodeWorkList:
+    """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first."""
+    batch = len(kv_lens)
+    kv_lens = kv_lens.astype(np.int64)
+    if chunk > 0:
+        n_pieces = np.maximum(1, -(-kv_lens // chunk))
+        # -- even pieces, each a multiple of the tile where possible
+        piece = -(-kv_lens // n_pieces)
+        piece = np.where(piece > BLOCK_N, -(-piece // BLOCK_N) * BLOCK_N, piece)
+        piece = np.maximum(piece, 1)
+        n_pieces = np.maximum(1, -(-kv_lens // piece))
+    else:
+        n_pieces = np.ones(batch, np.int64)
+        piece = np.maximum(kv_lens, 1)
+    total = int(n_pieces.sum())
+    req = np.repeat(np.arange(batch, dtype=np.int64), n_pieces)
+    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+    k = np.arange(total, dtype=np.int64) - first                  # piece index within its request
+    start = k * piece[req]
+    end = np.minimum(start + piece[req], kv_lens[req])
+    split_req = n_pieces > 1
+    # -- slots: pieces of split requests, numbered in request order
+    is_split = split_req[req]
+    slot = np.full(total, -1, np.int64)
+    slot[is_split] = np.arange(int(is_split.sum()))
+    work = np.zeros((total, 8), np.int32)
+    work[:, 0] = req
+    work[:, 1] = indptr[:-1].astype(np.int64)[req]
+    work[:, 2] = start
+    work[:, 3] = end
+    work[:, 4] = slot
+    order = np.argsort(-(end - start), kind="stable")
+    work = work[order]
+    sreqs = np.nonzero(split_req)[0]
+    merge = np.zeros((len(sreqs), MERGE_COLS), np.int32)
+    if len(sreqs):
+        counts = n_pieces[sreqs]
+        merge[:, 0] = sreqs
+        merge[:, 2] = np.cumsum(counts)
+        merge[:, 1] = merge[:, 2] - counts
+    return DecodeWorkList(work, merge, int(is_split.sum()), int(chunk), kv_lens)

@@ -1,0 +1,322 @@
+// decode.cu — launched by cuattn/decode.py (DecodeSpec).
+// Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth).
+//
+// cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
+//   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 128 (4 warps).
+//   K/V rows stream through a STAGES-deep cp.async pipeline (16-byte copies, zero fill past the
+//   end), 64 tokens per stage, 16 per warp. Each warp runs S = Q K^T and O += P V with
+//   mma.sync m16n8k16 (query heads are the M dimension, so K/V is read once per group) and keeps
+//   its own online-softmax state; the 4 warps merge through shared memory at the end.
+//   Output: the final row (dtype of q) and LSE, or, for a split request, an fp32 partial row and
+//   partial LSE in the workspace (merged by cuattn_decode_merge).
+// cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
+//
+// Softmax runs in base 2 (log2(e) folded into the scale); every LSE that leaves a kernel is in
+// natural-log units (base e), as everywhere in cuattn.
+#include "common/mma.cuh"
+
+namespace cuattn {
+
+#if Q_BF16
+typedef bf16 q_t;
+#else
+typedef f16 q_t;
+#endif
+#if KV_BF16
+typedef bf16 kv_t;
+#else
+typedef f16 kv_t;
+#endif
+
+constexpr int NUM_WARPS = 4;
+constexpr int THREADS = NUM_WARPS * 32;
+constexpr int WARP_N = 16;                       // tokens per warp per stage
+constexpr int BLOCK_N = NUM_WARPS * WARP_N;      // tokens per stage
+constexpr int M_TILE = 16;                       // query heads per CTA (mma M)
+constexpr int SROW = HEAD_DIM * 2 + 16;          // smem row pitch in bytes: +16 keeps ldmatrix conflict-free
+constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per row
+constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+constexpr int PASSES = BLOCK_N / ROWS_PER_PASS;
+constexpr int Q_BYTES = M_TILE * SROW;
+constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
+constexpr float LN2 = 0.69314718055994531f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 8 consecutive values of type From (16 bytes) -> 8 values of type To (16 bytes)
+template <class From, class To>
+__device__ __forceinline__ uint4 convert8(uint4 x) {
+  uint4 y;
+  float2 f;
+  f = unpack2<From>(x.x); y.x = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.y); y.y = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.z); y.z = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.w); y.w = pack2<To>(f.x, f.y);
+  return y;
+}
+template <> __device__ __forceinline__ uint4 convert8<f16, f16>(uint4 x) { return x; }
+template <> __device__ __forceinline__ uint4 convert8<bf16, bf16>(uint4 x) { return x; }
+
+}  // namespace cuattn
+
+using namespace cuattn;
+
+// A work item: 8 int32 (32 bytes)
+//   [0] request  [1] first page slot in kv_indices  [2] kv_start  [3] kv_end
+//   [4] partial slot (-1: write the final output)   [5..7] unused
+// A negative request marks padding (CUDA-graph grids are sized for capacity).
+extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
+    const int32_t* __restrict__ work,      // [num_work, 8]
+    const q_t* __restrict__ q,             // [batch, num_qo_heads, HEAD_DIM] via strides
+    const kv_t* __restrict__ k_cache,      // page p, slot s, head h at p*s_page + s*s_tok + h*s_head
+    const kv_t* __restrict__ v_cache,
+    const int32_t* __restrict__ kv_indices,
+    q_t* __restrict__ out,                 // [batch, num_qo_heads, HEAD_DIM] via strides
+    float* __restrict__ lse,               // [batch, num_qo_heads] or null
+    float* __restrict__ part_o,            // [num_slots, num_qo_heads, HEAD_DIM]
+    float* __restrict__ part_lse,          // [num_slots, num_qo_heads]
+    int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
+    int64_t s_page, int64_t s_tok, int64_t s_head,
+    int page_size, int num_qo_heads, int group, int m_tiles, float scale_log2) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t* w = work + int64_t(blockIdx.y) * 8;
+  const int req = w[0];
+  if (req < 0) return;
+  const int page_base = w[1], kv_start = w[2], kv_end = w[3], slot = w[4];
+  const int kv_head = blockIdx.x / m_tiles;
+  const int head0 = kv_head * group + (blockIdx.x % m_tiles) * M_TILE;
+  const int rows = min(M_TILE, group - (blockIdx.x % m_tiles) * M_TILE);
+
+  unsigned char* q_s = smem;
+  unsigned char* kv_s = smem + Q_BYTES;
+  const kv_t* k_head = k_cache + kv_head * s_head;
+  const kv_t* v_head = v_cache + kv_head * s_head;
+  const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
+
+  // -- issue the copies of tile `tile` into stage `stage` (always commits a group)
+  auto load_tile = [&](int tile, int stage) {
+    if (tile < n_tiles) {
+      unsigned char* ks = kv_s + stage * STAGE_BYTES;
+      unsigned char* vs = ks + BLOCK_N * SROW;
+      const int c = tid % CHUNKS;
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        const int r = p * ROWS_PER_PASS + tid / CHUNKS;
+        const int pos = kv_start + tile * BLOCK_N + r;
+        const bool valid = pos < kv_end;
+        int64_t off = 0;
+        if (valid) {
+          const int pg = pos / page_size;
+          const int page = kv_indices[page_base + pg];
+          off = int64_t(page) * s_page + int64_t(pos - pg * page_size) * s_tok + c * 8;
+        }
+        cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
+        cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_tile(s, s);
+
+  // -- query rows of this head tile -> smem (converted to the K/V type; rows >= `rows` zero)
+  for (int i = tid; i < M_TILE * CHUNKS; i += THREADS) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      val = *reinterpret_cast<const uint4*>(q + req * q_s_b + int64_t(head0 + r) * q_s_h + c * 8);
+      val = convert8<q_t, kv_t>(val);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * SROW + c * 16) = val;
+  }
+
+  float acc[HEAD_DIM / 8][4];
+#pragma unroll
+  for (int i = 0; i < HEAD_DIM / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m_i[2] = {neg_inf(), neg_inf()};   // rows lane/4 and lane/4 + 8, base-2 scaled units
+  float l_i[2] = {0.f, 0.f};               // this thread's partial row sums
+
+  const uint32_t q_addr = smem_u32(q_s + (lane % 16) * SROW + (lane / 16) * 16);
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    load_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
+
+    const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
+    const unsigned char* vs = ks + BLOCK_N * SROW;
+    const int tok0 = kv_start + tile * BLOCK_N + warp * WARP_N;
+    if (tok0 >= kv_end) continue;   // this warp's rows are all past the end
+
+    // -- S = Q K^T for 16 heads x 16 tokens (two n8 tiles)
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    {
+      const int j = lane / 8;
+      const uint32_t k_addr = smem_u32(ks + ((lane % 8) + (j >> 1) * 8) * SROW + (j & 1) * 16);
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        uint32_t a[4], b[4];
+        ldmatrix_x4(a, q_addr + kk * 32);
+        ldmatrix_x4(b, k_addr + kk * 32);
+        mma_m16n8k16<kv_t>(s[0], a, b[0], b[1]);
+        mma_m16n8k16<kv_t>(s[1], a, b[2], b[3]);
+      }
+    }
+
+    // -- scale to base 2, mask tokens past the end, online softmax update
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int tok = tok0 + nt * 8 + (lane % 4) * 2 + (i & 1);
+        s[nt][i] = tok < kv_end ? s[nt][i] * scale_log2 : neg_inf();
+        mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
+      }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float m_new = fmaxf(m_i[h], mx[h]);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;
+      alpha[h] = exp2_approx(m_i[h] - m_use);
+      m_i[h] = m_new;
+      mx[h] = m_use;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[nt][i] = exp2_approx(s[nt][i] - mx[i >> 1]);
+        rs[i >> 1] += s[nt][i];
+      }
+    l_i[0] = l_i[0] * alpha[0] + rs[0];
+    l_i[1] = l_i[1] * alpha[1] + rs[1];
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; ++d) {
+      acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];
+      acc[d][2] *= alpha[1]; acc[d][3] *= alpha[1];
+    }
+
+    // -- O += P V: P (C layout of two n8 tiles) is the A operand of one k16 step
+    uint32_t pa[4];
+    pa[0] = pack2<kv_t>(s[0][0], s[0][1]);
+    pa[1] = pack2<kv_t>(s[0][2], s[0][3]);
+    pa[2] = pack2<kv_t>(s[1][0], s[1][1]);
+    pa[3] = pack2<kv_t>(s[1][2], s[1][3]);
+    {
+      const int j = lane / 8;
+      const uint32_t v_addr = smem_u32(vs + ((lane % 8) + (j & 1) * 8) * SROW + (j >> 1) * 16);
+#pragma unroll
+      for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_addr + dn * 32);
+        mma_m16n8k16<kv_t>(acc[2 * dn], pa, b[0], b[1]);
+        mma_m16n8k16<kv_t>(acc[2 * dn + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // -- merge the 4 warps' states through smem (pipeline buffers are free now)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+  }
+  __syncthreads();
+  float* red_m = reinterpret_cast<float*>(kv_s);             // [NUM_WARPS][16]
+  float* red_l = red_m + NUM_WARPS * M_TILE;                 // [NUM_WARPS][16]
+  float* red_o = red_l + NUM_WARPS * M_TILE;                 // [NUM_WARPS][16][HEAD_DIM]
+  {
+    const int g = lane / 4, t = lane % 4;
+    if (t == 0) {
+      red_m[warp * M_TILE + g] = m_i[0];
+      red_m[warp * M_TILE + g + 8] = m_i[1];
+      red_l[warp * M_TILE + g] = l_i[0];
+      red_l[warp * M_TILE + g + 8] = l_i[1];
+    }
+    float* o = red_o + warp * M_TILE * HEAD_DIM;
+#pragma unroll
+    for (int d = 0; d < HEAD_DIM / 8; ++d) {
+      *reinterpret_cast<float2*>(o + g * HEAD_DIM + d * 8 + 2 * t) = make_float2(acc[d][0], acc[d][1]);
+      *reinterpret_cast<float2*>(o + (g + 8) * HEAD_DIM + d * 8 + 2 * t) = make_float2(acc[d][2], acc[d][3]);
+    }
+  }
+  __syncthreads();
+
+  for (int i = tid; i < rows * (HEAD_DIM / 4); i += THREADS) {
+    const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+    float m = neg_inf();
+#pragma unroll
+    for (int wi = 0; wi < NUM_WARPS; ++wi) m = fmaxf(m, red_m[wi * M_TILE + r]);
+    const float m_use = m == neg_inf() ? 0.f : m;
+    float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < NUM_WARPS; ++wi) {
+      const float c = exp2_approx(red_m[wi * M_TILE + r] - m_use);
+      l += red_l[wi * M_TILE + r] * c;
+      const float4 v = *reinterpret_cast<const float4*>(red_o + (wi * M_TILE + r) * HEAD_DIM + d);
+      o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float row_lse = l > 0.f ? (m_use + log2_approx(l)) * LN2 : neg_inf();
+    const int head = head0 + r;
+    if (slot < 0) {
+      uint2 packed;
+      packed.x = pack2<q_t>(o0 * inv, o1 * inv);
+      packed.y = pack2<q_t>(o2 * inv, o3 * inv);
+      *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
+      if (lse != nullptr && d == 0) lse[int64_t(req) * num_qo_heads + head] = row_lse;
+    } else {
+      const int64_t row = int64_t(slot) * num_qo_heads + head;
+      *reinterpret_cast<float4*>(part_o + row * HEAD_DIM + d) = make_float4(o0 * inv, o1 * inv, o2 * inv, o3 * inv);
+      if (d == 0) part_lse[row] = row_lse;
+    }
+  }
+}
+
+// Merge item: 4 int32: [0] request (-1: padding) [1] first slot [2] end slot [3] unused.
+// out[req, h] = sum_s exp(lse_s - lse) * part_o[s, h], lse = log(sum_s exp(lse_s)) (base e).
+extern "C" __global__ void __launch_bounds__(128) cuattn_decode_merge(
+    const int32_t* __restrict__ merge, const float* __restrict__ part_o,
+    const float* __restrict__ part_lse, q_t* __restrict__ out, float* __restrict__ lse,
+    int64_t o_s_b, int64_t o_s_h, int num_qo_heads) {
+  constexpr int TPH = HEAD_DIM / 4;          // threads per head, 4 values each
+  constexpr int HPB = 128 / TPH;             // heads per block
+  const int32_t* mi = merge + int64_t(blockIdx.x) * 4;
+  const int req = mi[0];
+  if (req < 0) return;
+  const int s0 = mi[1], s1 = mi[2];
+  const int head = blockIdx.y * HPB + threadIdx.x / TPH;
+  const int d = (threadIdx.x % TPH) * 4;
+  if (head >= num_qo_heads) return;
+  constexpr float LOG2E = 1.4426950408889634f;
+  float m = neg_inf();
+  for (int s = s0; s < s1; ++s) m = fmaxf(m, part_lse[int64_t(s) * num_qo_heads + head]);
+  const float m_use = m == neg_inf() ? 0.f : m;
+  float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  for (int s = s0; s < s1; ++s) {
+    const int64_t row = int64_t(s) * num_qo_heads + head;
+    const float c = exp2_approx((part_lse[row] - m_use) * LOG2E);
+    const float4 v = *reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d);
+    l += c;
+    o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  uint2 packed;
+  packed.x = pack2<q_t>(o0 * inv, o1 * inv);
+  packed.y = pack2<q_t>(o2 * inv, o3 * inv);
+  *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
+  if (lse != nullptr && d == 0)
+    lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
+}

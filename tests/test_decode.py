@@ -1,0 +1,398 @@
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import decode, jit
+from cuattn.errors import UnsupportedError
+from tests.oracle import dense_attention, rel_err
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16}
+TOL = 1e-2          # ||out - ref|| / ||ref|| (fp16 lands near 1e-3, bf16 near 4e-3)
+LSE_TOL = 1e-3
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_case(batch, kv_len, page_size, num_qo_heads, num_kv_heads, head_dim, layout, dtype, seed=0,
+              kv_lens=None, extra_pages=3):
+    """Random q, paged cache (random page order), page table and per-request contiguous K/V."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype]
+    lens = list(kv_lens) if kv_lens is not None else [kv_len] * batch
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + extra_pages
+    perm = rng.permutation(num_pages).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = perm[:indptr[-1]]
+    lpl = np.array([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], np.int32)
+    k_nhd = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)).astype(dt)
+    v_nhd = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)).astype(dt)
+    q = rng.standard_normal((len(lens), num_qo_heads, head_dim)).astype(dt)
+    if layout == "HND":
+        k_store, v_store = k_nhd.transpose(0, 2, 1, 3).copy(), v_nhd.transpose(0, 2, 1, 3).copy()
+    else:
+        k_store, v_store = k_nhd, v_nhd
+    per_req = []
+    for b, n in enumerate(lens):
+        idx = indices[indptr[b]:indptr[b + 1]]
+        per_req.append((k_nhd[idx].reshape(-1, num_kv_heads, head_dim)[:n],
+                        v_nhd[idx].reshape(-1, num_kv_heads, head_dim)[:n]))
+    return dict(q=q, k=k_store, v=v_store, indptr=indptr, indices=indices, lpl=lpl, per_req=per_req,
+                lens=lens)
+
+
+def oracle(case, sm_scale=None):
+    outs, lses = [], []
+    for b, (k, v) in enumerate(case["per_req"]):
+        o, s = dense_attention(case["q"][b:b + 1], k, v, sm_scale=sm_scale)
+        outs.append(o[0])
+        lses.append(s[0])
+    return np.stack(outs), np.stack(lses)
+
+
+def cache_arg(case, form, xp=np.asarray):
+    """The cache as one [P, 2, ...] array ("one") or a (k, v) pair ("pair")."""
+    if form == "pair":
+        return (xp(case["k"]), xp(case["v"]))
+    return xp(np.stack([case["k"], case["v"]], axis=1))
+
+
+def planned(case, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, layout="NHD", **kw):
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(case["indptr"], case["indices"], case["lpl"], num_qo_heads, num_kv_heads, head_dim, page_size,
+           q_data_type=dtype, **kw)
+    return w
+
+
+# ---------------------------------------------------------------------------- CPU path
+
+CPU_CASES = [  # (batch, kv_len, page_size, qo_heads, kv_heads, head_dim, layout, form, dtype)
+    (1, 1, 1, 4, 4, 64, "NHD", "one", "float16"),
+    (3, 37, 5, 8, 2, 64, "HND", "pair", "bfloat16"),
+    (2, 300, 16, 12, 2, 128, "NHD", "pair", "float16"),
+    (4, 97, 64, 7, 1, 32, "HND", "one", "float16"),
+]
+
+
+@pytest.mark.parametrize("case_args", CPU_CASES, ids=[f"b{c[0]}-kv{c[1]}-ps{c[2]}-{c[3]}:{c[4]}-hd{c[5]}-{c[6]}-{c[7]}-{c[8]}"
+                                                      for c in CPU_CASES])
+def test_batch_decode_numpy_path_matches_float64_oracle(case_args):
+    batch, kv_len, ps, hq, hkv, d, layout, form, dtype = case_args
+    case = make_case(batch, kv_len, ps, hq, hkv, d, layout, dtype, seed=batch * 7 + kv_len)
+    w = planned(case, hq, hkv, d, ps, dtype, layout)
+    out, lse = w.run(case["q"], cache_arg(case, form), return_lse=True)
+    ref_o, ref_lse = oracle(case)
+    assert isinstance(out, np.ndarray) and out.dtype == DTYPES[dtype] and out.shape == (batch, hq, d)
+    assert rel_err(out, ref_o) < TOL
+    assert rel_err(lse, ref_lse) < LSE_TOL
+
+
+def test_batch_decode_numpy_path_writes_out_and_lse_in_place():
+    case = make_case(2, 40, 16, 4, 2, 64, "NHD", "float16", seed=3)
+    w = planned(case, 4, 2, 64, 16, "float16")
+    out = np.full((2, 4, 64), np.nan, np.float16)
+    lse = np.full((2, 4), np.nan, np.float32)
+    res = w.run(case["q"], cache_arg(case, "one"), out=out, lse=lse)
+    assert res is out
+    ref_o, ref_lse = oracle(case)
+    assert rel_err(out, ref_o) < TOL and rel_err(lse, ref_lse) < LSE_TOL
+
+
+def test_single_decode_numpy_path_matches_float64_oracle():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((8, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 50, 64)).astype(np.float16)   # HND
+    v = rng.standard_normal((2, 50, 64)).astype(np.float16)
+    out, lse = cuattn.single_decode_with_kv_cache(q, k, v, "HND", sm_scale=0.1, return_lse=True)
+    ref_o, ref_lse = dense_attention(q[None], k.transpose(1, 0, 2), v.transpose(1, 0, 2), sm_scale=0.1)
+    assert rel_err(out, ref_o[0]) < TOL and rel_err(lse, ref_lse[0]) < LSE_TOL
+
+
+def test_plan_accepts_torch_style_dtypes_and_strings():
+    case = make_case(1, 10, 4, 4, 4, 64, "NHD", "bfloat16")
+    for dt in ("bf16", "bfloat16", BF16):
+        w = planned(case, 4, 4, 64, 4, dt)
+        assert w.run(case["q"], cache_arg(case, "one")).dtype == BF16
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def small():
+    case = make_case(2, 20, 8, 8, 2, 64, "NHD", "float16", seed=11)
+    return case, planned(case, 8, 2, 64, 8, "float16")
+
+
+def test_plan_rejects_heads_not_a_multiple():
+    case = make_case(1, 8, 8, 6, 4, 64, "NHD", "float16")
+    with pytest.raises(ValueError, match="num_qo_heads must be a multiple of num_kv_heads"):
+        planned(case, 6, 4, 64, 8, "float16")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("lpl", [0, 4], "last_page_len must be in 1..page_size"),
+    ("lpl", [9, 4], "last_page_len must be in 1..page_size"),
+    ("indptr", [0, 3, 2], "non-decreasing"),
+    ("indptr", [0, 2, 5], "must equal len\\(indices\\)"),
+])
+def test_plan_rejects_bad_page_table(small, field, value, match):
+    case, _ = small
+    case = dict(case, **{field: np.array(value, np.int32)})
+    with pytest.raises(ValueError, match=match):
+        planned(case, 8, 2, 64, 8, "float16")
+
+
+def test_run_rejects_page_index_out_of_range(small):
+    case, _ = small
+    case = dict(case, indices=case["indices"].copy())
+    case["indices"][-1] = 1000
+    w = planned(case, 8, 2, 64, 8, "float16")
+    with pytest.raises(ValueError, match="indices must be in 0.."):
+        w.run(case["q"], cache_arg(case, "one"))
+
+
+def test_run_rejects_q_shape_and_dtype_mismatch(small):
+    case, w = small
+    with pytest.raises(ValueError, match="q must have shape"):
+        w.run(case["q"][:1], cache_arg(case, "one"))
+    with pytest.raises(ValueError, match="q must have dtype"):
+        w.run(case["q"].astype(BF16), cache_arg(case, "one"))
+
+
+def test_run_rejects_cache_dtype_and_shape_mismatch(small):
+    case, w = small
+    with pytest.raises(ValueError, match="paged_kv_cache must have dtype"):
+        w.run(case["q"], (case["k"].astype(BF16), case["v"].astype(BF16)))
+    with pytest.raises(ValueError, match="paged_kv_cache must have page_size"):
+        w.run(case["q"], (case["k"][:, :4], case["v"][:, :4]))
+    with pytest.raises(ValueError, match="same shape and dtype|one shape and dtype"):
+        w.run(case["q"], (case["k"], case["v"].astype(BF16)))
+
+
+def test_run_before_plan_is_an_error():
+    with pytest.raises(ValueError, match="plan\\(\\) must be called"):
+        cuattn.BatchDecodeWithPagedKVCacheWrapper().run(np.zeros((1, 1, 64), np.float16), None)
+
+
+def test_unsupported_features_raise_unsupported_error(small):
+    case, _ = small
+    with pytest.raises(UnsupportedError, match="pos_encoding_mode"):
+        planned(case, 8, 2, 64, 8, "float16", pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(UnsupportedError, match="logits_soft_cap"):
+        planned(case, 8, 2, 64, 8, "float16", logits_soft_cap=30.0)
+
+
+def test_bad_kv_layout_is_rejected():
+    with pytest.raises(ValueError, match="kv_layout must be"):
+        cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NDH")
+
+
+# ---------------------------------------------------------------------------- compilation
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_shipped_decode_kernels_compile_without_spills(arch):
+    for spec in decode.shipped_specs():
+        res = jit.compile_kernel(spec, arch).resources
+        for entry in (decode._ENTRY, decode._MERGE_ENTRY):
+            r = res[entry]
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
+            assert r["registers"] <= 255
+        # 2 CTAs of 128 threads per SM for head_dim <= 128 need <= 255 regs; check the smem budget
+        assert spec.smem_bytes <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------- GPU
+
+# (batch, kv_len, page_size, qo_heads, kv_heads, head_dim, layout, form, dtype): a sample of the
+# cross product in which every value of every axis appears.
+GPU_SMOKE = [
+    (1, 1, 1, 4, 4, 128, "NHD", "one", "float16"),
+    (7, 15, 5, 32, 8, 128, "HND", "pair", "bfloat16"),
+    (17, 54, 16, 20, 4, 64, "NHD", "pair", "float16"),
+    (1, 97, 64, 16, 2, 256, "HND", "one", "float16"),
+    (16, 512, 16, 32, 8, 128, "NHD", "one", "float16"),
+    (7, 2048, 1, 16, 1, 128, "NHD", "pair", "bfloat16"),
+    (1, 16384, 16, 32, 8, 128, "NHD", "one", "float16"),
+    (1, 2048, 16, 32, 32, 128, "HND", "one", "bfloat16"),
+    (17, 97, 5, 8, 1, 256, "NHD", "one", "bfloat16"),
+    (1, 512, 64, 40, 8, 64, "HND", "pair", "bfloat16"),
+    (3, 777, 16, 64, 2, 128, "NHD", "one", "float16"),     # group 32: two head tiles
+]
+GPU_FULL = [(b, n, ps, hq, hkv, d, lay, form, dt)
+            for b in (1, 7, 17) for n in (1, 15, 54, 97, 512, 2048, 16384) for ps in (1, 5, 16, 64)
+            for hq, hkv in ((8, 8), (32, 8), (20, 4), (64, 8), (16, 1)) for d in (64, 128, 256)
+            for lay, form in (("NHD", "one"), ("HND", "pair")) for dt in ("float16", "bfloat16")
+            if b * n <= 20000 and zlib.crc32(repr((b, n, ps, hq, d, lay, dt)).encode()) % 23 == 0]
+
+
+def _ids(cases):
+    return [f"b{c[0]}-kv{c[1]}-ps{c[2]}-{c[3]}:{c[4]}-hd{c[5]}-{c[6]}-{c[7]}-{c[8]}" for c in cases]
+
+
+def to_cupy(x):
+    import cupy
+    if x.dtype == BF16:
+        return cupy.asarray(x.view(np.uint16))
+    return cupy.asarray(x)
+
+
+def from_cupy(x, dtype):
+    import cupy
+    a = cupy.asnumpy(x)
+    return a.view(dtype) if dtype == BF16 else a
+
+
+def _check_gpu(case_args, **plan_kw):
+    import cupy
+    batch, kv_len, ps, hq, hkv, d, layout, form, dtype = case_args
+    case = make_case(batch, kv_len, ps, hq, hkv, d, layout, dtype, seed=batch * 131 + kv_len + d)
+    w = planned(case, hq, hkv, d, ps, dtype, layout, **plan_kw)
+    out = cupy.full((batch, hq, d), np.nan, np.float16 if dtype == "float16" else np.float32)
+    out = out.astype(np.float16).view(np.uint16) if dtype == "bfloat16" else out
+    if dtype == "bfloat16":
+        out[...] = 0x7fc0   # bf16 NaN
+    lse = cupy.full((batch, hq), np.nan, np.float32)
+    res = w.run(to_cupy(case["q"]), cache_arg(case, form, to_cupy), out=out, lse=lse)
+    assert res is out
+    ref_o, ref_lse = oracle(case)
+    o = from_cupy(out, DTYPES[dtype])
+    assert rel_err(o, ref_o) < TOL
+    assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
+    return o
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_args", GPU_SMOKE, ids=_ids(GPU_SMOKE))
+def test_batch_decode_gpu_matches_float64_oracle(case_args):
+    _check_gpu(case_args)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("case_args", GPU_FULL, ids=_ids(GPU_FULL))
+def test_batch_decode_gpu_full_grid(case_args):
+    _check_gpu(case_args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_args", [(3, 3000, 16, 32, 8, 128, "NHD", "one", "float16"),
+                                       (2, 999, 5, 8, 8, 64, "HND", "pair", "bfloat16")])
+def test_batch_decode_gpu_split_and_unsplit_plans_agree(case_args):
+    a = _check_gpu(case_args, disable_split_kv=True)
+    b = _check_gpu(case_args, fixed_split_size=200)
+    c = _check_gpu(case_args, fixed_split_size=37)
+    ref = a.astype(np.float64)
+    assert rel_err(b, ref) < 2e-3 and rel_err(c, ref) < 2e-3
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_skewed_batch_and_empty_request():
+    import cupy
+    case = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=[5000, 3, 0, 700, 1], seed=9)
+    w = planned(case, 32, 8, 128, 16, "float16")
+    out, lse = w.run(to_cupy(case["q"]), cache_arg(case, "one", to_cupy), return_lse=True)
+    ref_o, ref_lse = oracle(case)
+    assert rel_err(cupy.asnumpy(out), ref_o) < TOL
+    assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_plan_reused_across_layers_and_replans():
+    import cupy
+    for step, lens in enumerate(([100, 2000], [101, 2001, 5])):
+        case = make_case(0, 0, 16, 32, 8, 128, "HND", "bfloat16", kv_lens=lens, seed=step)
+        w = planned(case, 32, 8, 128, 16, "bfloat16", "HND") if step == 0 else w
+        if step:
+            w.plan(case["indptr"], case["indices"], case["lpl"], 32, 8, 128, 16, q_data_type="bfloat16")
+        ref_o, _ = oracle(case)
+        for _layer in range(2):
+            o = from_cupy(w.run(to_cupy(case["q"]), cache_arg(case, "pair", to_cupy)), BF16)
+            assert rel_err(o, ref_o) < TOL
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_torch_tensors_and_workspace():
+    torch = pytest.importorskip("torch")
+    case = make_case(5, 1234, 16, 32, 8, 128, "NHD", "bfloat16", seed=21)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    t = lambda x: torch.from_numpy(x.view(np.uint16).astype(np.int32)).to(torch.int32)  # noqa: E731
+    indptr = torch.from_numpy(case["indptr"]).cuda()
+    indices = torch.from_numpy(case["indices"]).cuda()
+    lpl = torch.from_numpy(case["lpl"]).cuda()
+    w.plan(indptr, indices, lpl, 32, 8, 128, 16, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    del t
+    to_t = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()  # noqa: E731
+    cache = torch.stack([to_t(case["k"]), to_t(case["v"])], dim=1)
+    out, lse = w.run(to_t(case["q"]), cache, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
+    o = out.float().cpu().numpy()
+    ref_o, ref_lse = oracle(case)
+    assert rel_err(o, ref_o) < TOL and rel_err(lse.cpu().numpy(), ref_lse) < LSE_TOL
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_jax_arrays():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax sees no GPU")
+    case = make_case(3, 300, 16, 16, 4, 64, "NHD", "float16", seed=4)
+    w = planned(case, 16, 4, 64, 16, "float16")
+    out = w.run(jax.numpy.asarray(case["q"]), jax.numpy.asarray(np.stack([case["k"], case["v"]], 1)))
+    ref_o, _ = oracle(case)
+    assert rel_err(np.asarray(out), ref_o) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_len,hq,hkv,d,dtype", [(1, 8, 8, 128, "float16"), (4097, 32, 8, 128, "bfloat16"),
+                                                   (333, 20, 4, 256, "float16"), (31000, 8, 1, 64, "float16")])
+def test_single_decode_gpu_matches_float64_oracle(layout, kv_len, hq, hkv, d, dtype):
+    import cupy
+    rng = np.random.default_rng(kv_len)
+    dt = DTYPES[dtype]
+    q = rng.standard_normal((hq, d)).astype(dt)
+    k = rng.standard_normal((kv_len, hkv, d)).astype(dt)
+    v = rng.standard_normal((kv_len, hkv, d)).astype(dt)
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy())
+    out, lse = cuattn.single_decode_with_kv_cache(to_cupy(q), to_cupy(kk), to_cupy(vv), layout, return_lse=True)
+    ref_o, ref_lse = dense_attention(q[None], k, v)
+    assert rel_err(from_cupy(out, dt), ref_o[0]) < TOL
+    assert rel_err(cupy.asnumpy(lse), ref_lse[0]) < LSE_TOL
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_cuda_graph_replays_after_replan():
+    import cupy
+    lens0, lens1 = [300, 40], [301, 41]
+    case0 = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=lens0, seed=1, extra_pages=8)
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", use_cuda_graph=True)
+    w.plan(case0["indptr"], case0["indices"], case0["lpl"], 32, 8, 128, 16, q_data_type="float16")
+    q = to_cupy(case0["q"])
+    cache = cache_arg(case0, "one", to_cupy)
+    out = cupy.empty((2, 32, 128), np.float16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        w.run(q, cache, out=out)          # warm-up (compiles, sets smem attributes)
+        stream.begin_capture()
+        w.run(q, cache, out=out)
+        graph = stream.end_capture()
+        graph.launch()
+    stream.synchronize()
+    assert rel_err(cupy.asnumpy(out), oracle(case0)[0]) < TOL
+    # one more token per request, same pages: replan, replay the graph
+    case1 = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=lens1, seed=1, extra_pages=8)
+    w.plan(case1["indptr"], case1["indices"], case1["lpl"], 32, 8, 128, 16, q_data_type="float16")
+    q[...] = to_cupy(case1["q"])
+    cache[...] = cache_arg(case1, "one", to_cupy)
+    with stream:
+        graph.launch()
+    stream.synchronize()
+    assert rel_err(cupy.asnumpy(out), oracle(case1)[0]) < TOL
