@@ -1,0 +1,649 @@
+"""Prefill / append attention on tensor cores: single request, ragged batch, paged batch.
+
+Launches ``kernels_cu/prefill.cu`` (the portable "fa2" backend: mma.sync m16n8k16, ldmatrix,
+cp.async; sm_80+). NumPy inputs run ``reference.attention`` with the same API. Names and
+semantics follow FlashInfer: causal masks align bottom-right when qo_len < kv_len; custom masks
+are flattened per-request ``qo_len x kv_len`` booleans or their little-bit-order packing; a
+fully masked row gives zeros and LSE -inf (natural log).
+
+Scheduling lives here (not in plan.py): ``plan()`` builds a flat work list of (request, query
+tile) pairs on the host, longest causal tiles first, and the kernel's grid is
+(work items, num_kv_heads). Query tiles pack the GQA group's heads into rows, so one CTA reads
+each K/V tile once for the whole group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import arrays, jit, reference
+from .errors import UnsupportedError
+from .mask import cupy_view, host_int_vector, segment_packbits_host, unpack_host
+from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
+
+_SOURCE = "prefill.cu"
+_ENTRY = "cuattn_prefill"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("f16", "bf16")
+BACKENDS = ("auto", "fa2", "fa3")
+_LOG2E = 1.4426950408889634
+_NUM_THREADS = 128
+
+
+# ---------------------------------------------------------------------------- specs
+
+
+def tile_config(head_dim: int, custom_mask: bool) -> tuple[int, int]:
+    """(num_mma_q, block_n): the largest tiles that compile without register spills."""
+    if head_dim == 64:
+        return 2, 64
+    if head_dim == 128:
+        return (1, 64) if custom_mask else (2, 32)
+    return 1, 32
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    head_dim: int          # 64 | 128 | 256
+    dtype: str             # "f16" | "bf16" (q, k, v and out)
+    causal: bool
+    custom_mask: bool
+    paged: bool
+    num_mma_q: int         # 16-row m-tiles per warp; 4 warps
+    block_n: int           # keys per K/V tile
+    source = _SOURCE
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.num_mma_q
+
+    @property
+    def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
+        return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+                f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
+                f"_bm{self.block_m}_bn{self.block_n}")
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
+                f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
+                f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
+                f"-DBLOCK_N={self.block_n}")
+
+    @property
+    def smem_bytes(self) -> int:     # Q tile + one K tile + one V tile, 2-byte elements
+        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+
+
+def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:
+    num_mma_q, block_n = tile_config(head_dim, custom_mask)
+    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n)
+
+
+def shipped_specs() -> list[PrefillSpec]:
+    return [make_spec(d, t, c, m, p) for d in HEAD_DIMS for t in DTYPES for c in (False, True)
+            for m in (False, True) for p in (False, True)]
+
+
+def select_backend(backend: str, fn: str) -> str:
+    """The backend a call uses. "auto" is "fa2" on every arch until the Hopper kernel exists."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "fa3":
+        raise UnsupportedError(f"{fn}: backend='fa3' (Hopper wgmma + TMA) is not implemented yet; "
+                               f"use backend='fa2' (mma.sync, sm_80+)")
+    return "fa2"
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _check_unsupported(fn: str, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+                       use_fp16_qk_reduction=False, rope_scale=None, rope_theta=None) -> None:
+    if pos_encoding_mode != "NONE":
+        raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} has no kernel; supported: 'NONE' "
+                               f"(apply RoPE before the call)")
+    if window_left not in (-1, None):
+        raise UnsupportedError(f"{fn}: window_left={window_left} (sliding window) has no kernel; supported: -1")
+    if logits_soft_cap not in (None, 0, 0.0):
+        raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} has no kernel; supported: None")
+    if use_fp16_qk_reduction:
+        raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel (QK accumulates in fp32)")
+    if rope_scale is not None or rope_theta is not None:
+        raise UnsupportedError(f"{fn}: rope_scale/rope_theta need pos_encoding_mode, which has no kernel")
+
+
+def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
+    s = arrays.SHORT_NAME.get(np.dtype(dtype))
+    if s not in DTYPES:
+        raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {dtype}")
+    return s
+
+
+def _check_head_dim(d: int, fn: str) -> None:
+    if d not in HEAD_DIMS:
+        raise UnsupportedError(f"{fn}: head_dim={d} has no kernel; supported: 64, 128, 256")
+
+
+def _check_q(shape: tuple, fn: str, num_qo_heads=None, head_dim=None, rows=None) -> None:
+    if len(shape) != 3:
+        raise ValueError(f"{fn}: q must have shape (qo_len, num_qo_heads, head_dim), got {tuple(shape)}")
+    for what, want, got in (("q.shape[1] (num_qo_heads)", num_qo_heads, shape[1]),
+                            ("q.shape[2] (head_dim)", head_dim, shape[2]), ("q.shape[0] (qo_indptr[-1])", rows, shape[0])):
+        if want is not None and got != want:
+            raise ValueError(f"{fn}: {what} must be {want}, got {got}")
+
+
+def _kv_dims(shape: tuple, kv_layout: str, name: str, fn: str) -> tuple[int, int, int]:
+    """(kv_len, num_kv_heads, head_dim) of a contiguous K or V array."""
+    if len(shape) != 3:
+        raise ValueError(f"{fn}: {name} must have 3 dims ({'kv_len, num_kv_heads' if kv_layout == 'NHD' else 'num_kv_heads, kv_len'}, "
+                         f"head_dim) for kv_layout={kv_layout!r}, got {tuple(shape)}")
+    return (shape[0], shape[1], shape[2]) if kv_layout == "NHD" else (shape[1], shape[0], shape[2])
+
+
+def _check_group(num_qo_heads: int, num_kv_heads: int, fn: str) -> None:
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+        raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
+                         f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
+
+
+def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarray | None:
+    """Host bool mask of ``total`` entries from either form (None when neither is given)."""
+    if custom_mask is not None and packed_custom_mask is not None:
+        raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
+    if custom_mask is not None:
+        m = np.asarray(_to_host(custom_mask, "custom_mask", fn)).ravel()
+        if m.size != total:
+            raise ValueError(f"{fn}: custom_mask must have {total} entries (sum of qo_len * kv_len), got {m.size}")
+        return m.astype(bool)
+    if packed_custom_mask is not None:
+        p = np.asarray(_to_host(packed_custom_mask, "packed_custom_mask", fn)).ravel()
+        if p.dtype != np.uint8:
+            raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {p.dtype}")
+        return p
+    return None
+
+
+def _to_host(x, name: str, fn: str) -> np.ndarray:
+    if arrays.is_device_array(x):
+        return cupy_view(arrays.device_tensor(x, name, fn)).get()
+    return arrays.host_array(x, name, fn)
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+_smem_set: set = set()
+
+
+def _function(spec: PrefillSpec, device: int):
+    fn = jit.get_function(spec, _ENTRY, device)
+    if spec.smem_bytes > 48 * 1024 and (spec, device) not in _smem_set:
+        fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _smem_set.add((spec, device))
+    return fn
+
+
+def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
+            group: int, k_strides, v_strides, sm_scale: float, single=(0, 0), meta=None,
+            page_size: int = 1) -> None:
+    """One launch; ``meta`` = device pointers (qo_indptr, kv_indptr, kv_indices, last, mask,
+    mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single)."""
+    if num_work == 0 or num_kv_heads == 0:
+        return
+    fn = _function(spec, ctx.device)
+    if meta is None:
+        meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
+    i64, u64 = np.int64, np.uint64
+    args = (u64(q.ptr), u64(k_ptr), u64(v_ptr), u64(out.ptr), u64(lse_ptr),
+            *(u64(p) for p in meta),
+            np.int32(single[0]), np.int32(single[1]), np.int32(group), np.int32(page_size),
+            i64(q.strides[0]), i64(q.strides[1]),
+            i64(k_strides[0]), i64(k_strides[1]), i64(k_strides[2]),
+            i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]),
+            i64(out.strides[0]), i64(out.strides[1]), np.float32(sm_scale * _LOG2E))
+    fn((num_work, num_kv_heads, 1), (_NUM_THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=ctx.stream)
+
+
+def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
+    """Allocate or validate out / lse; returns (out array, out Tensor, lse array, lse ptr)."""
+    if out is None:
+        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), dtype)
+    ot = arrays.device_tensor(out, "out", fn)
+    if ot.shape != (rows, num_qo_heads, head_dim) or ot.dtype != dtype or ot.device != ctx.device:
+        raise ValueError(f"{fn}: out must be a ({rows}, {num_qo_heads}, {head_dim}) {dtype} array on GPU "
+                         f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
+    lse_ptr = 0
+    if lse is not None:
+        lt = arrays.device_tensor(lse, "lse", fn)
+        if lt.shape != (rows, num_qo_heads) or lt.dtype != np.float32 or not lt.is_contiguous():
+            raise ValueError(f"{fn}: lse must be a contiguous ({rows}, {num_qo_heads}) float32 array, "
+                             f"got {lt.shape} {lt.dtype}")
+        lse_ptr = lt.ptr
+    return out, ot, lse, lse_ptr
+
+
+# ---------------------------------------------------------------------------- single request
+
+
+def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal: bool = False,
+                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
+                                 use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+                                 window_left: int = -1, logits_soft_cap=None, rope_scale=None,
+                                 rope_theta=None, backend: str = "auto", return_lse: bool = False,
+                                 *, stream=None):
+    """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
+
+    Parameters
+    ----------
+    q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
+        NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
+    k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
+        head_dim) for "HND"; dtype of ``q``; last dimension contiguous.
+    custom_mask : array, shape (qo_len, kv_len) or flattened, bool, optional. True = attend.
+    packed_custom_mask : array, shape (ceil(qo_len * kv_len / 8),), uint8, optional
+        ``packbits(custom_mask)`` (little bit order).
+    causal : bool
+        Query i attends to keys j <= i + kv_len - qo_len (bottom-right aligned).
+    sm_scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    backend : "auto" | "fa2" | "fa3"
+        "auto" is "fa2" (mma.sync); "fa3" raises UnsupportedError until the Hopper kernel exists.
+
+    Returns
+    -------
+    out : array, shape (qo_len, num_qo_heads, head_dim), dtype of ``q``
+    lse : array, shape (qo_len, num_qo_heads), float32, natural log (only if ``return_lse``)
+    """
+    fn = "single_prefill_with_kv_cache"
+    _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+                       rope_scale, rope_theta)
+    check_kv_layout(kv_layout, fn)
+    select_backend(backend, fn)
+    ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
+    if not ctx.on_gpu:
+        qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
+        if kv_layout == "HND":
+            ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
+        mask = _host_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn)
+        if packed_custom_mask is not None:
+            mask = _unpack_checked(mask, qo_len * kv_len, "packed_custom_mask", fn)
+        o, s = reference.attention(qa, ka, va, sm_scale=sm_scale or 1 / math.sqrt(d), causal=causal,
+                                   mask=None if mask is None else mask.reshape(qo_len, kv_len))
+        o = o.astype(qa.dtype)
+        return (arrays.export(ctx, o), arrays.export(ctx, s)) if return_lse else arrays.export(ctx, o)
+
+    qt, kt, vt = (arrays.device_tensor(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qo_len, hq, d, kv_len, hkv = _single_dims(qt.shape, kt.shape, vt.shape, kv_layout, fn)
+    dt = _check_dtypes(qt, kt, vt, fn)
+    _check_head_dim(d, fn)
+    has_mask = custom_mask is not None or packed_custom_mask is not None
+    spec = make_spec(d, dt, causal, has_mask, False)
+    cp = arrays.cupy_module()
+    with cp.cuda.Device(ctx.device), ctx.stream:
+        mask_dev = _device_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn) if has_mask else None
+        out, ot, _, _ = _check_out(ctx, None, None, qo_len, hq, d, qt.dtype, fn)
+        lse = arrays.empty(ctx, (qo_len, hq), np.float32) if return_lse else None
+        lse_ptr = arrays.device_tensor(lse, "lse", fn).ptr if lse is not None else 0
+        group = hq // hkv
+        tok, head = (0, 1) if kv_layout == "NHD" else (1, 0)
+        _launch(ctx, spec, q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
+                num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
+                k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
+                sm_scale=sm_scale or 1 / math.sqrt(d),
+                single=(qo_len, kv_len, mask_dev.data.ptr if mask_dev is not None else 0))
+    o = arrays.export(ctx, out, qt.dtype)
+    return (o, arrays.export(ctx, lse)) if return_lse else o
+
+
+def _single_dims(qs, ks, vs, kv_layout, fn):
+    _check_q(qs, fn)
+    kv_len, hkv, dk = _kv_dims(ks, kv_layout, "k", fn)
+    if tuple(vs) != tuple(ks):
+        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+    qo_len, hq, d = qs
+    if dk != d:
+        raise ValueError(f"{fn}: k head_dim must equal q head_dim={d}, got {dk}")
+    _check_group(hq, hkv, fn)
+    return qo_len, hq, d, kv_len, hkv
+
+
+def _check_dtypes(qt, kt, vt, fn) -> str:
+    dt = _short_dtype(qt.dtype, "q", fn)
+    for name, t in (("k", kt), ("v", vt)):
+        if t.dtype != qt.dtype:
+            raise UnsupportedError(f"{fn}: {name} must have the dtype of q ({qt.dtype}), got {t.dtype}; "
+                                   f"mixed q/kv dtypes (fp8 KV) have no prefill kernel")
+    return dt
+
+
+def _unpack_checked(packed: np.ndarray, total: int, name: str, fn: str) -> np.ndarray:
+    if packed.size != (total + 7) // 8:
+        raise ValueError(f"{fn}: {name} must have {(total + 7) // 8} bytes (ceil(qo_len * kv_len / 8)), "
+                         f"got {packed.size}")
+    return unpack_host(packed, total)
+
+
+def _device_mask(custom_mask, packed_custom_mask, total: int, fn: str):
+    """Packed uint8 CuPy mask on the current device and stream."""
+    cp = arrays.cupy_module()
+    if custom_mask is not None and packed_custom_mask is not None:
+        raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
+    if custom_mask is not None:
+        mt = arrays.device_tensor(custom_mask, "custom_mask", fn)
+        if math.prod(mt.shape) != total:
+            raise ValueError(f"{fn}: custom_mask must have {total} entries (qo_len * kv_len), got {math.prod(mt.shape)}")
+        return cp.packbits(cupy_view(mt).ravel() != 0, bitorder="little")
+    pt = arrays.device_tensor(packed_custom_mask, "packed_custom_mask", fn)
+    if pt.dtype != np.uint8:
+        raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {pt.dtype}")
+    if math.prod(pt.shape) != (total + 7) // 8:
+        raise ValueError(f"{fn}: packed_custom_mask must have {(total + 7) // 8} bytes (ceil(qo_len * kv_len / 8)), "
+                         f"got {math.prod(pt.shape)}")
+    return cp.ascontiguousarray(cupy_view(pt).ravel())
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+class _BatchPrefillBase:
+    _fn = "BatchPrefill"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 backend: str = "auto", **buffers):
+        self._kv_layout = check_kv_layout(kv_layout, self._fn)
+        self.backend = select_backend(backend, self._fn)     # the backend runs will use ("fa2")
+        self._use_cuda_graph = use_cuda_graph
+        self._plan = None
+        self._dev: dict[int, dict] = {}
+
+    def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+                     custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged):
+        qo = host_int_vector(qo_indptr, "qo_indptr", fn)
+        if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
+            raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
+        batch = len(qo) - 1
+        if len(kv_lens) != batch:
+            raise ValueError(f"{fn}: qo_indptr and the kv page table / kv_indptr must describe the same batch, "
+                             f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
+        _check_group(num_qo_heads, num_kv_heads, fn)
+        if head_dim_vo not in (None, head_dim_qk):
+            raise UnsupportedError(f"{fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
+        qo_lens = np.diff(qo)
+        sizes = qo_lens * kv_lens
+        has_mask = custom_mask is not None or packed_custom_mask is not None
+        mask_host = mask_indptr = None
+        if has_mask:
+            m = _host_mask(custom_mask, packed_custom_mask, int(sizes.sum()), fn)
+            if custom_mask is not None:
+                seg = np.zeros(batch + 1, np.int64)
+                np.cumsum(sizes, out=seg[1:])
+                mask_host, mask_indptr = segment_packbits_host(m, seg)
+            else:
+                mask_indptr = np.zeros(batch + 1, np.int32)
+                np.cumsum((sizes + 7) // 8, out=mask_indptr[1:])
+                if m.size != mask_indptr[-1]:
+                    raise ValueError(f"{fn}: packed_custom_mask must have {mask_indptr[-1]} bytes (sum of "
+                                     f"ceil(qo_len * kv_len / 8) per request), got {m.size}")
+                mask_host = m
+        q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
+        kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
+        group = num_qo_heads // num_kv_heads
+        spec = None
+        if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
+            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged)
+        work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
+        return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
+                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
+                    causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
+                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, work=work,
+                    group=group)
+
+    def _require_plan(self, fn):
+        if self._plan is None:
+            raise ValueError(f"{fn}: plan() must be called before run()")
+        return self._plan
+
+    def _device_meta(self, ctx, names: tuple[str, ...]) -> tuple[int, ...]:
+        """Device copies of the plan's metadata (uploaded once per plan and device)."""
+        cp = arrays.cupy_module()
+        d = self._dev.get(ctx.device)
+        if d is None:
+            d = {}
+            with cp.cuda.Device(ctx.device), ctx.stream:
+                for key in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr", "work"):
+                    host = self._plan.get(key)
+                    d[key] = cp.asarray(np.ascontiguousarray(host)) if host is not None and len(host) else None
+            self._dev[ctx.device] = d
+        return tuple(d[n].data.ptr if d.get(n) is not None else 0 for n in names)
+
+    def _run_checks(self, fn, q, plan):
+        qt = arrays.device_tensor(q, "q", fn)
+        _check_q(qt.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
+        if qt.dtype != plan["q_dtype"]:
+            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
+        dt = _short_dtype(qt.dtype, "q", fn)
+        _check_head_dim(plan["head_dim"], fn)
+        return qt, dt
+
+    def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
+        rows = int(plan["qo_indptr"][-1])
+        if lse is None and return_lse:
+            lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
+        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim"], qt.dtype, fn)
+
+    def _reference_run(self, ctx, plan, q, gather, return_lse, fn):
+        qa = arrays.host_array(q, "q", fn)
+        _check_q(qa.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
+        rows = qa.shape[0]
+        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim"]), qa.dtype)
+        lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
+        qo = plan["qo_indptr"]
+        for b in range(plan["batch"]):
+            k, v = gather(b)
+            mask = None
+            if plan["mask"] is not None:
+                n = int(plan["qo_lens"][b] * plan["kv_lens"][b])
+                start = int(plan["mask_indptr"][b])
+                mask = unpack_host(plan["mask"][start:start + (n + 7) // 8], n).reshape(
+                    int(plan["qo_lens"][b]), int(plan["kv_lens"][b]))
+            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=plan["sm_scale"],
+                                       causal=plan["causal"], mask=mask)
+            out[qo[b]:qo[b + 1]] = o.astype(qa.dtype)
+            lse[qo[b]:qo[b + 1]] = s
+        o = arrays.export(ctx, out)
+        return (o, arrays.export(ctx, lse)) if return_lse else o
+
+
+def _work_list(qo_lens, kv_lens, group: int, spec: PrefillSpec, causal: bool) -> np.ndarray:
+    """(request, tile) pairs, the most key tiles first (long causal tiles start early)."""
+    bm, bn = spec.block_m, spec.block_n
+    tiles = -(-qo_lens * group // bm)
+    req = np.repeat(np.arange(len(qo_lens)), tiles)
+    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    kv = kv_lens[req]
+    if causal:
+        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * bm - 1) // group)
+        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
+    order = np.argsort(-((kv + bn - 1) // bn), kind="stable")
+    return np.stack([req[order], tile[order]], axis=1).astype(np.int32)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
+    """Prefill over a ragged batch: request i's queries are ``q[qo_indptr[i]:qo_indptr[i+1]]`` and its
+    keys ``k[kv_indptr[i]:kv_indptr[i+1]]`` (contiguous K/V, NHD ``(nnz_kv, num_kv_heads, head_dim)``
+    or HND ``(num_kv_heads, nnz_kv, head_dim)``). ``plan()`` once per batch step, ``run()`` per layer.
+    """
+    _fn = "BatchPrefillWithRaggedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+             head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
+             logits_soft_cap=None, sm_scale: float | None = None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None, non_blocking: bool = True, **unused) -> None:
+        """Build the work list for a batch.
+
+        Parameters
+        ----------
+        qo_indptr : array, shape (batch + 1,), int32 (host or device; copied to the host)
+        kv_indptr : array, shape (batch + 1,), int32
+        custom_mask : array, shape (sum(qo_len * kv_len),), bool, optional
+        packed_custom_mask : array, uint8, optional: ``segment_packbits`` of the mask per request
+        causal : bool (bottom-right aligned when qo_len < kv_len)
+        """
+        fn = f"{self._fn}.plan"
+        _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+                           rope_scale, rope_theta)
+        kv = host_int_vector(kv_indptr, "kv_indptr", fn)
+        if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
+            raise ValueError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, got {kv[:8]}")
+        plan = self._plan_common(fn, qo_indptr, np.diff(kv), num_qo_heads, num_kv_heads, head_dim_qk,
+                                 head_dim_vo, custom_mask, packed_custom_mask, causal, sm_scale, q_data_type,
+                                 kv_data_type, paged=False)
+        plan["kv_indptr"] = kv.astype(np.int32)
+        self._plan, self._dev = plan, {}
+
+    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None, stream=None):
+        """Attention for the planned batch.
+
+        Parameters
+        ----------
+        q : array, shape (qo_indptr[-1], num_qo_heads, head_dim), q_data_type
+        k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND"
+        out : array, optional, shape of ``q``; lse : float32 (qo_indptr[-1], num_qo_heads), optional
+
+        Returns
+        -------
+        out, or (out, lse) when ``return_lse`` (LSE natural log)
+        """
+        fn = f"{self._fn}.run"
+        plan = self._require_plan(fn)
+        ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
+        if not ctx.on_gpu:
+            ka, va = arrays.host_array(k, "k", fn), arrays.host_array(v, "v", fn)
+            self._check_kv(ka.shape, va.shape, plan, fn)
+            if self._kv_layout == "HND":
+                ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
+            kvp = plan["kv_indptr"]
+            return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
+                                       return_lse, fn)
+        qt, dt = self._run_checks(fn, q, plan)
+        kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
+        self._check_kv(kt.shape, vt.shape, plan, fn)
+        _check_dtypes(qt, kt, vt, fn)
+        out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
+                                       "mask_indptr", "work"))
+        tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
+        _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
+                num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
+                sm_scale=plan["sm_scale"], meta=meta)
+        o = arrays.export(ctx, out, qt.dtype)
+        return (o, arrays.export(ctx, lse)) if return_lse else o
+
+    forward = run
+
+    def _check_kv(self, ks, vs, plan, fn):
+        nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
+        if tuple(vs) != tuple(ks):
+            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+        if hkv != plan["num_kv_heads"] or d != plan["head_dim"] or nnz < plan["kv_indptr"][-1]:
+            raise ValueError(f"{fn}: k must have num_kv_heads={plan['num_kv_heads']}, head_dim={plan['head_dim']} "
+                             f"and >= kv_indptr[-1]={plan['kv_indptr'][-1]} tokens, got shape {tuple(ks)} "
+                             f"({self._kv_layout})")
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
+    """Prefill / append over a paged KV cache (FlashInfer's CSR page table). Request i's queries
+    are ``q[qo_indptr[i]:qo_indptr[i+1]]``; its keys are the pages
+    ``paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]``, the last one holding
+    ``paged_kv_last_page_len[i]`` tokens. Cache: ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+    (NHD), ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND), or a (k, v) pair.
+    """
+    _fn = "BatchPrefillWithPagedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend: str = "auto", jit_args=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None,
+             custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None,
+             sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type="float16",
+             kv_data_type=None, non_blocking: bool = True, **unused) -> None:
+        """Build the work list for a batch over the page table (arrays int32, host or device)."""
+        fn = f"{self._fn}.plan"
+        _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+                           rope_scale, rope_theta)
+        if page_size < 1:
+            raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
+        indptr = host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn)
+        indices = host_int_vector(paged_kv_indices, "paged_kv_indices", fn)
+        last = host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
+        validate_page_table(indptr, indices, last, page_size, None, fn)
+        npages = np.diff(indptr)
+        kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
+        plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+                                 custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
+                                 paged=True)
+        plan.update(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
+                    last_page_len=last.astype(np.int32), page_size=page_size,
+                    max_page=int(indices.max()) if len(indices) else -1)
+        self._plan, self._dev = plan, {}
+
+    def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,
+            v_scale=None, enable_pdl=None, stream=None):
+        """Attention for the planned batch; ``q`` (qo_indptr[-1], num_qo_heads, head_dim).
+
+        Returns out (shape of ``q``), or (out, lse) when ``return_lse`` (LSE natural log, float32).
+        """
+        fn = f"{self._fn}.run"
+        plan = self._require_plan(fn)
+        if k_scale not in (None, 1, 1.0) or v_scale not in (None, 1, 1.0):
+            raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) have no prefill kernel")
+        cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
+        ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
+        if not ctx.on_gpu:
+            kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
+            self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
+            return self._reference_run(
+                ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
+                                                                  plan["last_page_len"], b), return_lse, fn)
+        qt, dt = self._run_checks(fn, q, plan)
+        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
+        _check_dtypes(qt, kv.k, kv.v, fn)
+        out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
+                                       "mask_indptr", "work"))
+        strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
+        _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
+                num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,
+                page_size=plan["page_size"])
+        o = arrays.export(ctx, out, qt.dtype)
+        return (o, arrays.export(ctx, lse)) if return_lse else o
+
+    forward = run
+
+    def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn):
+        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != plan["head_dim"]:
+            raise ValueError(f"{fn}: paged_kv_cache must have page_size={plan['page_size']}, num_kv_heads="
+                             f"{plan['num_kv_heads']}, head_dim={plan['head_dim']} ({self._kv_layout}), got "
+                             f"page_size={page_size}, num_kv_heads={heads}, head_dim={head_dim}")
+        if plan["max_page"] >= num_pages:
+            raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "
+                             f"{plan['max_page']}")

@@ -1,0 +1,310 @@
+// prefill.cu — launched by cuattn/prefill.py (PrefillSpec); the portable "fa2" backend (sm_80+).
+// Compile-time: HEAD_DIM (64 | 128 | 256), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1),
+//   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile).
+// Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 BLOCK_N) * HEAD_DIM * 2.
+//
+// One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
+// row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
+// share every K/V tile). Each warp owns NUM_MMA_Q * 16 consecutive rows. Q is staged in smem once;
+// K and V tiles of BLOCK_N keys stream through one smem buffer each with cp.async: the next K tile
+// loads during softmax and P.V, the next V tile during the next Q.K^T (FA2 order). Rows of 16 B
+// chunks are XOR-swizzled (chunk ^ row % 8) so ldmatrix and cp.async are bank-conflict free.
+// Softmax is online in base 2 (log2 e folded into the scale); the LSE written out is natural log.
+//
+// Work: `work` == nullptr is the single-request case (lengths from arguments, tiles in reverse so
+// the longest causal tiles start first); otherwise work[2 * blockIdx.x + {0, 1}] = (request, tile)
+// and lengths come from qo_indptr / kv_indptr (ragged: token offsets; paged: page CSR).
+#include "common/dtypes.cuh"
+#include "common/mma.cuh"
+
+using namespace cuattn;
+typedef DTYPE dtype_t;
+#define NEG_INF __int_as_float(0xff800000)
+
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = 32 * NUM_WARPS;
+constexpr int D = HEAD_DIM;
+constexpr int CHUNKS = D / 8;                       // 16-byte chunks per row
+constexpr int BLOCK_M = NUM_MMA_Q * 16 * NUM_WARPS;
+constexpr int WARP_ROWS = NUM_MMA_Q * 16;
+constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass of the block
+#ifndef QK_UNROLL
+#define QK_UNROLL 2
+#endif
+static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
+static_assert(BLOCK_N % 16 == 0 && BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "tile shape");
+
+// -- byte offset of 16-byte chunk c of row r in a swizzled [rows][D] tile
+__device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t((r * CHUNKS + (c ^ (r & 7))) * 16); }
+
+struct KvRows {
+  const dtype_t* base;
+  int64_t s_tok, s_head, s_page;
+};
+
+// -- element offset of key `pos` of this request, kv head `kvh` (page lookup when PAGED)
+__device__ __forceinline__ int64_t kv_offset(const KvRows& t, int pos, int64_t kv_base,
+                                             const int32_t* __restrict__ pages, int page_size, int kvh) {
+#if PAGED
+  int page = __ldg(pages + pos / page_size);
+  return int64_t(page) * t.s_page + int64_t(pos % page_size) * t.s_tok + kvh * t.s_head;
+#else
+  return (kv_base + pos) * t.s_tok + kvh * t.s_head;
+#endif
+}
+
+// -- cp.async a BLOCK_N x D tile of keys [kv0, kv0 + BLOCK_N) into smem; rows past kv_len are zeros
+__device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int kv0, int kv_len, int64_t kv_base,
+                                             const int32_t* __restrict__ pages, int page_size, int kvh) {
+  const int c = threadIdx.x % CHUNKS;
+#pragma unroll
+  for (int r = threadIdx.x / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
+    const int pos = kv0 + r;
+    const bool ok = pos < kv_len;
+    const dtype_t* src = ok ? t.base + kv_offset(t, pos, kv_base, pages, page_size, kvh) + c * 8 : t.base;
+    cp_async_16(dst + swz(r, c), src, ok ? 16 : 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
+    const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D] (strides q_s_tok, q_s_head)
+    const dtype_t* __restrict__ k,           // contiguous: token t at t * s_tok; paged: page, slot, head
+    const dtype_t* __restrict__ v,
+    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D] (strides o_s_tok, o_s_head)
+    float* __restrict__ lse,                 // [nnz_qo, num_qo_heads] or nullptr
+    const int32_t* __restrict__ qo_indptr,   // [batch + 1] (batch mode)
+    const int32_t* __restrict__ kv_indptr,   // [batch + 1]: token offsets, or page offsets when PAGED
+    const int32_t* __restrict__ kv_indices,  // [nnz_pages] (PAGED)
+    const int32_t* __restrict__ kv_last_page_len,  // [batch] (PAGED)
+    const uint8_t* __restrict__ mask,        // bit-packed, little bit order (CUSTOM_MASK)
+    const int32_t* __restrict__ mask_indptr, // [batch + 1] byte offsets into mask (batch mode)
+    const int32_t* __restrict__ work,        // [num_work, 2] (request, tile), or nullptr: single
+    int single_qo_len, int single_kv_len, int group, int page_size,
+    int64_t q_s_tok, int64_t q_s_head, int64_t k_s_tok, int64_t k_s_head, int64_t k_s_page,
+    int64_t v_s_tok, int64_t v_s_head, int64_t v_s_page, int64_t o_s_tok, int64_t o_s_head,
+    float scale_log2) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int kvh = blockIdx.y;
+  const int num_qo_heads = gridDim.y * group;
+
+  // -- which request and tile; lengths and offsets of the request
+  int req = 0, tile;
+  int64_t q_base = 0, kv_base = 0;
+  int qo_len = single_qo_len, kv_len = single_kv_len;
+  const int32_t* pages = kv_indices;
+  if (work == nullptr) {
+    tile = int(gridDim.x) - 1 - int(blockIdx.x);
+  } else {
+    req = work[2 * blockIdx.x];
+    tile = work[2 * blockIdx.x + 1];
+    q_base = qo_indptr[req];
+    qo_len = qo_indptr[req + 1] - qo_indptr[req];
+#if PAGED
+    const int p0 = kv_indptr[req], np = kv_indptr[req + 1] - p0;
+    pages = kv_indices + p0;
+    kv_len = np > 0 ? (np - 1) * page_size + kv_last_page_len[req] : 0;
+#else
+    kv_base = kv_indptr[req];
+    kv_len = kv_indptr[req + 1] - kv_indptr[req];
+#endif
+  }
+#if CUSTOM_MASK
+  const int64_t mask_bit0 = work == nullptr ? 0 : int64_t(mask_indptr[req]) * 8;
+#endif
+  const int row0 = tile * BLOCK_M;
+  const int packed_rows = qo_len * group;
+  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
+
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK = sQ + BLOCK_M * D * 2;
+  const uint32_t sV = sK + BLOCK_N * D * 2;
+  const KvRows kt{k, k_s_tok, k_s_head, k_s_page}, vt{v, v_s_tok, v_s_head, v_s_page};
+
+  // -- stage the Q tile (rows past the request are zeros)
+  {
+    const int c = tid % CHUNKS;
+#pragma unroll
+    for (int r = tid / CHUNKS; r < BLOCK_M; r += ROW_STEP) {
+      const int pr = row0 + r;
+      const bool ok = pr < packed_rows;
+      const dtype_t* src = ok ? q + (q_base + pr / group) * q_s_tok + (kvh * group + pr % group) * q_s_head + c * 8 : q;
+      cp_async_16(sQ + swz(r, c), src, ok ? 16 : 0);
+    }
+  }
+
+  // -- key range this tile needs; tiles from mask_from on need element masks
+  int kv_end = kv_len;
+  int mask_from = kv_len;
+  if (CAUSAL) {
+    const int max_q = min(qo_len - 1, (row0 + BLOCK_M - 1) / group);
+    kv_end = min(kv_len, max_q + causal_shift + 1);
+    mask_from = min(kv_len, row0 / group + causal_shift + 1);
+  }
+  const int num_tiles = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
+
+  if (num_tiles > 0) load_kv_tile(sK, kt, 0, kv_len, kv_base, pages, page_size, kvh);
+  cp_async_commit();   // group: Q + K0
+  if (num_tiles > 0) load_kv_tile(sV, vt, 0, kv_len, kv_base, pages, page_size, kvh);
+  cp_async_commit();   // group: V0
+
+  // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
+  const int g = lane / 4, t4 = lane % 4;
+  float acc[NUM_MMA_Q][D / 8][4];
+  float m_i[NUM_MMA_Q][2], l_i[NUM_MMA_Q][2];
+#pragma unroll
+  for (int i = 0; i < NUM_MMA_Q; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) { m_i[i][h] = NEG_INF; l_i[i][h] = 0.f; }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.f;
+  }
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int kv0 = it * BLOCK_N;
+    cp_async_wait<1>();
+    __syncthreads();                            // K[it] (and Q) visible to all warps
+
+    // -- S = Q K^T
+    float s[NUM_MMA_Q][BLOCK_N / 8][4];
+#pragma unroll
+    for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+      for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][n][e] = 0.f;
+#pragma unroll QK_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[NUM_MMA_Q][4];
+#pragma unroll
+      for (int i = 0; i < NUM_MMA_Q; ++i)
+        ldmatrix_x4(a[i], sQ + swz(warp * WARP_ROWS + i * 16 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+      for (int nn = 0; nn < BLOCK_N / 16; ++nn) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sK + swz(nn * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+#pragma unroll
+        for (int i = 0; i < NUM_MMA_Q; ++i) {
+          mma_m16n8k16<dtype_t>(s[i][2 * nn], a[i], b[0], b[1]);
+          mma_m16n8k16<dtype_t>(s[i][2 * nn + 1], a[i], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();                            // every warp is done reading K[it]
+    if (it + 1 < num_tiles) load_kv_tile(sK, kt, kv0 + BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    cp_async_commit();
+
+    // -- masks: only on boundary / diagonal tiles (every tile with a custom mask)
+    if (CUSTOM_MASK || kv0 + BLOCK_N > mask_from) {
+#pragma unroll
+      for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
+          const int qpos = pr / group;
+          const bool row_ok = qpos < qo_len;
+#pragma unroll
+          for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int kpos = kv0 + n * 8 + 2 * t4 + e;
+              bool keep = kpos < kv_len;
+              if (CAUSAL) keep = keep && kpos <= qpos + causal_shift;
+#if CUSTOM_MASK
+              if (keep && row_ok) {
+                const int64_t bit = mask_bit0 + int64_t(qpos) * kv_len + kpos;
+                keep = (__ldg(mask + (bit >> 3)) >> (bit & 7)) & 1;
+              }
+#endif
+              (void)row_ok;
+              if (!keep) s[i][n][2 * h + e] = NEG_INF;
+            }
+        }
+    }
+
+    // -- online softmax (base 2): m_new = max(m, rowmax * scale); rescale acc and l
+#pragma unroll
+    for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < BLOCK_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[i][n][2 * h], s[i][n][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_i[i][h], mx * scale_log2);
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;   // fully masked so far: no NaN
+        const float corr = exp2_approx(m_i[i][h] - m_use);
+        m_i[i][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2_approx(fmaf(s[i][n][2 * h + e], scale_log2, -m_use));
+            s[i][n][2 * h + e] = p;
+            sum += p;
+          }
+        l_i[i][h] = l_i[i][h] * corr + sum;     // per-thread partial; quad-reduced at the end
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          acc[i][n][2 * h] *= corr;
+          acc[i][n][2 * h + 1] *= corr;
+        }
+      }
+
+    cp_async_wait<1>();
+    __syncthreads();                            // V[it] visible to all warps
+
+    // -- O += P V (P from the S accumulators, repacked as A fragments)
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      uint32_t a[NUM_MMA_Q][4];
+#pragma unroll
+      for (int i = 0; i < NUM_MMA_Q; ++i) {
+        a[i][0] = pack2<dtype_t>(s[i][2 * kk][0], s[i][2 * kk][1]);
+        a[i][1] = pack2<dtype_t>(s[i][2 * kk][2], s[i][2 * kk][3]);
+        a[i][2] = pack2<dtype_t>(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+        a[i][3] = pack2<dtype_t>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dd = 0; dd < D / 16; ++dd) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sV + swz(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dd * 2 + lane / 16));
+#pragma unroll
+        for (int i = 0; i < NUM_MMA_Q; ++i) {
+          mma_m16n8k16<dtype_t>(acc[i][2 * dd], a[i], b[0], b[1]);
+          mma_m16n8k16<dtype_t>(acc[i][2 * dd + 1], a[i], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();                            // every warp is done reading V[it]
+    if (it + 1 < num_tiles) load_kv_tile(sV, vt, kv0 + BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
+#pragma unroll
+  for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_i[i][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
+      if (pr >= packed_rows) continue;
+      const int64_t tok = q_base + pr / group;
+      const int head = kvh * group + pr % group;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      dtype_t* orow = o + tok * o_s_tok + head * o_s_head;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) =
+            pack2<dtype_t>(acc[i][n][2 * h] * inv, acc[i][n][2 * h + 1] * inv);
+      if (lse != nullptr && t4 == 0)
+        lse[tok * num_qo_heads + head] = l > 0.f ? (m_i[i][h] + __log2f(l)) * 0.69314718055994531f : NEG_INF;
+    }
+}
