@@ -36,13 +36,14 @@ _NUM_THREADS = 128
 # ---------------------------------------------------------------------------- specs
 
 
-def tile_config(head_dim: int, custom_mask: bool) -> tuple[int, int]:
-    """(num_mma_q, block_n): the largest tiles that compile without register spills."""
+def tile_config(head_dim: int, custom_mask: bool) -> tuple[int, int, int]:
+    """(num_mma_q, block_n, stages): the largest tiles that compile without register spills,
+    and as many K/V stages as keep two CTAs per SM within shared memory."""
     if head_dim == 64:
-        return 2, 64
+        return 2, 64, 3
     if head_dim == 128:
-        return (1, 64) if custom_mask else (2, 32)
-    return 1, 32
+        return (1, 64, 3) if custom_mask else (2, 32, 3)
+    return 1, 32, 2
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class PrefillSpec:
     paged: bool
     num_mma_q: int         # 16-row m-tiles per warp; 4 warps
     block_n: int           # keys per K/V tile
+    stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
     source = _SOURCE
 
     @property
@@ -64,22 +66,22 @@ class PrefillSpec:
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
         return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}")
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}")
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}")
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}")
 
     @property
-    def smem_bytes(self) -> int:     # Q tile + one K tile + one V tile, 2-byte elements
-        return (self.block_m + 2 * self.block_n) * self.head_dim * 2
+    def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:
-    num_mma_q, block_n = tile_config(head_dim, custom_mask)
-    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n)
+    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask)
+    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages)
 
 
 def shipped_specs() -> list[PrefillSpec]:
@@ -115,8 +117,13 @@ def _check_unsupported(fn: str, pos_encoding_mode="NONE", window_left=-1, logits
         raise UnsupportedError(f"{fn}: rope_scale/rope_theta need pos_encoding_mode, which has no kernel")
 
 
+def _logical(dtype) -> np.dtype:
+    """The logical dtype of a device array: CuPy holds bf16 as a uint16 view (arrays.RAW_VIEW)."""
+    return arrays.bfloat16 if np.dtype(dtype) == np.uint16 else np.dtype(dtype)
+
+
 def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
-    s = arrays.SHORT_NAME.get(np.dtype(dtype))
+    s = arrays.SHORT_NAME.get(_logical(dtype))
     if s not in DTYPES:
         raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {dtype}")
     return s
@@ -182,7 +189,9 @@ _smem_set: set = set()
 def _function(spec: PrefillSpec, device: int):
     fn = jit.get_function(spec, _ENTRY, device)
     if spec.smem_bytes > 48 * 1024 and (spec, device) not in _smem_set:
-        fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+        drv = arrays.cupy_module().cuda.driver
+        attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+        drv.funcSetAttribute(fn.ptr, attr, spec.smem_bytes)
         _smem_set.add((spec, device))
     return fn
 
@@ -211,9 +220,9 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
     """Allocate or validate out / lse; returns (out array, out Tensor, lse array, lse ptr)."""
     if out is None:
-        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), dtype)
+        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), _logical(dtype))
     ot = arrays.device_tensor(out, "out", fn)
-    if ot.shape != (rows, num_qo_heads, head_dim) or ot.dtype != dtype or ot.device != ctx.device:
+    if ot.shape != (rows, num_qo_heads, head_dim) or _logical(ot.dtype) != _logical(dtype) or ot.device != ctx.device:
         raise ValueError(f"{fn}: out must be a ({rows}, {num_qo_heads}, {head_dim}) {dtype} array on GPU "
                          f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
     lse_ptr = 0
@@ -296,7 +305,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                 k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                 sm_scale=sm_scale or 1 / math.sqrt(d),
                 single=(qo_len, kv_len, mask_dev.data.ptr if mask_dev is not None else 0))
-    o = arrays.export(ctx, out, qt.dtype)
+    o = arrays.export(ctx, out, _logical(qt.dtype))
     return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
@@ -315,7 +324,7 @@ def _single_dims(qs, ks, vs, kv_layout, fn):
 def _check_dtypes(qt, kt, vt, fn) -> str:
     dt = _short_dtype(qt.dtype, "q", fn)
     for name, t in (("k", kt), ("v", vt)):
-        if t.dtype != qt.dtype:
+        if _logical(t.dtype) != _logical(qt.dtype):
             raise UnsupportedError(f"{fn}: {name} must have the dtype of q ({qt.dtype}), got {t.dtype}; "
                                    f"mixed q/kv dtypes (fp8 KV) have no prefill kernel")
     return dt
@@ -424,7 +433,7 @@ class _BatchPrefillBase:
     def _run_checks(self, fn, q, plan):
         qt = arrays.device_tensor(q, "q", fn)
         _check_q(qt.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
-        if qt.dtype != plan["q_dtype"]:
+        if _logical(qt.dtype) != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
         dt = _short_dtype(qt.dtype, "q", fn)
         _check_head_dim(plan["head_dim"], fn)
@@ -548,7 +557,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                 sm_scale=plan["sm_scale"], meta=meta)
-        o = arrays.export(ctx, out, qt.dtype)
+        o = arrays.export(ctx, out, _logical(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
@@ -634,7 +643,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,
                 page_size=plan["page_size"])
-        o = arrays.export(ctx, out, qt.dtype)
+        o = arrays.export(ctx, out, _logical(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run

@@ -1,13 +1,15 @@
 // prefill.cu — launched by cuattn/prefill.py (PrefillSpec); the portable "fa2" backend (sm_80+).
 // Compile-time: HEAD_DIM (64 | 128 | 256), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1),
-//   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile).
-// Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 BLOCK_N) * HEAD_DIM * 2.
+//   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile),
+//   STAGES (K/V tiles in flight, >= 2).
+// Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2.
 //
 // One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
 // row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
 // share every K/V tile). Each warp owns NUM_MMA_Q * 16 consecutive rows. Q is staged in smem once;
-// K and V tiles of BLOCK_N keys stream through one smem buffer each with cp.async: the next K tile
-// loads during softmax and P.V, the next V tile during the next Q.K^T (FA2 order). Rows of 16 B
+// K and V tiles of BLOCK_N keys stream through STAGES smem buffers each with cp.async: tile
+// it + STAGES is requested as soon as tile it's buffer is free (K after the barrier before P.V,
+// V after the barrier that starts the next iteration), two barriers per tile. Rows of 16 B
 // chunks are XOR-swizzled (chunk ^ row % 8) so ldmatrix and cp.async are bank-conflict free.
 // Softmax is online in base 2 (log2 e folded into the scale); the LSE written out is natural log.
 //
@@ -31,6 +33,7 @@ constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass 
 #ifndef QK_UNROLL
 #define QK_UNROLL 2
 #endif
+static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "tile shape");
 
@@ -66,7 +69,7 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D] (strides q_s_tok, q_s_head)
     const dtype_t* __restrict__ k,           // contiguous: token t at t * s_tok; paged: page, slot, head
     const dtype_t* __restrict__ v,
@@ -117,8 +120,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
   const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
 
   const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK = sQ + BLOCK_M * D * 2;
-  const uint32_t sV = sK + BLOCK_N * D * 2;
+  constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;
+  const uint32_t sK = sQ + BLOCK_M * D * 2;           // STAGES K tiles, then STAGES V tiles
+  const uint32_t sV = sK + STAGES * TILE_BYTES;
   const KvRows kt{k, k_s_tok, k_s_head, k_s_page}, vt{v, v_s_tok, v_s_head, v_s_page};
 
   // -- stage the Q tile (rows past the request are zeros)
@@ -143,10 +147,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
   }
   const int num_tiles = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
 
-  if (num_tiles > 0) load_kv_tile(sK, kt, 0, kv_len, kv_base, pages, page_size, kvh);
-  cp_async_commit();   // group: Q + K0
-  if (num_tiles > 0) load_kv_tile(sV, vt, 0, kv_len, kv_base, pages, page_size, kvh);
-  cp_async_commit();   // group: V0
+  // -- prologue: groups (Q + K0), V0, K1, V1, ..., V[STAGES-1]; every later group is one tile
+#pragma unroll
+  for (int st = 0; st < STAGES; ++st) {
+    if (st < num_tiles) load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    cp_async_commit();
+    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    cp_async_commit();
+  }
 
   // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
   const int g = lane / 4, t4 = lane % 4;
@@ -164,8 +172,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
 
   for (int it = 0; it < num_tiles; ++it) {
     const int kv0 = it * BLOCK_N;
-    cp_async_wait<1>();
-    __syncthreads();                            // K[it] (and Q) visible to all warps
+    const int stage = it % STAGES;
+    const uint32_t sKs = sK + stage * TILE_BYTES, sVs = sV + stage * TILE_BYTES;
+    cp_async_wait<2 * STAGES - 2>();
+    __syncthreads();                            // K[it] (and Q) visible; every warp done with P.V of it-1
+    if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
+      const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
+      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+      cp_async_commit();
+    }
 
     // -- S = Q K^T
     float s[NUM_MMA_Q][BLOCK_N / 8][4];
@@ -184,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
 #pragma unroll
       for (int nn = 0; nn < BLOCK_N / 16; ++nn) {
         uint32_t b[4];
-        ldmatrix_x4(b, sK + swz(nn * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
+        ldmatrix_x4(b, sKs + swz(nn * 16 + lane % 8 + (lane / 16) * 8, kk * 2 + (lane / 8) % 2));
 #pragma unroll
         for (int i = 0; i < NUM_MMA_Q; ++i) {
           mma_m16n8k16<dtype_t>(s[i][2 * nn], a[i], b[0], b[1]);
@@ -192,9 +207,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
         }
       }
     }
-    __syncthreads();                            // every warp is done reading K[it]
-    if (it + 1 < num_tiles) load_kv_tile(sK, kt, kv0 + BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
-    cp_async_commit();
 
     // -- masks: only on boundary / diagonal tiles (every tile with a custom mask)
     if (CUSTOM_MASK || kv0 + BLOCK_N > mask_from) {
@@ -255,8 +267,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
         }
       }
 
-    cp_async_wait<1>();
-    __syncthreads();                            // V[it] visible to all warps
+    cp_async_wait<2 * STAGES - 2>();
+    __syncthreads();                            // V[it] visible; every warp done reading K[it]
+    if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
+      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    cp_async_commit();
 
     // -- O += P V (P from the S accumulators, repacked as A fragments)
 #pragma unroll
@@ -272,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
 #pragma unroll
       for (int dd = 0; dd < D / 16; ++dd) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, sV + swz(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dd * 2 + lane / 16));
+        ldmatrix_x4_trans(b, sVs + swz(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dd * 2 + lane / 16));
 #pragma unroll
         for (int i = 0; i < NUM_MMA_Q; ++i) {
           mma_m16n8k16<dtype_t>(acc[i][2 * dd], a[i], b[0], b[1]);
@@ -280,9 +295,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) cuattn_prefill(
         }
       }
     }
-    __syncthreads();                            // every warp is done reading V[it]
-    if (it + 1 < num_tiles) load_kv_tile(sV, vt, kv0 + BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
-    cp_async_commit();
   }
   cp_async_wait<0>();
 
