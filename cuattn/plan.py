@@ -51,19 +51,24 @@ def check_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, pag
     pages = np.diff(indptr.astype(np.int64))
     if batch and indptr[0] < 0:
         raise ValueError(f"{fn}: indptr must start at >= 0, got indptr[0]={int(indptr[0])}")
-    if np.any(pages < 0):
+    if batch and pages.min() < 0:
         bad = int(np.argmax(pages < 0))
         raise ValueError(f"{fn}: indptr must be non-decreasing, got indptr[{bad}]={int(indptr[bad])} > "
                          f"indptr[{bad + 1}]={int(indptr[bad + 1])}")
     if num_indices is not None and int(indptr[-1]) != num_indices:
         raise ValueError(f"{fn}: indptr[-1] must equal len(indices) = {num_indices}, got {int(indptr[-1])}")
     lpl = last_page_len.astype(np.int64)
-    bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
-    if np.any(bad):
-        b = int(np.argmax(bad))
-        raise ValueError(f"{fn}: last_page_len must be in 1..page_size={page_size} for every request "
-                         f"with pages, got last_page_len[{b}]={int(lpl[b])}")
-    return np.where(pages > 0, (pages - 1) * page_size + lpl, 0)
+    kv_lens = (pages - 1) * page_size + lpl
+    if batch and (lpl.min() < 1 or lpl.max() > page_size):    # fast path: all in range
+        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
+        if np.any(bad):
+            b = int(np.argmax(bad))
+            raise ValueError(f"{fn}: last_page_len must be in 1..page_size={page_size} for every request "
+                             f"with pages, got last_page_len[{b}]={int(lpl[b])}")
+        kv_lens[pages == 0] = 0
+    elif batch and pages.min() == 0:
+        kv_lens[pages == 0] = 0
+    return kv_lens
 
 
 def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int) -> int:
@@ -89,6 +94,15 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> Dec
     """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first."""
     batch = len(kv_lens)
     kv_lens = kv_lens.astype(np.int64)
+    if chunk <= 0 or (batch and kv_lens.max() <= chunk):     # nothing split: one row per request
+        work = np.zeros((batch, WORK_COLS), np.int32)
+        work[:, 0] = np.arange(batch)
+        work[:, 1] = indptr[:-1]
+        work[:, 3] = kv_lens
+        work[:, 4] = -1
+        if batch > 1 and kv_lens.min() != kv_lens.max():
+            work = work[np.argsort(-kv_lens, kind="stable")]
+        return DecodeWorkList(work, np.zeros((0, MERGE_COLS), np.int32), 0, 0, kv_lens)
     if chunk > 0:
         n_pieces = np.maximum(1, -(-kv_lens // chunk))
         # -- even pieces, each a multiple of the tile where possible

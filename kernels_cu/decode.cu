@@ -99,23 +99,28 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   const kv_t* v_head = v_cache + kv_head * s_head;
   const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
 
+  // -- page ids of tile `tile` (one per pass), fetched one iteration before they are needed so
+  //    the kv_indices load latency is hidden behind a tile of compute; -1 past the end
+  const int c = tid % CHUNKS;
+  auto fetch_pages = [&](int tile, int (&pages)[PASSES]) {
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int pos = kv_start + tile * BLOCK_N + p * ROWS_PER_PASS + tid / CHUNKS;
+      pages[p] = (tile < n_tiles && pos < kv_end) ? kv_indices[page_base + pos / page_size] : -1;
+    }
+  };
   // -- issue the copies of tile `tile` into stage `stage` (always commits a group)
-  auto load_tile = [&](int tile, int stage) {
+  auto issue_tile = [&](int tile, int stage, const int (&pages)[PASSES]) {
     if (tile < n_tiles) {
       unsigned char* ks = kv_s + stage * STAGE_BYTES;
       unsigned char* vs = ks + BLOCK_N * SROW;
-      const int c = tid % CHUNKS;
 #pragma unroll
       for (int p = 0; p < PASSES; ++p) {
         const int r = p * ROWS_PER_PASS + tid / CHUNKS;
         const int pos = kv_start + tile * BLOCK_N + r;
-        const bool valid = pos < kv_end;
+        const bool valid = pages[p] >= 0;
         int64_t off = 0;
-        if (valid) {
-          const int pg = pos / page_size;
-          const int page = kv_indices[page_base + pg];
-          off = int64_t(page) * s_page + int64_t(pos - pg * page_size) * s_tok + c * 8;
-        }
+        if (valid) off = int64_t(pages[p]) * s_page + int64_t(pos % page_size) * s_tok + c * 8;
         cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
         cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
       }
@@ -123,8 +128,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     cp_async_commit();
   };
 
+  int pages[PASSES];
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) load_tile(s, s);
+  for (int s = 0; s < STAGES - 1; ++s) {
+    fetch_pages(s, pages);
+    issue_tile(s, s, pages);
+  }
+  fetch_pages(STAGES - 1, pages);
 
   // -- query rows of this head tile -> smem (converted to the K/V type; rows >= `rows` zero)
   for (int i = tid; i < M_TILE * CHUNKS; i += THREADS) {
@@ -148,7 +158,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    load_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
+    issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES, pages);
+    fetch_pages(tile + STAGES, pages);
 
     const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
     const unsigned char* vs = ks + BLOCK_N * SROW;

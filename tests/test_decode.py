@@ -289,7 +289,8 @@ def test_batch_decode_gpu_split_and_unsplit_plans_agree(case_args):
     b = _check_gpu(case_args, fixed_split_size=200)
     c = _check_gpu(case_args, fixed_split_size=37)
     ref = a.astype(np.float64)
-    assert rel_err(b, ref) < 2e-3 and rel_err(c, ref) < 2e-3
+    tol = 2e-3 if case_args[-1] == "float16" else 6e-3     # one output rounding apart (bf16 ulp 2^-8)
+    assert rel_err(b, ref) < tol and rel_err(c, ref) < tol
 
 
 @pytest.mark.gpu

@@ -1,0 +1,288 @@
+"""Batch decode on the paged KV cache: latency and achieved bandwidth.
+
+Timing: CUDA events around each run() (the decode kernel plus the split-KV merge when the plan
+splits), L2 flushed (a 256 MB buffer is rewritten) before every timed call, 5 warm-up + N timed
+calls (default 30), median reported. Ceilings are measured in the same process: read-only
+bandwidth (16-byte loads, 2 GiB) and device-to-device copy (1 GiB, bytes read + written).
+TB/s = 1e12 bytes/s over the K, V, q and o bytes. Host µs = wall time of eager run() calls with
+out= given, averaged over 200 back-to-back calls of the bs 1 x 512 shape (not synced per call).
+
+    python benchmarks/bench_decode.py [--batch 1 16 64 256] [--kv-len 512 2048 8192 32768]
+        [--heads 32:8 32:32] [--dtype float16|bfloat16] [--reps 30] [--check] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cupy as cp  # noqa: E402
+
+import cuattn  # noqa: E402
+from cuattn import jit  # noqa: E402
+
+# FlashInfer 0.6.4 on H100 80GB, from shared/PEERS.md (not measured in this run): µs, best of cc/tc
+PEERS_H100 = {("32:8", 1, 512): 13.2, ("32:8", 1, 32768): 58.6, ("32:8", 16, 2048): 57.6,
+              ("32:8", 16, 32768): 722, ("32:8", 64, 8192): 720, ("32:8", 256, 512): 195,
+              ("32:8", 256, 32768): 11240, ("32:32", 1, 512): 12.3, ("32:32", 1, 32768): 188,
+              ("32:32", 16, 2048): 183, ("32:32", 64, 32768): 11250, ("32:32", 256, 8192): 11200}
+
+_READ = cp.RawKernel(r"""
+extern "C" __global__ void read_only(const uint4* __restrict__ x, long long n, unsigned* sink) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    uint4 v = x[i];
+    acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) sink[0] = 1;
+}""", "read_only")
+
+_FILL = cp.ElementwiseKernel("uint64 seed", "uint16 y", """
+  unsigned long long z = (i + seed) * 0x9E3779B97F4A7C15ull;
+  z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
+  float u = (float)(z & 0xffffff) / 16777216.0f * 2.0f - 1.0f;   // uniform [-1, 1)
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(u));
+  y = h;
+""", "fill_rand_f16")
+_FILL_BF16 = cp.ElementwiseKernel("uint64 seed", "uint16 y", """
+  unsigned long long z = (i + seed) * 0x9E3779B97F4A7C15ull;
+  z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
+  float u = (float)(z & 0xffffff) / 16777216.0f * 2.0f - 1.0f;
+  y = (unsigned short)(__float_as_uint(u) >> 16);
+""", "fill_rand_bf16")
+
+
+def fill_random(x, dtype, seed):
+    (_FILL_BF16 if dtype == "bfloat16" else _FILL)(np.uint64(seed * 0x1000003), x.view(cp.uint16))
+
+
+def time_events(fn, reps, flush=None, warmup=5):
+    for _ in range(warmup):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)   # µs
+    return statistics.median(times)
+
+
+def ceilings(reps):
+    n = (2 << 30) // 16
+    x = cp.empty(n * 16, cp.uint8)
+    fill_random(x.view(cp.uint16), "float16", 1)
+    sink = cp.zeros(1, cp.uint32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    read_us = time_events(lambda: _READ((sms * 8,), (512,), (x, np.int64(n), sink)), reps)
+    read_tbs = x.nbytes / (read_us * 1e-6) / 1e12
+    src, dst = x[:1 << 30], x[1 << 30:]
+    copy_us = time_events(lambda: cp.cuda.runtime.memcpyAsync(
+        dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+        cp.cuda.get_current_stream().ptr), reps)
+    copy_tbs = 2 * src.nbytes / (copy_us * 1e-6) / 1e12
+    del x, src, dst
+    return read_tbs, copy_tbs
+
+
+def decode_bytes(batch, kv_len, hq, hkv, d, itemsize):
+    kv = 2 * batch * kv_len * hkv * d * itemsize     # K and V, each read once
+    qo = 2 * batch * hq * d * itemsize               # q read, o written
+    return kv + qo
+
+
+def page_table(batch, kv_len, page_size, seed):
+    pages_per_req = -(-kv_len // page_size)
+    rng = np.random.default_rng(seed)
+    indices = rng.permutation(batch * pages_per_req).astype(np.int32)       # random page order
+    indptr = (np.arange(batch + 1) * pages_per_req).astype(np.int32)
+    lpl = np.full(batch, kv_len - (pages_per_req - 1) * page_size, np.int32)
+    return indptr, indices, lpl
+
+
+def setup_case(batch, kv_len, hq, hkv, d, page_size, dtype, seed):
+    indptr, indices, lpl = page_table(batch, kv_len, page_size, seed)
+    num_pages = len(indices)
+    cache = cp.empty((num_pages, 2, page_size, hkv, d), cp.uint16)
+    fill_random(cache, dtype, seed)
+    q = cp.empty((batch, hq, d), cp.uint16)
+    fill_random(q, dtype, seed + 7)
+    if dtype == "float16":
+        cache, q = cache.view(cp.float16), q.view(cp.float16)
+    return indptr, indices, lpl, cache, q
+
+
+def check_case(w, q, cache, indptr, indices, lpl, dtype, n_req=2):
+    """Compare the first requests against a float64 dense attention on the host."""
+    from tests.oracle import dense_attention, rel_err
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    out = cp.asnumpy(w.run(q, cache)).view(dt)
+    qh = cp.asnumpy(q).view(dt)
+    errs = []
+    for b in range(min(n_req, len(lpl))):
+        idx = cp.asarray(indices[indptr[b]:indptr[b + 1]])
+        kv = cp.asnumpy(cache[idx]).view(dt)          # [pages, 2, ps, hkv, d]
+        n = (len(idx) - 1) * kv.shape[2] + int(lpl[b])
+        k = kv[:, 0].reshape(-1, *kv.shape[3:])[:n]
+        v = kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
+        ref, _ = dense_attention(qh[b:b + 1], k, v)
+        errs.append(rel_err(out[b:b + 1], ref))
+    return max(errs)
+
+
+def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, lpl, cache, q, reps, flush):
+    try:
+        import flashinfer
+        import torch
+    except ImportError:
+        return None
+    tdt = torch.float16 if dtype == "float16" else torch.bfloat16
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(torch.from_numpy(indptr).cuda(), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl).cuda(),
+           hq, hkv, d, page_size, q_data_type=tdt, kv_data_type=tdt)
+    tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
+    tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
+    return time_events(lambda: w.run(tq, tc), reps, flush)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--kv-len", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    ap.add_argument("--heads", nargs="+", default=["32:8", "32:32"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
+    ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
+    args = ap.parse_args()
+    reps = max(args.reps, 20)
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    gpu = props["name"].decode()
+    env = {"gpu": gpu, "sms": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__,
+           "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "nvrtc": "%d.%d" % jit.nvrtc_version(),
+           "cuattn": cuattn.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    read_tbs, copy_tbs = ceilings(reps)
+    print(f"ceilings: read-only {read_tbs:.3f} TB/s, copy {copy_tbs:.3f} TB/s (measured now)", flush=True)
+    flush_buf = cp.empty(256 << 20, cp.uint8)
+    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    try:
+        import flashinfer  # noqa: F401
+        have_fi = True
+    except ImportError:
+        have_fi = False
+        print("FlashInfer not importable: 'FI ref' is FlashInfer 0.6.4 on H100 from PEERS.md, NOT this run")
+
+    rows = []
+    hdr = (f"{'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
+           f"{'split':>5} {'FI us':>8} {'FI/us':>6}{'  err' if args.check else ''}")
+    print(hdr, flush=True)
+    itemsize = 2
+    for heads in args.heads:
+        hq, hkv = map(int, heads.split(":"))
+        for batch in args.batch:
+            for kv_len in args.kv_len:
+                gb = 2 * batch * kv_len * hkv * args.head_dim * itemsize / 1e9
+                if gb > args.max_gb:
+                    print(f"{heads:>6} {batch:>5} {kv_len:>6}  skipped: cache {gb:.0f} GB > --max-gb", flush=True)
+                    continue
+                indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, args.head_dim,
+                                                            args.page_size, args.dtype, seed=batch + kv_len)
+                w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+                t0 = time.perf_counter()
+                w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype)
+                plan_us = (time.perf_counter() - t0) * 1e6
+                out = cp.empty_like(q)
+                run = lambda: w.run(q, cache, out=out)  # noqa: E731
+                us = time_events(run, reps, flush)
+                nbytes = decode_bytes(batch, kv_len, hq, hkv, args.head_dim, itemsize)
+                tbs = nbytes / (us * 1e-6) / 1e12
+                fi = (flashinfer_us(batch, kv_len, hq, hkv, args.head_dim, args.page_size, args.dtype, indptr,
+                                    indices, lpl, cache, q, reps, flush) if have_fi else
+                      PEERS_H100.get((heads, batch, kv_len)))
+                err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
+                row = dict(heads=heads, batch=batch, kv_len=kv_len, us=us, tbs=tbs, of_read=tbs / read_tbs,
+                           of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
+                           plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err)
+                rows.append(row)
+                fi_s = f"{fi:8.1f} {fi / us:6.2f}" if fi else f"{'-':>8} {'-':>6}"
+                print(f"{heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} {100 * tbs / read_tbs:5.1f}% "
+                      f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
+                      f"{f'  {err:.1e}' if err is not None else ''}", flush=True)
+                del cache, q, out, w
+                cp.get_default_memory_pool().free_all_blocks()
+
+    # -- host cost: eager run() with out= given (bs 1 x 512, 32:8), plan() for batch 256
+    indptr, indices, lpl, cache, q = setup_case(1, 512, 32, 8, args.head_dim, args.page_size, args.dtype, 1)
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    w.plan(indptr, indices, lpl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
+    out = cp.empty_like(q)
+    host = {}
+    for n_calls in (50, 200):
+        w.run(q, cache, out=out)
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            w.run(q, cache, out=out)
+        host["cupy"] = (time.perf_counter() - t0) / n_calls * 1e6
+        cp.cuda.Device().synchronize()
+    try:
+        import torch
+        tdt = torch.float16 if args.dtype == "float16" else torch.bfloat16
+        tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
+        tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
+        tout = torch.empty_like(tq)
+        w.run(tq, tc, out=tout)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            w.run(tq, tc, out=tout)
+        host["torch"] = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+    except ImportError:
+        pass
+    plan_times = []
+    pi, px, pl = page_table(256, 2048, args.page_size, 2)
+    for _ in range(20):
+        t0 = time.perf_counter()
+        w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
+        plan_times.append((time.perf_counter() - t0) * 1e6)
+    host["plan_batch256_us"] = statistics.median(plan_times)
+    print("host µs per eager run() (bs1x512, out= given): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in host.items() if k != "plan_batch256_us")
+          + f"; plan() batch 256 x 2048: {host['plan_batch256_us']:.0f} µs")
+
+    result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, copy_tbs=copy_tbs), dtype=args.dtype,
+                  head_dim=args.head_dim, page_size=args.page_size, reps=reps, timing=__doc__.split("\n\n")[1],
+                  rows=rows, host_us=host)
+    path = Path(args.out) if args.out else (Path(__file__).parent / "results" /
+                                            f"decode_{gpu.replace(' ', '_')}_{env['date'][:10]}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
