@@ -45,26 +45,37 @@ struct KvRows {
   int64_t s_tok, s_head, s_page;
 };
 
-// -- element offset of key `pos` of this request, kv head `kvh` (page lookup when PAGED)
-__device__ __forceinline__ int64_t kv_offset(const KvRows& t, int pos, int64_t kv_base,
-                                             const int32_t* __restrict__ pages, int page_size, int kvh) {
+// -- page index of each key row this thread copies in one tile (fetched a phase ahead of the copy,
+//    so the page-table load latency hides under tensor-core work; one lookup serves K and V)
+constexpr int ROWS_PT = BLOCK_N / ROW_STEP;
+struct PageRegs { int p[PAGED ? ROWS_PT : 1]; };
+
+__device__ __forceinline__ void fetch_pages(PageRegs& pr, int kv0, int kv_len, const int32_t* __restrict__ pages,
+                                            int page_size) {
 #if PAGED
-  int page = __ldg(pages + pos / page_size);
-  return int64_t(page) * t.s_page + int64_t(pos % page_size) * t.s_tok + kvh * t.s_head;
-#else
-  return (kv_base + pos) * t.s_tok + kvh * t.s_head;
+#pragma unroll
+  for (int j = 0; j < ROWS_PT; ++j) {
+    const int pos = kv0 + int(threadIdx.x) / CHUNKS + j * ROW_STEP;
+    pr.p[j] = pos < kv_len ? __ldg(pages + pos / page_size) : 0;
+  }
 #endif
 }
 
 // -- cp.async a BLOCK_N x D tile of keys [kv0, kv0 + BLOCK_N) into smem; rows past kv_len are zeros
 __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int kv0, int kv_len, int64_t kv_base,
-                                             const int32_t* __restrict__ pages, int page_size, int kvh) {
+                                             const PageRegs& pr, int page_size, int kvh) {
   const int c = threadIdx.x % CHUNKS;
 #pragma unroll
-  for (int r = threadIdx.x / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
+  for (int j = 0; j < ROWS_PT; ++j) {
+    const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
     const int pos = kv0 + r;
     const bool ok = pos < kv_len;
-    const dtype_t* src = ok ? t.base + kv_offset(t, pos, kv_base, pages, page_size, kvh) + c * 8 : t.base;
+#if PAGED
+    const int64_t off = int64_t(pr.p[j]) * t.s_page + int64_t(pos % page_size) * t.s_tok + kvh * t.s_head;
+#else
+    const int64_t off = (kv_base + pos) * t.s_tok + kvh * t.s_head;
+#endif
+    const dtype_t* src = ok ? t.base + off + c * 8 : t.base;
     cp_async_16(dst + swz(r, c), src, ok ? 16 : 0);
   }
 }
@@ -148,13 +159,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const int num_tiles = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
 
   // -- prologue: groups (Q + K0), V0, K1, V1, ..., V[STAGES-1]; every later group is one tile
+  PageRegs pr;
 #pragma unroll
   for (int st = 0; st < STAGES; ++st) {
-    if (st < num_tiles) load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    if (st < num_tiles) {
+      fetch_pages(pr, st * BLOCK_N, kv_len, pages, page_size);
+      load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
+    }
     cp_async_commit();
-    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
     cp_async_commit();
   }
+  // pr holds the pages of tile it + STAGES - 1 at the top of iteration it >= 1, of tile STAGES at it = 0
+  if (STAGES < num_tiles) fetch_pages(pr, STAGES * BLOCK_N, kv_len, pages, page_size);
 
   // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
   const int g = lane / 4, t4 = lane % 4;
@@ -178,8 +195,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     __syncthreads();                            // K[it] (and Q) visible; every warp done with P.V of it-1
     if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
-      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
       cp_async_commit();
+      if (PAGED && nt + 1 < num_tiles) fetch_pages(pr, (nt + 1) * BLOCK_N, kv_len, pages, page_size);
     }
 
     // -- S = Q K^T
@@ -237,6 +255,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
 
     // -- online softmax (base 2): m_new = max(m, rowmax * scale); rescale acc and l
+    float corr[NUM_MMA_Q][2];
+    bool changed = false;
 #pragma unroll
     for (int i = 0; i < NUM_MMA_Q; ++i)
 #pragma unroll
@@ -248,7 +268,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_i[i][h], mx * scale_log2);
         const float m_use = m_new == NEG_INF ? 0.f : m_new;   // fully masked so far: no NaN
-        const float corr = exp2_approx(m_i[i][h] - m_use);
+        corr[i][h] = exp2_approx(m_i[i][h] - m_use);
+        changed |= corr[i][h] != 1.f;
         m_i[i][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -259,18 +280,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
             s[i][n][2 * h + e] = p;
             sum += p;
           }
-        l_i[i][h] = l_i[i][h] * corr + sum;     // per-thread partial; quad-reduced at the end
+        l_i[i][h] = l_i[i][h] * corr[i][h] + sum;   // per-thread partial; quad-reduced at the end
+      }
+    if (__any_sync(0xffffffffu, changed)) {     // -- rescale only when some row max moved (warp-uniform)
+#pragma unroll
+      for (int i = 0; i < NUM_MMA_Q; ++i)
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-          acc[i][n][2 * h] *= corr;
-          acc[i][n][2 * h + 1] *= corr;
+          acc[i][n][0] *= corr[i][0];
+          acc[i][n][1] *= corr[i][0];
+          acc[i][n][2] *= corr[i][1];
+          acc[i][n][3] *= corr[i][1];
         }
-      }
+    }
 
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // V[it] visible; every warp done reading K[it]
     if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
-      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, kv_len, kv_base, pages, page_size, kvh);
+      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
     cp_async_commit();
 
     // -- O += P V (P from the S accumulators, repacked as A fragments)
