@@ -172,6 +172,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
+    ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()
     reps = max(args.reps, 20)
@@ -270,6 +271,20 @@ def main():
         w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
         plan_times.append((time.perf_counter() - t0) * 1e6)
     host["plan_batch256_us"] = statistics.median(plan_times)
+    if args.profile_host:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            w.run(q, cache, out=out)
+        for _ in range(20):
+            w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        Path(args.profile_host).write_text(buf.getvalue())
     print("host µs per eager run() (bs1x512, out= given): " + ", ".join(
         f"{k} {v:.1f}" for k, v in host.items() if k != "plan_batch256_us")
           + f"; plan() batch 256 x 2048: {host['plan_batch256_us']:.0f} µs")

@@ -123,6 +123,11 @@ class _Launch:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
 
 
+def _page_shift(page_size: int) -> int:
+    """log2(page_size) for a power of two (the kernel then shifts and masks), else -1."""
+    return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+
+
 def _short(dtype: np.dtype) -> str:
     return arrays.SHORT_NAME.get(np.dtype(dtype), str(dtype))
 
@@ -436,10 +441,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _build_launchers(self):
         spec = self._spec
         kernel, merge = _functions(spec, self._device)
-        k = _Launch(kernel, "ppppppppp" + "qqqqqqq" + "iiii" + "f")
+        k = _Launch(kernel, "ppppppppp" + "qqqqqqq" + "iiiii" + "f")
         for i, v in ((0, self._work_ptr), (4, self._indices_ptr), (7, self._part_o), (8, self._part_lse),
-                     (16, self._page_size), (17, self._num_qo_heads), (18, self._group), (19, self._m_tiles),
-                     (20, self._sm_scale * _LOG2E)):
+                     (16, self._page_size), (17, _page_shift(self._page_size)), (18, self._num_qo_heads),
+                     (19, self._group), (20, self._m_tiles), (21, self._sm_scale * _LOG2E)):
             k.set(i, v)
         self._k_launch, self._k_grid = k, (self._num_kv_heads * self._m_tiles, self._grid_work)
         self._m_launch = None
@@ -762,7 +767,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
             u64(ot.ptr), u64(lse_ptr), u64(part_o), u64(part_lse),
             i64(0), i64(qt.strides[0]), i64(0), i64(ot.strides[1]),
             i64(0), i64(s_tok), i64(s_head),
-            i32(max(kv_len, 1)), i32(hq), i32(group), i32(m_tiles), np.float32(scale * _LOG2E)),
+            i32(max(kv_len, 1)), i32(_page_shift(max(kv_len, 1))), i32(hq), i32(group), i32(m_tiles),
+            np.float32(scale * _LOG2E)),
            shared_mem=spec.smem_bytes, stream=ctx.stream)
     if merge_dev is not None:
         hpb = _THREADS // (d // 4)

@@ -7,6 +7,7 @@
 //   end), 64 tokens per stage, 16 per warp. Each warp runs S = Q K^T and O += P V with
 //   mma.sync m16n8k16 (query heads are the M dimension, so K/V is read once per group) and keeps
 //   its own online-softmax state; the 4 warps merge through shared memory at the end.
+//   page_shift = log2(page_size) for power-of-two pages (shift/mask addressing), else -1.
 //   Output: the final row (dtype of q) and LSE, or, for a split request, an fp32 partial row and
 //   partial LSE in the workspace (merged by cuattn_decode_merge).
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
@@ -82,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     float* __restrict__ part_lse,          // [num_slots, num_qo_heads]
     int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
     int64_t s_page, int64_t s_tok, int64_t s_head,
-    int page_size, int num_qo_heads, int group, int m_tiles, float scale_log2) {
+    int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t* w = work + int64_t(blockIdx.y) * 8;
@@ -106,7 +107,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int pos = kv_start + tile * BLOCK_N + p * ROWS_PER_PASS + tid / CHUNKS;
-      pages[p] = (tile < n_tiles && pos < kv_end) ? kv_indices[page_base + pos / page_size] : -1;
+      const int pg = page_shift >= 0 ? pos >> page_shift : pos / page_size;
+      pages[p] = (tile < n_tiles && pos < kv_end) ? kv_indices[page_base + pg] : -1;
     }
   };
   // -- issue the copies of tile `tile` into stage `stage` (always commits a group)
@@ -120,7 +122,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         const int pos = kv_start + tile * BLOCK_N + r;
         const bool valid = pages[p] >= 0;
         int64_t off = 0;
-        if (valid) off = int64_t(pages[p]) * s_page + int64_t(pos % page_size) * s_tok + c * 8;
+        const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
+        if (valid) off = int64_t(pages[p]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
         cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
         cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
       }

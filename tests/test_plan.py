@@ -61,8 +61,15 @@ def test_choose_chunk_splits_batch1_long_context_to_fill_the_gpu():
 
 
 def test_choose_chunk_does_not_split_a_uniform_batch_that_fills_the_gpu():
-    assert plan.choose_chunk(np.full(16, 32768), 8, 132, 2) == 0
+    assert plan.choose_chunk(np.full(64, 32768), 8, 132, 2) == 0
     assert plan.choose_chunk(np.full(256, 512), 8, 132, 2) == 0
+
+
+def test_choose_chunk_splits_until_every_sm_holds_ctas_per_sm_ctas():
+    lens = np.full(16, 32768)
+    chunk = plan.choose_chunk(lens, 8, 132, 2)
+    wl = plan.decode_work_list(np.arange(17) * 2048, lens, chunk)
+    assert len(wl.work) * 8 >= 264
 
 
 def test_choose_chunk_splits_the_long_request_of_a_skewed_batch():
