@@ -172,6 +172,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
+    ap.add_argument("--stages", type=int, default=0, help="cp.async depth experiment (0: shipped default)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()
@@ -212,6 +213,7 @@ def main():
                 indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, args.head_dim,
                                                             args.page_size, args.dtype, seed=batch + kv_len)
                 w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+                w._num_stages = args.stages        # tuning experiment hook, not API
                 t0 = time.perf_counter()
                 w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype)
                 plan_us = (time.perf_counter() - t0) * 1e6

@@ -36,15 +36,17 @@ class DecodeSpec:
     head_dim: int       # 64 | 128 | 256
     dtype_q: str        # "f16" | "bf16"
     dtype_kv: str       # "f16" | "bf16"
+    num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
     source = _SOURCE
 
     @property
     def name(self) -> str:     # "decode_hd128_qf16_kvf16"
-        return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}"
+        extra = f"_s{self.num_stages}" if self.num_stages else ""
+        return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
     def stages(self) -> int:   # cp.async depth: ~70-135 KB of K/V in flight per CTA
-        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+        return self.num_stages or {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
@@ -330,7 +332,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
             self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
                                f"supported: float16, bfloat16")
-        self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype))
+        self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype),
+                                                             getattr(self, "_num_stages", 0))
         self._planned = True
 
         device = self._device
