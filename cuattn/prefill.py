@@ -210,6 +210,8 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
     args = (u64(q.ptr), u64(k_ptr), u64(v_ptr), u64(out.ptr), u64(lse_ptr),
             *(u64(p) for p in meta),
             np.int32(single[0]), np.int32(single[1]), np.int32(group), np.int32(page_size),
+            np.int32(page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1),
+            np.int32(k_strides[2] // k_strides[0] if k_strides[0] else 0),
             i64(q.strides[0]), i64(q.strides[1]),
             i64(k_strides[0]), i64(k_strides[1]), i64(k_strides[2]),
             i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]),
@@ -639,6 +641,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
                                        "mask_indptr", "work"))
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
+        if kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31:
+            raise UnsupportedError(f"{fn}: the paged kernel addresses rows as page * (page stride / slot stride) + "
+                                   f"slot in int32; page stride {kv.stride_page} must be a multiple of slot stride "
+                                   f"{kv.stride_slot} and num_pages * ratio < 2**31")
         _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,

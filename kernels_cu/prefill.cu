@@ -50,13 +50,23 @@ struct KvRows {
 constexpr int ROWS_PT = BLOCK_N / ROW_STEP;
 struct PageRegs { int p[PAGED ? ROWS_PT : 1]; };
 
+// pr.p[j] = the row's offset in units of s_tok: page * (s_page / s_tok) + slot (host checks that
+// s_page is a multiple of s_tok and that this fits in int32). page_shift >= 0: page_size = 1 << shift.
 __device__ __forceinline__ void fetch_pages(PageRegs& pr, int kv0, int kv_len, const int32_t* __restrict__ pages,
-                                            int page_size) {
+                                            int page_size, int page_shift, int page_rows) {
 #if PAGED
 #pragma unroll
   for (int j = 0; j < ROWS_PT; ++j) {
     const int pos = kv0 + int(threadIdx.x) / CHUNKS + j * ROW_STEP;
-    pr.p[j] = pos < kv_len ? __ldg(pages + pos / page_size) : 0;
+    int idx, slot;
+    if (page_shift >= 0) {
+      idx = pos >> page_shift;
+      slot = pos & (page_size - 1);
+    } else {
+      idx = pos / page_size;
+      slot = pos - idx * page_size;
+    }
+    pr.p[j] = pos < kv_len ? __ldg(pages + idx) * page_rows + slot : 0;
   }
 #endif
 }
@@ -71,7 +81,7 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int 
     const int pos = kv0 + r;
     const bool ok = pos < kv_len;
 #if PAGED
-    const int64_t off = int64_t(pr.p[j]) * t.s_page + int64_t(pos % page_size) * t.s_tok + kvh * t.s_head;
+    const int64_t off = int64_t(pr.p[j]) * t.s_tok + kvh * t.s_head;
 #else
     const int64_t off = (kv_base + pos) * t.s_tok + kvh * t.s_head;
 #endif
@@ -93,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     const uint8_t* __restrict__ mask,        // bit-packed, little bit order (CUSTOM_MASK)
     const int32_t* __restrict__ mask_indptr, // [batch + 1] byte offsets into mask (batch mode)
     const int32_t* __restrict__ work,        // [num_work, 2] (request, tile), or nullptr: single
-    int single_qo_len, int single_kv_len, int group, int page_size,
+    int single_qo_len, int single_kv_len, int group, int page_size, int page_shift, int page_rows,
     int64_t q_s_tok, int64_t q_s_head, int64_t k_s_tok, int64_t k_s_head, int64_t k_s_page,
     int64_t v_s_tok, int64_t v_s_head, int64_t v_s_page, int64_t o_s_tok, int64_t o_s_head,
     float scale_log2) {
@@ -163,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #pragma unroll
   for (int st = 0; st < STAGES; ++st) {
     if (st < num_tiles) {
-      fetch_pages(pr, st * BLOCK_N, kv_len, pages, page_size);
+      fetch_pages(pr, st * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
       load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
     }
     cp_async_commit();
@@ -171,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     cp_async_commit();
   }
   // pr holds the pages of tile it + STAGES - 1 at the top of iteration it >= 1, of tile STAGES at it = 0
-  if (STAGES < num_tiles) fetch_pages(pr, STAGES * BLOCK_N, kv_len, pages, page_size);
+  if (STAGES < num_tiles) fetch_pages(pr, STAGES * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
 
   // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
   const int g = lane / 4, t4 = lane % 4;
@@ -197,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
       if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
       cp_async_commit();
-      if (PAGED && nt + 1 < num_tiles) fetch_pages(pr, (nt + 1) * BLOCK_N, kv_len, pages, page_size);
+      if (PAGED && nt + 1 < num_tiles) fetch_pages(pr, (nt + 1) * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
     }
 
     // -- S = Q K^T
