@@ -83,10 +83,15 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
         return 0
     total = int(kv_lens.sum())
     max_len = int(kv_lens.max())
+    mean = -(-total // batch)
     slots = num_sms * ctas_per_sm
-    chunk = -(-total * heads_work // slots)
-    if batch * heads_work >= 0.9 * slots:              # the batch alone fills the GPU
-        chunk = max(chunk, 2 * (-(-total // batch)))   # split only requests > 2x the mean
+    if batch * heads_work >= 0.9 * slots:              # the batch alone fills the GPU:
+        chunk = 2 * mean                               # split only requests > 2x the mean
+    else:
+        # -- p pieces per (mean-length) request so that the CTAs fit one wave of `slots`
+        #    (rounding p up would leave a mostly empty second wave)
+        p = max(1, slots // (batch * heads_work))
+        chunk = -(-mean // p)
     chunk = max(MIN_CHUNK, -(-chunk // BLOCK_N) * BLOCK_N)
     return 0 if max_len <= chunk else chunk
 

@@ -57,7 +57,7 @@ def test_decode_work_list_covers_every_request_head_token_exactly_once(lens, pag
 def test_choose_chunk_splits_batch1_long_context_to_fill_the_gpu():
     chunk = plan.choose_chunk(np.array([32768]), 8, 132, 2)
     wl = plan.decode_work_list(np.array([0, 2048]), np.array([32768]), chunk)
-    assert 132 <= len(wl.work) * 8 <= 2 * 264
+    assert 0.9 * 264 <= len(wl.work) * 8 <= 264
 
 
 def test_choose_chunk_does_not_split_a_uniform_batch_that_fills_the_gpu():
@@ -69,7 +69,7 @@ def test_choose_chunk_splits_until_every_sm_holds_ctas_per_sm_ctas():
     lens = np.full(16, 32768)
     chunk = plan.choose_chunk(lens, 8, 132, 2)
     wl = plan.decode_work_list(np.arange(17) * 2048, lens, chunk)
-    assert len(wl.work) * 8 >= 264
+    assert 0.9 * 264 <= len(wl.work) * 8 <= 264      # one full wave, no mostly empty second one
 
 
 def test_choose_chunk_splits_the_long_request_of_a_skewed_batch():
