@@ -30,7 +30,11 @@ import cupy as cp  # noqa: E402
 import cuattn  # noqa: E402
 from cuattn import jit  # noqa: E402
 
-# FlashInfer 0.6.4 on H100 80GB, from shared/PEERS.md (not measured in this run): µs, best of cc/tc
+# FlashInfer 0.6.4 from shared/PEERS.md (not measured in this run): µs, best of its cc/tc kernels
+PEERS_H200 = {("32:8", 1, 512): 12.4, ("32:8", 1, 32768): 44.3, ("32:8", 16, 2048): 45.2,
+              ("32:8", 16, 32768): 493, ("32:8", 64, 8192): 495, ("32:8", 256, 512): 149,
+              ("32:8", 256, 32768): 7727, ("32:32", 1, 512): 11.3, ("32:32", 1, 32768): 132,
+              ("32:32", 16, 2048): 128, ("32:32", 64, 32768): 7678, ("32:32", 256, 8192): 7653}
 PEERS_H100 = {("32:8", 1, 512): 13.2, ("32:8", 1, 32768): 58.6, ("32:8", 16, 2048): 57.6,
               ("32:8", 16, 32768): 722, ("32:8", 64, 8192): 720, ("32:8", 256, 512): 195,
               ("32:8", 256, 32768): 11240, ("32:32", 1, 512): 12.3, ("32:32", 1, 32768): 188,
@@ -39,6 +43,7 @@ PEERS_H100 = {("32:8", 1, 512): 13.2, ("32:8", 1, 32768): 58.6, ("32:8", 16, 204
 _READ = cp.RawKernel(r"""
 extern "C" __global__ void read_only(const uint4* __restrict__ x, long long n, unsigned* sink) {
   uint4 acc = make_uint4(0, 0, 0, 0);
+  #pragma unroll 4
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     uint4 v = x[i];
     acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
@@ -173,6 +178,7 @@ def main():
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
     ap.add_argument("--stages", type=int, default=0, help="cp.async depth experiment (0: shipped default)")
+    ap.add_argument("--prefetch", type=int, default=2, help="L2 prefetch distance experiment (tiles)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()
@@ -195,7 +201,9 @@ def main():
         have_fi = True
     except ImportError:
         have_fi = False
-        print("FlashInfer not importable: 'FI ref' is FlashInfer 0.6.4 on H100 from PEERS.md, NOT this run")
+        peers = PEERS_H200 if "H200" in gpu else PEERS_H100 if "H100" in gpu else {}
+        print(f"FlashInfer not importable: 'FI us' is FlashInfer 0.6.4 on "
+              f"{'H200' if 'H200' in gpu else 'H100'} from PEERS.md, NOT measured in this run")
 
     rows = []
     hdr = (f"{'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
@@ -213,7 +221,7 @@ def main():
                 indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, args.head_dim,
                                                             args.page_size, args.dtype, seed=batch + kv_len)
                 w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-                w._num_stages = args.stages        # tuning experiment hook, not API
+                w._num_stages, w._prefetch = args.stages, args.prefetch   # tuning hooks, not API
                 t0 = time.perf_counter()
                 w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype)
                 plan_us = (time.perf_counter() - t0) * 1e6
@@ -224,7 +232,7 @@ def main():
                 tbs = nbytes / (us * 1e-6) / 1e12
                 fi = (flashinfer_us(batch, kv_len, hq, hkv, args.head_dim, args.page_size, args.dtype, indptr,
                                     indices, lpl, cache, q, reps, flush) if have_fi else
-                      PEERS_H100.get((heads, batch, kv_len)))
+                      peers.get((heads, batch, kv_len)))
                 err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
                 row = dict(heads=heads, batch=batch, kv_len=kv_len, us=us, tbs=tbs, of_read=tbs / read_tbs,
                            of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),

@@ -37,11 +37,13 @@ class DecodeSpec:
     dtype_q: str        # "f16" | "bf16"
     dtype_kv: str       # "f16" | "bf16"
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
+    prefetch: int = 2    # tiles prefetched into L2 beyond the cp.async stages
     source = _SOURCE
 
     @property
     def name(self) -> str:     # "decode_hd128_qf16_kvf16"
         extra = f"_s{self.num_stages}" if self.num_stages else ""
+        extra += f"_pf{self.prefetch}" if self.prefetch != 2 else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -50,7 +52,8 @@ class DecodeSpec:
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
-                f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}")
+                f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
+                f"-DPREFETCH={self.prefetch}")
 
     @property
     def smem_bytes(self) -> int:
@@ -141,17 +144,21 @@ def _same_dtype(t_dtype: np.dtype, want: np.dtype) -> bool:
 
 # -- fast descriptors for the hot path (CuPy and torch CUDA arrays; everything else goes through
 #    arrays.device_tensor). Returns (ptr, shape, strides in elements, dtype name, device, is_torch).
+#    The dtype is compared by identity/equality with np.dtype objects (CuPy) or by name (torch):
+#    np.dtype.name costs ~5 µs.
 def _describe(x):
     mod = type(x).__module__
     if mod == "cupy":
         isz = x.itemsize
-        st = x.strides
-        return x.data.ptr, x.shape, tuple(v // isz for v in st), x.dtype.name, x.device.id, False
+        return x.data.ptr, x.shape, tuple([v // isz for v in x.strides]), x.dtype, x.device.id, False
     if mod == "torch":
         if not x.is_cuda:
             return None
         return x.data_ptr(), tuple(x.shape), x.stride(), str(x.dtype)[6:], x.get_device(), True
     return None
+
+
+_F32 = ("float32", np.dtype(np.float32))
 
 
 def _empty_like(q, torch_in):
@@ -333,7 +340,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
                                f"supported: float16, bfloat16")
         self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype),
-                                                             getattr(self, "_num_stages", 0))
+                                                             getattr(self, "_num_stages", 0),
+                                                             getattr(self, "_prefetch", 2))
         self._planned = True
 
         device = self._device
@@ -438,7 +446,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._part_o = ptr
             self._part_lse = ptr + slots * self._num_qo_heads * self._head_dim * 4
         self._build_launchers()
-        names = {np.dtype(np.float16): ("float16",), arrays.bfloat16: ("bfloat16", "uint16")}
+        names = {np.dtype(np.float16): ("float16", np.dtype(np.float16)),
+                 arrays.bfloat16: ("bfloat16", np.dtype(np.uint16), arrays.bfloat16)}
         self._q_names, self._kv_names = names[self._q_dtype], names[self._kv_dtype]
 
     def _build_launchers(self):
@@ -573,7 +582,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if lse is None:
                 lse = _empty_f32(q, (self._batch, self._num_qo_heads), torch_in)
             ld = _describe(lse)
-            if ld is None or ld[1] != (self._batch, self._num_qo_heads) or ld[3] != "float32" \
+            if ld is None or ld[1] != (self._batch, self._num_qo_heads) or ld[3] not in _F32 \
                     or ld[2] != (self._num_qo_heads, 1) or ld[4] != self._device:
                 return None
             lse_ptr = ld[0]

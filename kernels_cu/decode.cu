@@ -1,10 +1,11 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
-// Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth).
+// Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
+//   PREFETCH (tiles prefetched into L2 beyond the stages).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
 //   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 128 (4 warps).
 //   K/V rows stream through a STAGES-deep cp.async pipeline (16-byte copies, zero fill past the
-//   end), 64 tokens per stage, 16 per warp. Each warp runs S = Q K^T and O += P V with
+//   end), 64 tokens per stage, 16 per warp, with PREFETCH more tiles prefetched into L2. Each warp runs S = Q K^T and O += P V with
 //   mma.sync m16n8k16 (query heads are the M dimension, so K/V is read once per group) and keeps
 //   its own online-softmax state; the 4 warps merge through shared memory at the end.
 //   page_shift = log2(page_size) for power-of-two pages (shift/mask addressing), else -1.
@@ -40,7 +41,14 @@ constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
 constexpr int PASSES = BLOCK_N / ROWS_PER_PASS;
 constexpr int Q_BYTES = M_TILE * SROW;
 constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
+#ifndef PREFETCH
+#define PREFETCH 2                               // tiles beyond the cp.async stages prefetched into L2
+#endif
 constexpr float LN2 = 0.69314718055994531f;
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float log2_approx(float x) {
@@ -131,13 +139,36 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     cp_async_commit();
   };
 
-  int pages[PASSES];
+  // -- L2 prefetch of tile `tile` (one thread per 128-byte line of each K and V row): PREFETCH
+  //    more tiles in flight than shared memory holds, which the long loaded-DRAM latency needs
+  auto prefetch_tile = [&](int tile, const int (&pf)[PASSES]) {
+    if (PREFETCH > 0 && tile < n_tiles && (c & 7) == 0) {
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        if (pf[p] >= 0) {
+          const int pos = kv_start + tile * BLOCK_N + p * ROWS_PER_PASS + tid / CHUNKS;
+          const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
+          const int64_t off = int64_t(pf[p]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
+          prefetch_l2(k_head + off);
+          prefetch_l2(v_head + off);
+        }
+      }
+    }
+  };
+
+  int pages[PASSES], pf_pages[PASSES];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, pages);
     issue_tile(s, s, pages);
   }
+#pragma unroll
+  for (int t = STAGES - 1; t < STAGES - 1 + PREFETCH; ++t) {
+    fetch_pages(t, pf_pages);
+    prefetch_tile(t, pf_pages);
+  }
   fetch_pages(STAGES - 1, pages);
+  fetch_pages(STAGES - 1 + PREFETCH, pf_pages);
 
   // -- query rows of this head tile -> smem (converted to the K/V type; rows >= `rows` zero)
   for (int i = tid; i < M_TILE * CHUNKS; i += THREADS) {
@@ -162,7 +193,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES, pages);
+    prefetch_tile(tile + STAGES - 1 + PREFETCH, pf_pages);
     fetch_pages(tile + STAGES, pages);
+    fetch_pages(tile + STAGES + PREFETCH, pf_pages);
 
     const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
     const unsigned char* vs = ks + BLOCK_N * SROW;
