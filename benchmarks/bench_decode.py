@@ -178,7 +178,7 @@ def main():
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
     ap.add_argument("--stages", type=int, default=0, help="cp.async depth experiment (0: shipped default)")
-    ap.add_argument("--prefetch", type=int, default=2, help="L2 prefetch distance experiment (tiles)")
+    ap.add_argument("--prefetch", type=int, default=0, help="L2 prefetch distance experiment (tiles)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()

@@ -37,13 +37,13 @@ class DecodeSpec:
     dtype_q: str        # "f16" | "bf16"
     dtype_kv: str       # "f16" | "bf16"
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
-    prefetch: int = 2    # tiles prefetched into L2 beyond the cp.async stages
+    prefetch: int = 0    # tiles prefetched into L2 beyond the cp.async stages (measured slower: off)
     source = _SOURCE
 
     @property
     def name(self) -> str:     # "decode_hd128_qf16_kvf16"
         extra = f"_s{self.num_stages}" if self.num_stages else ""
-        extra += f"_pf{self.prefetch}" if self.prefetch != 2 else ""
+        extra += f"_pf{self.prefetch}" if self.prefetch else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -341,7 +341,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                f"supported: float16, bfloat16")
         self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype),
                                                              getattr(self, "_num_stages", 0),
-                                                             getattr(self, "_prefetch", 2))
+                                                             getattr(self, "_prefetch", 0))
         self._planned = True
 
         device = self._device
