@@ -1,6 +1,7 @@
 """cuattn: attention kernels for LLM serving on a paged KV cache (NVRTC + CuPy, any framework)."""
 from ._version import __version__
 from .errors import CacheFullError, CompileError, CuattnError, DeviceUnavailableError, UnsupportedError
+from .cascade import merge_state, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
 from .page import PagedKVCache, append_paged_kv_cache, get_batch_indices_positions
 from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
@@ -10,7 +11,7 @@ from .mask import packbits, segment_packbits
 __all__ = [
     "__version__",
     "CacheFullError", "CompileError", "CuattnError", "DeviceUnavailableError", "UnsupportedError",
-    "BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache",
+    "BatchDecodeWithPagedKVCacheWrapper", "single_decode_with_kv_cache", "merge_state", "merge_states",
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions",
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
