@@ -75,61 +75,73 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _dense_attention(q, k, v, causal: bool):
+    """float64 attention of q [qo, Hq, D] over k, v [kv, Hkv, D], causal aligned bottom-right."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = np.einsum("qhd,khd->hqk", q, np.repeat(k, group, axis=1)) / np.sqrt(q.shape[-1])
+    if causal:
+        qo, kv = q.shape[0], k.shape[0]
+        s = np.where(np.arange(kv)[None, :] <= np.arange(qo)[:, None] + kv - qo, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v, group, axis=1))
+
+
 def cmd_demo(args) -> int:
-    """A tiny serving loop: prompts appended to a paged cache, then decode steps, then free."""
+    """A small serving loop: prompts appended and prefilled on a paged cache, decode steps, free."""
     from .decode import BatchDecodeWithPagedKVCacheWrapper
     from .page import PagedKVCache
+    from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
     on_gpu = arrays.gpu_available() and not args.cpu
-    device = "cuda" if on_gpu else "cpu"
     print(f"cuattn demo: running on {'the GPU: ' + _gpu_line() if on_gpu else 'the CPU (NumPy reference path)'}"
           + ("" if on_gpu or args.cpu else f"; {_gpu_line()}"))
     xp = arrays.cupy_module() if on_gpu else np
+    to_host = arrays.cupy_module().asnumpy if on_gpu else np.asarray
     rng = np.random.default_rng(0)
     layers, q_heads, kv_heads, head_dim, page_size = 2, 8, 2, 64, 16
-    cache = PagedKVCache(layers, kv_heads, head_dim, page_size, max_num_pages=64, dtype="float16", device=device)
+    cache = PagedKVCache(layers, kv_heads, head_dim, page_size, max_num_pages=64, dtype="float16",
+                         device="cuda" if on_gpu else "cpu")
     prompts = [37, 5, 20]
     seqs = [cache.add_sequence() for _ in prompts]
-    history = {s: [[] for _ in range(layers)] for s in seqs}   # host copy of K/V for the check
-
-    def append(batch, counts):
-        for layer in range(layers):
-            k = rng.standard_normal((batch.nnz, kv_heads, head_dim)).astype(np.float16)
-            v = rng.standard_normal((batch.nnz, kv_heads, head_dim)).astype(np.float16)
-            cache.append(layer, xp.asarray(k), xp.asarray(v), batch)
-            rows = np.cumsum([0] + counts)
-            for i, s in enumerate(batch.seq_ids):
-                history[s][layer].append((k[rows[i]:rows[i + 1]], v[rows[i]:rows[i + 1]]))
-
-    append(cache.reserve(seqs, prompts), prompts)
-    print(f"prefilled {len(seqs)} sequences of {prompts} tokens: {cache.max_num_pages - cache.num_free_pages} "
-          f"pages of {page_size} in use")
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    history = {(s, layer): ([], []) for s in seqs for layer in range(layers)}   # host K/V for the check
     worst = 0.0
-    for step in range(4):
-        batch = cache.reserve(seqs, [1] * len(seqs))
-        append(batch, [1] * len(seqs))
-        wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, q_heads, kv_heads,
-                     head_dim, page_size, q_data_type="float16", kv_data_type="float16")
+
+    def step(counts, wrapper, causal):
+        """Reserve pages, then per layer: append new K/V, attend with new queries, check."""
+        nonlocal worst
+        batch = cache.reserve(seqs, counts)
+        plan_args = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, q_heads, kv_heads,
+                     head_dim, page_size)
+        if causal:
+            wrapper.plan(batch.append_indptr, *plan_args, causal=True, q_data_type="float16")
+        else:
+            wrapper.plan(*plan_args, q_data_type="float16", kv_data_type="float16")
+        rows = batch.append_indptr
         for layer in range(layers):
-            q = rng.standard_normal((len(seqs), q_heads, head_dim)).astype(np.float16)
-            out = wrapper.run(xp.asarray(q), cache.layer(layer))
-            out = arrays.cupy_module().asnumpy(out) if on_gpu else out
-            for i, s in enumerate(seqs):     # check against plain float64 attention
-                k = np.concatenate([a for a, _ in history[s][layer]]).astype(np.float64)
-                v = np.concatenate([b for _, b in history[s][layer]]).astype(np.float64)
-                for h in range(q_heads):
-                    kh = h // (q_heads // kv_heads)
-                    w = k[:, kh] @ q[i, h].astype(np.float64) / np.sqrt(head_dim)
-                    p = np.exp(w - w.max())
-                    ref = p @ v[:, kh] / p.sum()
-                    worst = max(worst, float(np.abs(out[i, h].astype(np.float64) - ref).max()))
-        print(f"decode step {step}: lengths {[cache.seq_len(s) for s in seqs]}, "
+            k, v, q = (rng.standard_normal((batch.nnz, h, head_dim)).astype(np.float16)
+                       for h in (kv_heads, kv_heads, q_heads))
+            cache.append(layer, xp.asarray(k), xp.asarray(v), batch)
+            out = to_host(wrapper.run(xp.asarray(q), cache.layer(layer)))
+            for i, s in enumerate(seqs):
+                ks, vs = history[(s, layer)]
+                ks.append(k[rows[i]:rows[i + 1]]), vs.append(v[rows[i]:rows[i + 1]])
+                ref = _dense_attention(q[rows[i]:rows[i + 1]], np.concatenate(ks), np.concatenate(vs), causal)
+                worst = max(worst, float(np.abs(out[rows[i]:rows[i + 1]] - ref).max()))
+
+    step(prompts, BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD"), causal=True)
+    print(f"prefill: {len(seqs)} prompts of {prompts} tokens appended and attended (causal) on "
+          f"{cache.max_num_pages - cache.num_free_pages} pages of {page_size}; "
+          f"max |out - float64 reference| {worst:.2e}")
+    decode = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    for i in range(4):
+        step([1] * len(seqs), decode, causal=False)
+        print(f"decode step {i}: lengths {[cache.seq_len(s) for s in seqs]}, "
               f"max |out - float64 reference| so far {worst:.2e}")
     for s in seqs:
         cache.remove_sequence(s)
     print(f"freed all sequences: {cache.num_free_pages}/{cache.max_num_pages} pages free")
-    if worst > 2e-2:
+    if not worst < 2e-2:
         print("demo FAILED: output differs from the reference", file=sys.stderr)
         return 1
     print("demo OK")
