@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -53,6 +52,7 @@ def as_dtype(value: Any, name: str, fn: str) -> np.dtype:
         raise TypeError(f"{fn}: {name} must be a dtype (e.g. 'float16', 'bfloat16'), got {value!r}") from None
 
 
+@functools.cache
 def _torch_to_numpy_dtype(dtype) -> np.dtype:
     import torch
     table = {torch.float16: np.float16, torch.bfloat16: bfloat16, torch.float32: np.float32,
@@ -114,15 +114,15 @@ def _external_stream(handle: int, device: int):
 # ---------------------------------------------------------------------------- descriptors
 
 
-@dataclass(frozen=True, slots=True)
-class Tensor:
-    """A GPU array seen through the boundary. Strides are in elements."""
+class Tensor(NamedTuple):
+    """A GPU array seen through the boundary (a NamedTuple: cheap to make on every run()).
+    Strides are in elements."""
     ptr: int
     shape: tuple
     strides: tuple
     dtype: np.dtype       # logical dtype; may differ from the raw dtype the framework reports
     device: int
-    framework: str        # "cupy" | "torch" | "jax" | "cai"
+    framework: str        # "cupy" | "torch" | "jax" | "cai" | "dlpack"
     obj: Any
 
     @property
@@ -138,16 +138,15 @@ class Tensor:
         return True
 
 
+_MODULE_FRAMEWORK = {"numpy": "numpy", "cupy": "cupy", "torch": "torch", "jax": "jax", "jaxlib": "jax"}
+
+
 def framework_of(x: Any) -> str:
-    module = type(x).__module__.split(".")[0]
+    fw = _MODULE_FRAMEWORK.get(type(x).__module__.partition(".")[0])
+    if fw is not None:
+        return fw
     if isinstance(x, np.ndarray) or np.isscalar(x):
         return "numpy"
-    if module == "cupy":
-        return "cupy"
-    if module == "torch":
-        return "torch"
-    if module in ("jax", "jaxlib"):
-        return "jax"
     if hasattr(x, "__cuda_array_interface__"):
         return "cai"
     if hasattr(x, "__dlpack__"):
@@ -171,7 +170,7 @@ def is_device_array(x: Any) -> bool:
 
 
 def _check_strides(shape, strides, name: str, fn: str) -> None:
-    if any(s < 0 for s in strides):
+    if strides and min(strides) < 0:
         raise ValueError(f"{fn}: {name} must not have negative strides, got strides {tuple(strides)}")
     if shape and shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
@@ -182,12 +181,13 @@ def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     """Describe a GPU array without copying it."""
     fw = framework_of(x)
     if fw == "cupy":
-        itemsize = x.dtype.itemsize
-        strides = tuple(s // itemsize for s in x.strides)
-        t = Tensor(x.data.ptr, x.shape, strides, np.dtype(x.dtype), x.device.id, fw, x)
+        itemsize = x.itemsize
+        t = Tensor(x.data.ptr, x.shape, tuple([s // itemsize for s in x.strides]), x.dtype, x.device.id, fw, x)
     elif fw == "torch":
-        t = Tensor(x.data_ptr(), tuple(x.shape), tuple(x.stride()), _torch_to_numpy_dtype(x.dtype),
-                   x.device.index or 0, fw, x)
+        if not x.is_cuda:
+            raise ValueError(f"{fn}: {name} is a CPU tensor where a CUDA tensor is needed")
+        t = Tensor(x.data_ptr(), tuple(x.shape), x.stride(), _torch_to_numpy_dtype(x.dtype),
+                   x.get_device(), fw, x)
     elif fw == "jax":
         # JAX arrays are dense row-major; wait for the computation that produces x (JAX runs on
         # its own streams), then read its buffer directly: zero-copy for every dtype, bf16/fp8 too.
@@ -236,8 +236,7 @@ def host_array(x: Any, name: str, fn: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- a call's context
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(NamedTuple):
     """Where a call runs: the caller's framework, and for GPU calls the device and stream."""
     framework: str
     device: int           # -1 on the CPU path

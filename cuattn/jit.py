@@ -303,3 +303,61 @@ def _module(spec: KernelSpec, device_id: int):
 def get_function(spec: KernelSpec, entry: str, device_id: int):
     """A launchable ``cupy.cuda.function.Function`` for ``entry`` of ``spec`` on ``device_id``."""
     return _module(spec, device_id).get_function(entry)
+
+
+_ARG_FORMATS = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x"}   # each argument in an 8-byte slot
+
+
+class Launcher:
+    """A kernel launched through ``cuLaunchKernel`` (ctypes), arguments packed by one
+    ``struct.pack_into`` into preallocated 8-byte slots. CuPy's generic marshalling costs
+    1-2 µs per NumPy scalar argument, which a decode step's ~10 µs kernels cannot hide.
+
+    ``arg_kinds`` has one letter per kernel parameter: p (pointer), q (int64), i (int32),
+    f (float32); ``smem_bytes`` above 48 KB raises the function's dynamic shared-memory limit.
+    """
+
+    _libcuda = None
+
+    def __init__(self, spec: KernelSpec, entry: str, device_id: int, arg_kinds: str, smem_bytes: int = 0):
+        if Launcher._libcuda is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            lib.cuLaunchKernel.restype = ctypes.c_int
+            Launcher._libcuda = lib
+        from .arrays import cupy_module
+        cp = cupy_module()
+        function = get_function(spec, entry, device_id)
+        if smem_bytes > 48 * 1024:
+            cp.cuda.driver.funcSetAttribute(function.ptr, 8, smem_bytes)  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._runtime, self._device = cp.cuda.runtime, cp.cuda.Device(device_id)
+        self.name = f"{spec.name}:{entry}"
+        self.device_id = device_id
+        self.smem_bytes = smem_bytes
+        self._function = function                       # keeps the handle below valid
+        self._func = ctypes.c_void_p(function.ptr)
+        self._format = "<" + "".join(_ARG_FORMATS[k] for k in arg_kinds)
+        self._slots = (ctypes.c_uint64 * len(arg_kinds))()
+        base = ctypes.addressof(self._slots)
+        self._params = (ctypes.c_void_p * len(arg_kinds))(*[base + 8 * i for i in range(len(arg_kinds))])
+
+    def __call__(self, grid: tuple, block: int, stream, *args) -> None:
+        """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
+        struct.pack_into(self._format, self._slots, 0, *args)
+        if self._runtime.getDevice() != self.device_id:     # cuLaunchKernel uses the current context
+            with self._device:
+                return self._launch(grid, block, stream.ptr)
+        self._launch(grid, block, stream.ptr)
+
+    def _launch(self, grid: tuple, block: int, stream_ptr: int) -> None:
+        status = Launcher._libcuda.cuLaunchKernel(self._func, grid[0], grid[1] if len(grid) > 1 else 1,
+                                                  grid[2] if len(grid) > 2 else 1, block, 1, 1,
+                                                  self.smem_bytes, stream_ptr, self._params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUresult {status}")
+
+
+@functools.cache
+def get_launcher(spec: KernelSpec, entry: str, device_id: int, arg_kinds: str, smem_bytes: int = 0) -> Launcher:
+    """The memoized ``Launcher`` of ``entry`` of ``spec`` on a device."""
+    return Launcher(spec, entry, device_id, arg_kinds, smem_bytes)

@@ -209,11 +209,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *, stream=Non
         raise ValueError(f"{fn}: seq_lens must have length batch={batch}, got {lens_t.shape[0]}")
     b, p = arrays.empty(ctx, (nnz,), np.int32), arrays.empty(ctx, (nnz,), np.int32)
     if nnz:
-        f = jit.get_function(PageSpec(16), "cuattn_batch_indices_positions", ctx.device)
+        launch = jit.get_launcher(PageSpec(16), "cuattn_batch_indices_positions", ctx.device, "ppppii")
         bt, pt = arrays.device_tensor(b, "out", fn), arrays.device_tensor(p, "out", fn)
-        f(((nnz + 255) // 256, 1, 1), (256, 1, 1),
-          (np.uint64(indptr_t.ptr), np.uint64(lens_t.ptr), np.uint64(bt.ptr), np.uint64(pt.ptr),
-           np.int32(batch), np.int32(nnz)), stream=ctx.stream)
+        launch(((nnz + 255) // 256,), 256, ctx.stream, indptr_t.ptr, lens_t.ptr, bt.ptr, pt.ptr, batch, nnz)
     return arrays.export(ctx, b), arrays.export(ctx, p)
 
 
@@ -272,15 +270,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     vec = 16
     for n in [row_bytes, ak.ptr, av.ptr, cache.k.ptr, cache.v.ptr, *strides_bytes]:
         vec = gcd(vec, n)
-    f = jit.get_function(PageSpec(vec), "cuattn_page_append", ctx.device)
+    launch = jit.get_launcher(PageSpec(vec), "cuattn_page_append", ctx.device, "pppppppp" "q" "iiii" "qqqqqqq")
     vecs_per_row = row_bytes // vec
     total = nnz * cache.num_kv_heads * vecs_per_row
-    u64, i32, i64 = np.uint64, np.int32, np.int64
-    f(((total + 255) // 256, 1, 1), (256, 1, 1),
-      (u64(ak.ptr), u64(av.ptr), u64(meta["batch_indices"].ptr), u64(meta["positions"].ptr),
-       u64(cache.k.ptr), u64(cache.v.ptr), u64(meta["kv_indices"].ptr), u64(meta["kv_indptr"].ptr),
-       i64(nnz), i32(cache.num_kv_heads), i32(vecs_per_row), i32(cache.page_size), i32(cache.num_pages),
-       *[i64(s) for s in strides_bytes]), stream=ctx.stream)
+    launch(((total + 255) // 256,), 256, ctx.stream,
+           ak.ptr, av.ptr, meta["batch_indices"].ptr, meta["positions"].ptr, cache.k.ptr, cache.v.ptr,
+           meta["kv_indices"].ptr, meta["kv_indptr"].ptr, nnz, cache.num_kv_heads, vecs_per_row,
+           cache.page_size, cache.num_pages, *strides_bytes)
 
 
 def _append_host(fn, kv_layout, paged_kv_cache, append_key, append_value, batch_indices, positions,
