@@ -36,7 +36,9 @@ def flops(batch, qo, kv, heads, d, causal):
     return f / 2 if causal else f                 # causal halves the work
 
 
-def time_cupy(fn, reps, warmup=5):
+def time_cupy(fn, reps, warmup=5, inner=1):
+    """Median ms per call; events around ``inner`` back-to-back calls (inner > 1 hides the host
+    time of a call behind the previous call's kernel, leaving the GPU time when that is longer)."""
     for _ in range(warmup):
         fn()
     stream = cp.cuda.get_current_stream()
@@ -44,11 +46,23 @@ def time_cupy(fn, reps, warmup=5):
     for _ in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record(stream)
-        fn()
+        for _ in range(inner):
+            fn()
         b.record(stream)
         b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
+        times.append(cp.cuda.get_elapsed_time(a, b) / inner)
     return float(np.median(times))
+
+
+def host_us(fn, n=50):
+    """Host time of one call (no synchronization; the GPU queue absorbs the launches)."""
+    cp.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    cp.cuda.Device().synchronize()
+    return dt
 
 
 def time_torch(fn, reps, warmup=3):
@@ -97,6 +111,9 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa):
         call = lambda: w.run(q, k, v, out=out)  # noqa: E731
     ms = time_cupy(call, reps)
     res.update(us=ms * 1e3, tflops=f / (ms * 1e-3) / 1e12)
+    if length <= 4096:       # short calls: GPU time with launches back to back, and host time per call
+        ms_b = time_cupy(call, reps, inner=10)
+        res.update(b2b_us=ms_b * 1e3, b2b_tflops=f / (ms_b * 1e-3) / 1e12, host_us=host_us(call))
     # -- paged K/V, random page order, same lengths
     pages_per = -(-length // page_size)
     total = batch * pages_per
@@ -153,7 +170,7 @@ def check(args):
     assert err < 5e-3
 
 
-VARIANTS = [(2, 32, 2), (2, 32, 3), (2, 64, 2), (1, 64, 3)]
+VARIANTS = [(2, 32, 3), (2, 64, 2), (2, 64, 2, "QK_UNROLL=1"), (2, 64, 2, "QK_UNROLL=4")]
 
 
 def sweep_variants(args, hq, hkv, mm):
@@ -161,16 +178,23 @@ def sweep_variants(args, hq, hkv, mm):
     from cuattn import prefill
     orig = prefill.tile_config
     print("variant sweep, 1x16384 hd128 fp16 (num_mma_q, block_n, stages): TFLOP/s full / causal / paged full")
+    sweep = []
+    orig_make = prefill.make_spec
     for var in VARIANTS:
-        prefill.tile_config = lambda d, m, var=var: var
+        prefill.make_spec = lambda d, t, c, m, p, var=var: prefill.PrefillSpec(d, t, bool(c), bool(m), bool(p), *var[:3],
+                                                                              variant=tuple(var[3:]))
         try:
             res = [run_case(1, 16384, c, hq, hkv, 128, "float16", 7, args.page_size, None) for c in (False, True)]
+            rg = run_case(8, 2048, False, hq, hkv, 128, "float16", 7, args.page_size, None)
             regs = jit.compile_kernel(prefill.make_spec(128, "f16", False, False, False), "sm_90a").resources
-            print(f"  {var}: {res[0]['tflops']:.0f} / {res[1]['tflops']:.0f} / {res[0]['paged_tflops']:.0f}  {regs}",
-                  flush=True)
+            print(f"  {var}: {res[0]['tflops']:.0f} / {res[1]['tflops']:.0f} / {res[0]['paged_tflops']:.0f}"
+                  f" / 8x2048 {rg['tflops']:.0f}  {regs.get('cuattn_prefill', regs)}", flush=True)
+            sweep.append(dict(variant=list(map(str, var)), full=res[0], causal=res[1], ragged=rg, resources=regs))
         except Exception as e:  # a variant that fails to launch (smem) is reported, not fatal
             print(f"  {var}: failed: {type(e).__name__}: {str(e)[:120]}")
+    return sweep
     prefill.tile_config = orig
+    prefill.make_spec = orig_make
 
 
 def main():
@@ -185,6 +209,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--variants", action="store_true", help="sweep tile configurations first (hd128)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
     hq, hkv = map(int, args.heads.split(":"))
     dev = cp.cuda.Device(0)
@@ -202,8 +227,20 @@ def main():
         print("flashinfer importable: not yet wired into this script (TODO)")
     except ImportError:
         print("flashinfer: not importable here; PEERS.md H100 numbers shown (not from this run)")
-    if args.variants:
-        sweep_variants(args, hq, hkv, mm)
+    sweep = sweep_variants(args, hq, hkv, mm) if args.variants else None
+    if args.profile_host:
+        import cProfile
+        import pstats
+        q, k, v = rand((1024, hq, 128), "float16"), rand((1024, hkv, 128), "float16"), rand((1024, hkv, 128), "float16")
+        for _ in range(5):
+            cuattn.single_prefill_with_kv_cache(q, k, v)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            cuattn.single_prefill_with_kv_cache(q, k, v)
+        pr.disable()
+        cp.cuda.Device().synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
     rows = []
     for dtype in args.dtype:
         for d in args.head_dim:
@@ -220,9 +257,9 @@ def main():
     out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                            f"prefill_{name.replace(' ', '_')}_{int(time.time())}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows), indent=1))
-    print(f"\n{'case':<22}{'us':>9}{'TF/s':>7}{'/mm':>6}{'paged us':>10}{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}"
-          f"{'FI-fa2*':>8}")
+    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep), indent=1))
+    print(f"\n{'case':<22}{'us':>9}{'TF/s':>7}{'/mm':>6}{'b2b us':>8}{'host':>6}{'paged us':>10}{'pg/ct':>7}"
+          f"{'sdpa us':>9}{'sdpa/us':>8}{'FI-fa2*':>8}")
     for r in rows:
         case = f"{r['dtype'][:4]} hd{r['head_dim']} {r['batch']}x{r['qo_len']}{' c' if r['causal'] else ''}"
         sd = r.get("sdpa_cudnn_us", r.get("sdpa_us"))
@@ -231,7 +268,9 @@ def main():
         sd_s = "-" if sd is None else f"{sd:.1f}"
         sd_r = "-" if sd is None else f"{sd / us:.2f}"
         pr = "-" if peer is None else f"{peer / us:.2f}"
-        print(f"{case:<22}{us:9.1f}{r['tflops']:7.0f}{r['tflops'] / mm:6.2f}{r['paged_us']:10.1f}"
+        b2b = f"{r['b2b_us']:.1f}" if "b2b_us" in r else "-"
+        hu = f"{r['host_us']:.0f}" if "host_us" in r else "-"
+        print(f"{case:<22}{us:9.1f}{r['tflops']:7.0f}{r['tflops'] / mm:6.2f}{b2b:>8}{hu:>6}{r['paged_us']:10.1f}"
               f"{r['paged_us'] / us:7.2f}{sd_s:>9}{sd_r:>8}{pr:>8}")
     print("sdpa = torch SDPA (cuDNN backend where it accepts the shape), same run; sdpa/us > 1: cuattn faster. "
           "FI-fa2* = PEERS.md FlashInfer fa2 H100 time / ours (not this run).")

@@ -14,6 +14,7 @@ each K/V tile once for the whole group.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +37,17 @@ _NUM_THREADS = 128
 # ---------------------------------------------------------------------------- specs
 
 
-def tile_config(head_dim: int, custom_mask: bool) -> tuple[int, int, int]:
+def tile_config(head_dim: int, custom_mask: bool, paged: bool = False) -> tuple[int, int, int]:
     """(num_mma_q, block_n, stages): the largest tiles that compile without register spills,
-    and as many K/V stages as keep two CTAs per SM within shared memory."""
+    and as many K/V stages as keep two CTAs per SM within shared memory. hd128: 128 x 64 tiles
+    (two stages: 96 KiB, two CTAs per SM) where they fit in 255 registers; the paged kernel's
+    page-offset registers push that over (4-60 bytes of spills), so it keeps 32-key tiles."""
     if head_dim == 64:
         return 2, 64, 3
     if head_dim == 128:
-        return (1, 64, 3) if custom_mask else (2, 32, 3)
+        if custom_mask:
+            return 1, 64, 3
+        return (2, 32, 3) if paged else (2, 64, 2)
     return 1, 32, 2
 
 
@@ -56,6 +61,7 @@ class PrefillSpec:
     num_mma_q: int         # 16-row m-tiles per warp; 4 warps
     block_n: int           # keys per K/V tile
     stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
+    variant: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
     source = _SOURCE
 
     @property
@@ -66,13 +72,14 @@ class PrefillSpec:
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
         return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}")
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                + "".join("_" + v.replace("=", "").lower() for v in self.variant))
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}")
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.variant)
 
     @property
     def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
@@ -80,7 +87,7 @@ class PrefillSpec:
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:
-    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask)
+    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask, paged)
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages)
 
 
@@ -196,6 +203,54 @@ def _function(spec: PrefillSpec, device: int):
     return fn
 
 
+# kernel argument layout: 12 pointers, 6 int32, 10 int64, 1 float32; each in an 8-byte slot
+_ARG_FORMAT = "<" + "Q" * 12 + "i4x" * 6 + "q" * 10 + "f4x"
+_NUM_ARGS = 29
+
+
+class _Launcher:
+    """cuLaunchKernel through ctypes with the arguments packed by one struct.pack_into into
+    preallocated 8-byte slots: CuPy's generic marshalling of 29 NumPy scalars costs tens of µs
+    of host time per call, which short prefills (1 x 1024: ~60 µs of GPU time) cannot hide."""
+
+    _lib = None
+
+    def __init__(self, function):
+        import ctypes
+        if _Launcher._lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            lib.cuLaunchKernel.restype = ctypes.c_int
+            _Launcher._lib = lib
+        self.func = ctypes.c_void_p(function.ptr)
+        self.slots = (ctypes.c_uint64 * _NUM_ARGS)()
+        base = ctypes.addressof(self.slots)
+        self.params = (ctypes.c_void_p * _NUM_ARGS)(*[base + 8 * i for i in range(_NUM_ARGS)])
+        self.launch = _Launcher._lib.cuLaunchKernel
+
+    def __call__(self, grid, smem: int, stream_ptr: int, args) -> None:
+        struct.pack_into(_ARG_FORMAT, self.slots, 0, *args)
+        status = self.launch(self.func, grid[0], grid[1], 1, _NUM_THREADS, 1, 1, smem, stream_ptr, self.params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
+
+
+_launchers: dict = {}
+
+
+def _launcher(spec: PrefillSpec, device: int):
+    key = (spec, device)
+    ln = _launchers.get(key)
+    if ln is None:
+        fn = _function(spec, device)
+        try:
+            ln = _Launcher(fn)
+        except (OSError, AttributeError):          # no libcuda by that name: CuPy's launch
+            ln = fn
+        _launchers[key] = ln
+    return ln
+
+
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, single=(0, 0), meta=None,
             page_size: int = 1) -> None:
@@ -203,20 +258,27 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
     mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single)."""
     if num_work == 0 or num_kv_heads == 0:
         return
-    fn = _function(spec, ctx.device)
+    ln = _launcher(spec, ctx.device)
     if meta is None:
         meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
-    i64, u64 = np.int64, np.uint64
-    args = (u64(q.ptr), u64(k_ptr), u64(v_ptr), u64(out.ptr), u64(lse_ptr),
-            *(u64(p) for p in meta),
-            np.int32(single[0]), np.int32(single[1]), np.int32(group), np.int32(page_size),
-            np.int32(page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1),
-            np.int32(k_strides[2] // k_strides[0] if k_strides[0] else 0),
-            i64(q.strides[0]), i64(q.strides[1]),
-            i64(k_strides[0]), i64(k_strides[1]), i64(k_strides[2]),
-            i64(v_strides[0]), i64(v_strides[1]), i64(v_strides[2]),
-            i64(out.strides[0]), i64(out.strides[1]), np.float32(sm_scale * _LOG2E))
-    fn((num_work, num_kv_heads, 1), (_NUM_THREADS, 1, 1), args, shared_mem=spec.smem_bytes, stream=ctx.stream)
+    args = (q.ptr, k_ptr, v_ptr, out.ptr, lse_ptr, *meta,
+            single[0], single[1], group, page_size,
+            page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
+            k_strides[2] // k_strides[0] if k_strides[0] else 0,
+            q.strides[0], q.strides[1], k_strides[0], k_strides[1], k_strides[2],
+            v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1], sm_scale * _LOG2E)
+    if isinstance(ln, _Launcher):
+        cp = arrays.cupy_module()
+        if cp.cuda.runtime.getDevice() != ctx.device:     # the launch uses the current context
+            with cp.cuda.Device(ctx.device):
+                ln((num_work, num_kv_heads), spec.smem_bytes, ctx.stream.ptr, args)
+        else:
+            ln((num_work, num_kv_heads), spec.smem_bytes, ctx.stream.ptr, args)
+        return
+    i32, i64, u64 = np.int32, np.int64, np.uint64
+    kinds = [u64] * 12 + [i32] * 6 + [i64] * 10 + [np.float32]
+    ln((num_work, num_kv_heads, 1), (_NUM_THREADS, 1, 1), tuple(t(a) for t, a in zip(kinds, args)),
+       shared_mem=spec.smem_bytes, stream=ctx.stream)
 
 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):

@@ -30,8 +30,12 @@ constexpr int CHUNKS = D / 8;                       // 16-byte chunks per row
 constexpr int BLOCK_M = NUM_MMA_Q * 16 * NUM_WARPS;
 constexpr int WARP_ROWS = NUM_MMA_Q * 16;
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass of the block
-#ifndef QK_UNROLL
+#ifndef QK_UNROLL   // k-steps of S = QK^T unrolled together; 2 was fastest on an H200 (hd128 128x64 tiles)
+#if BLOCK_N >= 64 && (PAGED || CUATTN_ARCH < 90)
+#define QK_UNROLL 1     // 2 spills there (paged: page-offset registers; sm_80: other scheduling)
+#else
 #define QK_UNROLL 2
+#endif
 #endif
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
@@ -40,9 +44,12 @@ static_assert(BLOCK_N % 16 == 0 && BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP
 // -- byte offset of 16-byte chunk c of row r in a swizzled [rows][D] tile
 __device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t((r * CHUNKS + (c ^ (r & 7))) * 16); }
 
+// -- per-thread source pointer of the K or V rows this thread copies: row (tid / CHUNKS), chunk
+//    tid % CHUNKS, kv head kvh (and request base, contiguous case) folded in once, so a tile's
+//    copy is one 64-bit multiply-add per row instead of a full index computation
 struct KvRows {
-  const dtype_t* base;
-  int64_t s_tok, s_head, s_page;
+  const dtype_t* base;   // contiguous: row kv_base + tid / CHUNKS of head kvh, chunk; paged: head + chunk
+  int64_t s_tok;
 };
 
 // -- page index of each key row this thread copies in one tile (fetched a phase ahead of the copy,
@@ -71,22 +78,24 @@ __device__ __forceinline__ void fetch_pages(PageRegs& pr, int kv0, int kv_len, c
 #endif
 }
 
-// -- cp.async a BLOCK_N x D tile of keys [kv0, kv0 + BLOCK_N) into smem; rows past kv_len are zeros
-__device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int kv0, int kv_len, int64_t kv_base,
-                                             const PageRegs& pr, int page_size, int kvh) {
-  const int c = threadIdx.x % CHUNKS;
+// -- cp.async a BLOCK_N x D tile of keys [kv0, kv0 + BLOCK_N) into smem (dst = this thread's first
+//    chunk in the stage buffer); rows past kv_len are zeros. rows_left = kv_len - kv0 - tid / CHUNKS.
+__device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int kv0, int rows_left,
+                                             const PageRegs& pr) {
+#if !PAGED
+  const dtype_t* tile_src = t.base + int64_t(kv0) * t.s_tok;
+#endif
 #pragma unroll
   for (int j = 0; j < ROWS_PT; ++j) {
-    const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
-    const int pos = kv0 + r;
-    const bool ok = pos < kv_len;
+    const bool ok = j * ROW_STEP < rows_left;
 #if PAGED
-    const int64_t off = int64_t(pr.p[j]) * t.s_tok + kvh * t.s_head;
+    const dtype_t* src = t.base + int64_t(pr.p[j]) * t.s_tok;
 #else
-    const int64_t off = (kv_base + pos) * t.s_tok + kvh * t.s_head;
+    const dtype_t* src = tile_src + int64_t(j * ROW_STEP) * t.s_tok;
 #endif
-    const dtype_t* src = ok ? t.base + off + c * 8 : t.base;
-    cp_async_16(dst + swz(r, c), src, ok ? 16 : 0);
+    // row r = tid / CHUNKS + j * ROW_STEP: the swizzle depends on r % 8 alone
+    const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
+    cp_async_16(dst + swz(r, int(threadIdx.x) % CHUNKS), ok ? src : t.base, ok ? 16 : 0);
   }
 }
 
@@ -144,7 +153,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;
   const uint32_t sK = sQ + BLOCK_M * D * 2;           // STAGES K tiles, then STAGES V tiles
   const uint32_t sV = sK + STAGES * TILE_BYTES;
-  const KvRows kt{k, k_s_tok, k_s_head, k_s_page}, vt{v, v_s_tok, v_s_head, v_s_page};
+  const int thr_row = tid / CHUNKS, thr_chunk = tid % CHUNKS;
+  const int row_lim = kv_len - thr_row;               // rows_left of a tile = row_lim - kv0
+#if PAGED
+  const KvRows kt{k + kvh * k_s_head + thr_chunk * 8, k_s_tok}, vt{v + kvh * v_s_head + thr_chunk * 8, v_s_tok};
+  (void)k_s_page; (void)v_s_page;
+#else
+  const KvRows kt{k + (kv_base + thr_row) * k_s_tok + kvh * k_s_head + thr_chunk * 8, k_s_tok},
+      vt{v + (kv_base + thr_row) * v_s_tok + kvh * v_s_head + thr_chunk * 8, v_s_tok};
+#endif
 
   // -- stage the Q tile (rows past the request are zeros)
   {
@@ -174,10 +191,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   for (int st = 0; st < STAGES; ++st) {
     if (st < num_tiles) {
       fetch_pages(pr, st * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
-      load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
+      load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, row_lim - st * BLOCK_N, pr);
     }
     cp_async_commit();
-    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
+    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, row_lim - st * BLOCK_N, pr);
     cp_async_commit();
   }
   // pr holds the pages of tile it + STAGES - 1 at the top of iteration it >= 1, of tile STAGES at it = 0
@@ -205,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     __syncthreads();                            // K[it] (and Q) visible; every warp done with P.V of it-1
     if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
-      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
+      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, row_lim - nt * BLOCK_N, pr);
       cp_async_commit();
       if (PAGED && nt + 1 < num_tiles) fetch_pages(pr, (nt + 1) * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
     }
@@ -307,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // V[it] visible; every warp done reading K[it]
     if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
-      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, kv_len, kv_base, pr, page_size, kvh);
+      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, row_lim - (it + STAGES) * BLOCK_N, pr);
     cp_async_commit();
 
     // -- O += P V (P from the S accumulators, repacked as A fragments)
