@@ -14,7 +14,6 @@ each K/V tile once for the whole group.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,65 +189,8 @@ def _to_host(x, name: str, fn: str) -> np.ndarray:
 # ---------------------------------------------------------------------------- launch
 
 
-_smem_set: set = set()
-
-
-def _function(spec: PrefillSpec, device: int):
-    fn = jit.get_function(spec, _ENTRY, device)
-    if spec.smem_bytes > 48 * 1024 and (spec, device) not in _smem_set:
-        drv = arrays.cupy_module().cuda.driver
-        attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-        drv.funcSetAttribute(fn.ptr, attr, spec.smem_bytes)
-        _smem_set.add((spec, device))
-    return fn
-
-
-# kernel argument layout: 12 pointers, 6 int32, 10 int64, 1 float32; each in an 8-byte slot
-_ARG_FORMAT = "<" + "Q" * 12 + "i4x" * 6 + "q" * 10 + "f4x"
-_NUM_ARGS = 29
-
-
-class _Launcher:
-    """cuLaunchKernel through ctypes with the arguments packed by one struct.pack_into into
-    preallocated 8-byte slots: CuPy's generic marshalling of 29 NumPy scalars costs tens of µs
-    of host time per call, which short prefills (1 x 1024: ~60 µs of GPU time) cannot hide."""
-
-    _lib = None
-
-    def __init__(self, function):
-        import ctypes
-        if _Launcher._lib is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            lib.cuLaunchKernel.restype = ctypes.c_int
-            _Launcher._lib = lib
-        self.func = ctypes.c_void_p(function.ptr)
-        self.slots = (ctypes.c_uint64 * _NUM_ARGS)()
-        base = ctypes.addressof(self.slots)
-        self.params = (ctypes.c_void_p * _NUM_ARGS)(*[base + 8 * i for i in range(_NUM_ARGS)])
-        self.launch = _Launcher._lib.cuLaunchKernel
-
-    def __call__(self, grid, smem: int, stream_ptr: int, args) -> None:
-        struct.pack_into(_ARG_FORMAT, self.slots, 0, *args)
-        status = self.launch(self.func, grid[0], grid[1], 1, _NUM_THREADS, 1, 1, smem, stream_ptr, self.params, None)
-        if status != 0:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
-
-
-_launchers: dict = {}
-
-
-def _launcher(spec: PrefillSpec, device: int):
-    key = (spec, device)
-    ln = _launchers.get(key)
-    if ln is None:
-        fn = _function(spec, device)
-        try:
-            ln = _Launcher(fn)
-        except (OSError, AttributeError):          # no libcuda by that name: CuPy's launch
-            ln = fn
-        _launchers[key] = ln
-    return ln
+# kernel parameters: 12 pointers, 6 int32, 10 int64, 1 float32 (see prefill.cu)
+_ARG_KINDS = "p" * 12 + "i" * 6 + "q" * 10 + "f"
 
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
@@ -258,7 +200,7 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
     mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single)."""
     if num_work == 0 or num_kv_heads == 0:
         return
-    ln = _launcher(spec, ctx.device)
+    launch = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS, spec.smem_bytes)
     if meta is None:
         meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
     args = (q.ptr, k_ptr, v_ptr, out.ptr, lse_ptr, *meta,
@@ -267,18 +209,7 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
             k_strides[2] // k_strides[0] if k_strides[0] else 0,
             q.strides[0], q.strides[1], k_strides[0], k_strides[1], k_strides[2],
             v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1], sm_scale * _LOG2E)
-    if isinstance(ln, _Launcher):
-        cp = arrays.cupy_module()
-        if cp.cuda.runtime.getDevice() != ctx.device:     # the launch uses the current context
-            with cp.cuda.Device(ctx.device):
-                ln((num_work, num_kv_heads), spec.smem_bytes, ctx.stream.ptr, args)
-        else:
-            ln((num_work, num_kv_heads), spec.smem_bytes, ctx.stream.ptr, args)
-        return
-    i32, i64, u64 = np.int32, np.int64, np.uint64
-    kinds = [u64] * 12 + [i32] * 6 + [i64] * 10 + [np.float32]
-    ln((num_work, num_kv_heads, 1), (_NUM_THREADS, 1, 1), tuple(t(a) for t, a in zip(kinds, args)),
-       shared_mem=spec.smem_bytes, stream=ctx.stream)
+    launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args)
 
 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
