@@ -179,6 +179,14 @@ def main():
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
     ap.add_argument("--stages", type=int, default=0, help="cp.async depth experiment (0: shipped default)")
     ap.add_argument("--prefetch", type=int, default=0, help="L2 prefetch distance experiment (tiles)")
+    ap.add_argument("--variants", nargs="+", default=["shipped"],
+                    help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
+                         "regidx (page ids loaded per thread a tile ahead, the pre-2026-11-23 kernel), "
+                         "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
+                         "of N tokens); e.g. regidx+sepmerge")
+    ap.add_argument("--flush", default="write", choices=["write", "read"],
+                    help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
+                         "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()
@@ -195,7 +203,16 @@ def main():
     read_tbs, copy_tbs = ceilings(reps)
     print(f"ceilings: read-only {read_tbs:.3f} TB/s, copy {copy_tbs:.3f} TB/s (measured now)", flush=True)
     flush_buf = cp.empty(256 << 20, cp.uint8)
-    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    flush_buf.fill(1)
+    flush_sink = cp.zeros(1, cp.uint32)
+    n_flush = flush_buf.nbytes // 16
+    sms = dev.attributes["MultiProcessorCount"]
+    if args.flush == "write":
+        flush = lambda: flush_buf.fill(1)  # noqa: E731
+    else:
+        flush = lambda: _READ((sms * 8,), (512,), (flush_buf, np.int64(n_flush), flush_sink))  # noqa: E731
+    print(f"L2 flush before each timed call: {args.flush} 256 MB", flush=True)
+    peers = {}
     try:
         import flashinfer  # noqa: F401
         have_fi = True
@@ -206,7 +223,8 @@ def main():
               f"{'H200' if 'H200' in gpu else 'H100'} from PEERS.md, NOT measured in this run")
 
     rows = []
-    hdr = (f"{'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
+    vw = max(len(v) for v in args.variants)
+    hdr = (f"{'variant':>{vw}} {'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
            f"{'split':>5} {'FI us':>8} {'FI/us':>6}{'  err' if args.check else ''}")
     print(hdr, flush=True)
     itemsize = 2
@@ -220,31 +238,59 @@ def main():
                     continue
                 indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, args.head_dim,
                                                             args.page_size, args.dtype, seed=batch + kv_len)
-                w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-                w._num_stages, w._prefetch = args.stages, args.prefetch   # tuning hooks, not API
-                t0 = time.perf_counter()
-                w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype)
-                plan_us = (time.perf_counter() - t0) * 1e6
-                out = cp.empty_like(q)
-                run = lambda: w.run(q, cache, out=out)  # noqa: E731
-                us = time_events(run, reps, flush)
-                nbytes = decode_bytes(batch, kv_len, hq, hkv, args.head_dim, itemsize)
-                tbs = nbytes / (us * 1e-6) / 1e12
                 fi = (flashinfer_us(batch, kv_len, hq, hkv, args.head_dim, args.page_size, args.dtype, indptr,
                                     indices, lpl, cache, q, reps, flush) if have_fi else
                       peers.get((heads, batch, kv_len)))
-                err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
-                row = dict(heads=heads, batch=batch, kv_len=kv_len, us=us, tbs=tbs, of_read=tbs / read_tbs,
-                           of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
-                           plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err)
-                rows.append(row)
-                fi_s = f"{fi:8.1f} {fi / us:6.2f}" if fi else f"{'-':>8} {'-':>6}"
-                print(f"{heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} {100 * tbs / read_tbs:5.1f}% "
-                      f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
-                      f"{f'  {err:.1e}' if err is not None else ''}", flush=True)
-                del cache, q, out, w
+                for variant in args.variants:
+                    rows.append(time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
+                                          lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi))
+                del cache, q
                 cp.get_default_memory_pool().free_all_blocks()
+    return finish(args, env, read_tbs, copy_tbs, rows, reps)
 
+
+def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices, lpl, cache, q, reps, flush,
+              read_tbs, copy_tbs, fi, have_fi):
+    tweaks = set(variant.split("+")) - {"shipped"}
+    plan_kw = {}
+    for t in list(tweaks):
+        if t == "nosplit":
+            plan_kw["disable_split_kv"] = True
+        elif t.startswith("chunk") and t[5:].isdigit():
+            plan_kw["fixed_split_size"] = int(t[5:])
+        else:
+            continue
+        tweaks.discard(t)
+    unknown = tweaks - {"regidx", "sepmerge"}
+    if unknown:
+        raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    w._num_stages, w._prefetch = args.stages, args.prefetch   # tuning hooks, not API
+    w._idx_smem = 0 if "regidx" in tweaks else 1
+    w._fuse_merge = "sepmerge" not in tweaks
+    t0 = time.perf_counter()
+    w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
+    plan_us = (time.perf_counter() - t0) * 1e6
+    out = cp.empty_like(q)
+    run = lambda: w.run(q, cache, out=out)  # noqa: E731
+    us = time_events(run, reps, flush)
+    nbytes = decode_bytes(batch, kv_len, hq, hkv, args.head_dim, 2)
+    tbs = nbytes / (us * 1e-6) / 1e12
+    err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
+    row = dict(variant=variant, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
+               tbs=tbs, of_read=tbs / read_tbs,
+               of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
+               plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err)
+    fi_s = f"{fi:8.1f} {fi / us:6.2f}" if fi else f"{'-':>8} {'-':>6}"
+    print(f"{variant:>{vw}} {heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} "
+          f"{100 * tbs / read_tbs:5.1f}% "
+          f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
+          f"{f'  {err:.1e}' if err is not None else ''}", flush=True)
+    del out, w
+    return row
+
+
+def finish(args, env, read_tbs, copy_tbs, rows, reps):
     # -- host cost: eager run() with out= given (bs 1 x 512, 32:8), plan() for batch 256
     indptr, indices, lpl, cache, q = setup_case(1, 512, 32, 8, args.head_dim, args.page_size, args.dtype, 1)
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")

@@ -38,12 +38,14 @@ class DecodeSpec:
     dtype_kv: str       # "f16" | "bf16"
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
     prefetch: int = 0    # tiles prefetched into L2 beyond the cp.async stages (measured slower: off)
+    idx_smem: int = 1    # page ids staged in shared memory by cp.async (0: per-thread loads a tile ahead)
     source = _SOURCE
 
     @property
     def name(self) -> str:     # "decode_hd128_qf16_kvf16"
         extra = f"_s{self.num_stages}" if self.num_stages else ""
         extra += f"_pf{self.prefetch}" if self.prefetch else ""
+        extra += "" if self.idx_smem else "_regidx"
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -53,12 +55,12 @@ class DecodeSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
-                f"-DPREFETCH={self.prefetch}")
+                f"-DPREFETCH={self.prefetch}", f"-DIDX_SMEM={int(bool(self.idx_smem))}")
 
     @property
     def smem_bytes(self) -> int:
         row = self.head_dim * 2 + 16
-        return _M_TILE * row + self.stages * 2 * 64 * row
+        return _M_TILE * row + self.stages * 2 * 64 * row + (2 * 512 * 4 if self.idx_smem else 0)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -341,7 +343,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                f"supported: float16, bfloat16")
         self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype),
                                                              getattr(self, "_num_stages", 0),
-                                                             getattr(self, "_prefetch", 0))
+                                                             getattr(self, "_prefetch", 0),
+                                                             0 if getattr(self, "_prefetch", 0) else
+                                                             getattr(self, "_idx_smem", 1))
         self._planned = True
 
         device = self._device
@@ -404,15 +408,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"first plan with use_cuda_graph=True ({n_work_c}); make a new wrapper")
         else:
             n_work_c, n_merge_c = n_work, n_merge
-        host = np.full(n_work_c * 8 + n_merge_c * 4, -1, np.int32)
+        # -- work rows, merge rows, then one zeroed counter per (merge row, grid x) for the
+        #    kernel's fused merge (the merging CTA resets its counter, so replays find zeros)
+        n_ctr = n_merge_c * self._num_kv_heads * self._m_tiles
+        host = np.full(n_work_c * 8 + n_merge_c * 4 + n_ctr, -1, np.int32)
         host[:n_work * 8] = wl.work.ravel()
         host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
+        host[n_work_c * 8 + n_merge_c * 4:] = 0
         with cp.cuda.Device(self._device):
             plan_dev = bufs._ensure("plan", host.size, np.int32, "the work list")
             plan_dev[:host.size].set(host)
             self._grid_work, self._grid_merge = n_work_c, n_merge_c
             self._work_ptr = plan_dev.data.ptr
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
+            self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
             self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
             if indices_dev and not self._use_cuda_graph:
                 self._indices_ptr = idx_t.ptr
@@ -453,14 +462,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _build_launchers(self):
         spec = self._spec
         kernel, merge = _functions(spec, self._device)
-        k = _Launch(kernel, "ppppppppp" + "qqqqqqq" + "iiiii" + "f")
+        # split requests are merged inside the decode kernel (last piece to finish) unless the
+        # _fuse_merge hook (benchmarks only) asks for the separate merge kernel
+        fuse = getattr(self, "_fuse_merge", True)
+        k = _Launch(kernel, "ppppppppp" + "qqqqqqq" + "iiiii" + "f" + "p")
         for i, v in ((0, self._work_ptr), (4, self._indices_ptr), (7, self._part_o), (8, self._part_lse),
                      (16, self._page_size), (17, _page_shift(self._page_size)), (18, self._num_qo_heads),
-                     (19, self._group), (20, self._m_tiles), (21, self._sm_scale * _LOG2E)):
+                     (19, self._group), (20, self._m_tiles), (21, self._sm_scale * _LOG2E),
+                     (22, self._counters_ptr if fuse else 0)):
             k.set(i, v)
         self._k_launch, self._k_grid = k, (self._num_kv_heads * self._m_tiles, self._grid_work)
         self._m_launch = None
-        if self._has_merge:
+        if self._has_merge and not fuse:
             m = _Launch(merge, "ppppp" + "qq" + "i")
             for i, v in ((0, self._merge_ptr), (1, self._part_o), (2, self._part_lse), (7, self._num_qo_heads)):
                 m.set(i, v)
@@ -780,7 +793,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
             i64(0), i64(qt.strides[0]), i64(0), i64(ot.strides[1]),
             i64(0), i64(s_tok), i64(s_head),
             i32(max(kv_len, 1)), i32(_page_shift(max(kv_len, 1))), i32(hq), i32(group), i32(m_tiles),
-            np.float32(scale * _LOG2E)),
+            np.float32(scale * _LOG2E), u64(0)),
            shared_mem=spec.smem_bytes, stream=ctx.stream)
     if merge_dev is not None:
         hpb = _THREADS // (d // 4)

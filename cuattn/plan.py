@@ -6,8 +6,9 @@ per kv head. A request whose KV is cut into several pieces (split-KV) writes fp3
 outputs and LSEs (base e) into workspace slots, and a merge item combines them.
 
 Work item rows are 8 int32: request, first page slot in ``kv_indices``, kv_start, kv_end,
-partial slot (-1: the CTA writes the final output), 3 unused. Merge rows are 4 int32: request,
-first slot, end slot, unused.
+partial slot (-1: the CTA writes the final output), and for pieces of a split request its merge
+row, first slot and number of pieces (the kernel's fused merge: the last piece to finish merges;
+0 otherwise). Merge rows are 4 int32: request, first slot, end slot, unused.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 
 BLOCK_N = 64          # tokens per pipeline stage of the decode kernel; pieces are multiples
 MIN_CHUNK = 128       # never split a request into pieces shorter than this
+SHORT_PIECE = 512     # with ~1 CTA per SM already, pieces shorter than this are not worth a split
 WORK_COLS = 8
 MERGE_COLS = 4
 
@@ -93,6 +95,11 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
         p = max(1, slots // (batch * heads_work))
         chunk = -(-mean // p)
     chunk = max(MIN_CHUNK, -(-chunk // BLOCK_N) * BLOCK_N)
+    if chunk < SHORT_PIECE and batch * heads_work >= 0.9 * num_sms:
+        # ~1 CTA per SM already and the pieces would be short: the split's extra partial
+        # writes and merge cost more than the second CTA per SM gains (H200, 2026-11-22:
+        # bs16 x 512 unsplit 20.5 us vs 2 pieces 22.7; bs1 x 512 still gains from 4 pieces)
+        return 0
     return 0 if max_len <= chunk else chunk
 
 
@@ -145,4 +152,11 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> Dec
         merge[:, 0] = sreqs
         merge[:, 2] = np.cumsum(counts)
         merge[:, 1] = merge[:, 2] - counts
+        row_of = np.zeros(batch, np.int64)
+        row_of[sreqs] = np.arange(len(sreqs))
+        r = work[:, 0].astype(np.int64)
+        sp = work[:, 4] >= 0
+        work[sp, 5] = row_of[r[sp]]
+        work[sp, 6] = merge[row_of[r[sp]], 1]
+        work[sp, 7] = n_pieces[r[sp]]
     return DecodeWorkList(work, merge, int(is_split.sum()), int(chunk), kv_lens)

@@ -1,6 +1,7 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
-//   PREFETCH (tiles prefetched into L2 beyond the stages).
+//   PREFETCH (tiles prefetched into L2 beyond the stages), IDX_SMEM (1: page ids staged in shared
+//   memory a window at a time by cp.async, 0: each thread loads its rows' page ids a tile ahead).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
 //   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 128 (4 warps).
@@ -10,7 +11,12 @@
 //   its own online-softmax state; the 4 warps merge through shared memory at the end.
 //   page_shift = log2(page_size) for power-of-two pages (shift/mask addressing), else -1.
 //   Output: the final row (dtype of q) and LSE, or, for a split request, an fp32 partial row and
-//   partial LSE in the workspace (merged by cuattn_decode_merge).
+//   partial LSE in the workspace, merged either by cuattn_decode_merge (counters == null) or by
+//   the last CTA of the request to finish (counters != null: one int per (merge row, grid x),
+//   zero before the launch; the merging CTA sets it back to zero, so graph replays work).
+//   IDX_SMEM: page ids of WIN_TOK tokens at a time land in one of two shared-memory windows; the
+//   next window is copied with the first tile of the current one, so no K/V copy waits on a
+//   dependent global load of kv_indices.
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
 //
 // Softmax runs in base 2 (log2(e) folded into the scale); every LSE that leaves a kernel is in
@@ -46,10 +52,25 @@ constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
+#ifndef IDX_SMEM
+#define IDX_SMEM 1
+#endif
+#if IDX_SMEM && PREFETCH
+#error "IDX_SMEM and PREFETCH are exclusive experiments"
+#endif
+constexpr int WIN_TILES = 8;                     // tiles per page-id window (IDX_SMEM)
+constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
+constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
+constexpr int IDX_BYTES = IDX_SMEM ? 2 * WIN_CAP * 4 : 0;
+static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
 constexpr float LN2 = 0.69314718055994531f;
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -79,7 +100,8 @@ using namespace cuattn;
 
 // A work item: 8 int32 (32 bytes)
 //   [0] request  [1] first page slot in kv_indices  [2] kv_start  [3] kv_end
-//   [4] partial slot (-1: write the final output)   [5..7] unused
+//   [4] partial slot (-1: write the final output)
+//   split pieces only: [5] merge row of the request  [6] its first slot  [7] its number of pieces
 // A negative request marks padding (CUDA-graph grids are sized for capacity).
 extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     const int32_t* __restrict__ work,      // [num_work, 8]
@@ -93,7 +115,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     float* __restrict__ part_lse,          // [num_slots, num_qo_heads]
     int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
     int64_t s_page, int64_t s_tok, int64_t s_head,
-    int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2) {
+    int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2,
+    int* __restrict__ counters) {           // null: cuattn_decode_merge merges split requests
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t* w = work + int64_t(blockIdx.y) * 8;
@@ -110,9 +133,55 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   const kv_t* v_head = v_cache + kv_head * s_head;
   const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
 
+  const int c = tid % CHUNKS;
+#if IDX_SMEM
+  // -- page-id windows: window wi holds the pages of tokens [kv_start + wi*WIN_TOK, +WIN_TOK)
+  int* idx_s = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);   // [2][WIN_CAP]
+  auto page_of = [&](int pos) { return page_shift >= 0 ? pos >> page_shift : pos / page_size; };
+  auto copy_window = [&](int wi) {      // cp.async of window wi's page ids (no commit)
+    const int t0 = kv_start + wi * WIN_TOK;
+    if (t0 >= kv_end) return;
+    const int p0 = page_of(t0), n = page_of(min(t0 + WIN_TOK, kv_end) - 1) - p0 + 1;
+    int* dst = idx_s + (wi & 1) * WIN_CAP;
+    for (int i = tid; i < n; i += THREADS) cp_async_4(smem_u32(dst + i), kv_indices + page_base + p0 + i);
+  };
+  // -- issue the copies of tile `tile` into stage `stage` (always commits a group); the first
+  //    tile of window wi also copies window wi + 1 (read from WIN_TILES - STAGES + 1 iterations on)
+  auto issue_tile = [&](int tile, int stage) {
+    if (tile < n_tiles) {
+      const int wi = tile / WIN_TILES;
+      if (tile % WIN_TILES == 0) copy_window(wi + 1);
+      const int* win = idx_s + (wi & 1) * WIN_CAP;
+      const int p_base = page_of(kv_start + wi * WIN_TOK);
+      unsigned char* ks = kv_s + stage * STAGE_BYTES;
+      unsigned char* vs = ks + BLOCK_N * SROW;
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        const int r = p * ROWS_PER_PASS + tid / CHUNKS;
+        const int pos = kv_start + tile * BLOCK_N + r;
+        const bool valid = pos < kv_end;
+        int64_t off = 0;
+        if (valid) {
+          const int pg = page_of(pos);
+          const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos - pg * page_size;
+          off = int64_t(win[pg - p_base]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
+        }
+        cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
+        cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  copy_window(0);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(s, s);
+#else
   // -- page ids of tile `tile` (one per pass), fetched one iteration before they are needed so
   //    the kv_indices load latency is hidden behind a tile of compute; -1 past the end
-  const int c = tid % CHUNKS;
   auto fetch_pages = [&](int tile, int (&pages)[PASSES]) {
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
@@ -122,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     }
   };
   // -- issue the copies of tile `tile` into stage `stage` (always commits a group)
-  auto issue_tile = [&](int tile, int stage, const int (&pages)[PASSES]) {
+  auto issue_tile_pages = [&](int tile, int stage, const int (&pages)[PASSES]) {
     if (tile < n_tiles) {
       unsigned char* ks = kv_s + stage * STAGE_BYTES;
       unsigned char* vs = ks + BLOCK_N * SROW;
@@ -162,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, pages);
-    issue_tile(s, s, pages);
+    issue_tile_pages(s, s, pages);
   }
 #pragma unroll
   for (int t = STAGES - 1; t < STAGES - 1 + PREFETCH; ++t) {
@@ -171,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   }
   fetch_pages(STAGES - 1, pages);
   if (PREFETCH > 0) fetch_pages(STAGES - 1 + PREFETCH, pf_pages);
+#endif
 
   // -- query rows of this head tile -> smem (converted to the K/V type; rows >= `rows` zero)
   for (int i = tid; i < M_TILE * CHUNKS; i += THREADS) {
@@ -194,10 +264,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES, pages);
+#if IDX_SMEM
+    issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
+#else
+    issue_tile_pages(tile + STAGES - 1, (tile + STAGES - 1) % STAGES, pages);
     prefetch_tile(tile + STAGES - 1 + PREFETCH, pf_pages);
     fetch_pages(tile + STAGES, pages);
     if (PREFETCH > 0) fetch_pages(tile + STAGES + PREFETCH, pf_pages);
+#endif
 
     const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
     const unsigned char* vs = ks + BLOCK_N * SROW;
@@ -331,6 +405,45 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       *reinterpret_cast<float4*>(part_o + row * HEAD_DIM + d) = make_float4(o0 * inv, o1 * inv, o2 * inv, o3 * inv);
       if (d == 0) part_lse[row] = row_lse;
     }
+  }
+
+  // -- fused merge: the last piece of a split request to finish (per head tile) merges them all
+  if (slot < 0 || counters == nullptr) return;
+  __shared__ int is_last;
+  __threadfence();                 // this thread's partial stores, visible device-wide
+  __syncthreads();
+  if (tid == 0) {
+    int* ctr = counters + int64_t(w[5]) * gridDim.x + blockIdx.x;
+    const int done = atomicAdd(ctr, 1) + 1;
+    is_last = done == w[7];
+    if (done == w[7]) *ctr = 0;    // every piece has counted: reset for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int s0 = w[6], s1 = w[6] + w[7];
+  constexpr float LOG2E = 1.4426950408889634f;
+  for (int i = tid; i < rows * (HEAD_DIM / 4); i += THREADS) {
+    const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
+    const int head = head0 + r;
+    float m = neg_inf();
+    for (int s = s0; s < s1; ++s) m = fmaxf(m, __ldcg(part_lse + int64_t(s) * num_qo_heads + head));
+    const float m_use = m == neg_inf() ? 0.f : m;
+    float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+    for (int s = s0; s < s1; ++s) {
+      const int64_t row = int64_t(s) * num_qo_heads + head;
+      const float c = exp2_approx((__ldcg(part_lse + row) - m_use) * LOG2E);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d));
+      l += c;
+      o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    uint2 packed;
+    packed.x = pack2<q_t>(o0 * inv, o1 * inv);
+    packed.y = pack2<q_t>(o2 * inv, o3 * inv);
+    *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
+    if (lse != nullptr && d == 0)
+      lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
   }
 }
 

@@ -294,6 +294,30 @@ def test_batch_decode_gpu_split_and_unsplit_plans_agree(case_args):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(_fuse_merge=False), dict(_idx_smem=0), dict(_idx_smem=0, _fuse_merge=False)])
+def test_batch_decode_gpu_merge_and_index_variants_agree(variant):
+    """Fused merge (last piece merges, counters reset) vs the merge kernel; smem vs register page
+    ids; each run several times on one plan (a counter left non-zero would break the 2nd run)."""
+    import cupy
+    case = make_case(0, 0, 5, 32, 8, 128, "NHD", "float16", kv_lens=[3000, 1, 0, 700, 2049], seed=4)
+    ref_o, ref_lse = oracle(case)
+    outs = []
+    for kw in ({}, variant):
+        w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+        for k, v in kw.items():
+            setattr(w, k, v)
+        w.plan(case["indptr"], case["indices"], case["lpl"], 32, 8, 128, 5, q_data_type="float16",
+               fixed_split_size=300)
+        assert w._work.split
+        for _rep in range(3):
+            out, lse = w.run(to_cupy(case["q"]), cache_arg(case, "one", to_cupy), return_lse=True)
+            assert rel_err(cupy.asnumpy(out), ref_o) < TOL
+            assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
+        outs.append(cupy.asnumpy(out).astype(np.float64))
+    assert rel_err(outs[1], outs[0]) < 2e-3
+
+
+@pytest.mark.gpu
 def test_batch_decode_gpu_skewed_batch_and_empty_request():
     import cupy
     case = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=[5000, 3, 0, 700, 1], seed=9)

@@ -52,6 +52,12 @@ def test_decode_work_list_covers_every_request_head_token_exactly_once(lens, pag
     unsplit = {int(w[0]) for w in wl.work if w[4] < 0}
     assert unsplit.isdisjoint({int(m[0]) for m in wl.merge})
     assert wl.num_slots == sum(int(m[2] - m[1]) for m in wl.merge)
+    # fused merge: every piece of a split request names its merge row, first slot and piece count
+    for w in wl.work:
+        if w[4] >= 0:
+            req, s0, s1, _ = wl.merge[w[5]]
+            assert (req, s0, s1 - s0) == (w[0], w[6], w[7])
+            assert sum(1 for x in wl.work if x[0] == w[0]) == w[7]
 
 
 def test_choose_chunk_splits_batch1_long_context_to_fill_the_gpu():
@@ -70,6 +76,12 @@ def test_choose_chunk_splits_until_every_sm_holds_ctas_per_sm_ctas():
     chunk = plan.choose_chunk(lens, 8, 132, 2)
     wl = plan.decode_work_list(np.arange(17) * 2048, lens, chunk)
     assert 0.9 * 264 <= len(wl.work) * 8 <= 264      # one full wave, no mostly empty second one
+
+
+def test_choose_chunk_keeps_short_requests_whole_once_every_sm_has_a_cta():
+    assert plan.choose_chunk(np.full(16, 512), 8, 132, 2) == 0        # 128 CTAs: no split
+    assert plan.choose_chunk(np.full(16, 2048), 8, 132, 2) == 1024    # long enough pieces: split
+    assert plan.choose_chunk(np.array([512]), 8, 132, 2) == 128       # idle GPU: split short too
 
 
 def test_choose_chunk_splits_the_long_request_of_a_skewed_batch():
