@@ -303,6 +303,20 @@ def resolve_stream(framework: str, device: int, stream: Any = None):
 # ---------------------------------------------------------------------------- outputs
 
 
+@functools.cache
+def _numpy_to_torch_dtype(dtype: np.dtype):
+    import torch
+    return {np.dtype(np.float16): torch.float16, bfloat16: torch.bfloat16, np.dtype(np.float32): torch.float32,
+            np.dtype(np.int32): torch.int32, float8_e4m3: torch.float8_e4m3fn, float8_e5m2: torch.float8_e5m2,
+            np.dtype(np.uint8): torch.uint8}[dtype]
+
+
+@functools.cache
+def _torch_device(index: int):
+    import torch
+    return torch.device("cuda", index)
+
+
 def empty(ctx: Context, shape: tuple, dtype: np.dtype):
     """Allocate an uninitialised result in the caller's framework (CuPy for JAX callers)."""
     dtype = np.dtype(dtype)
@@ -310,10 +324,7 @@ def empty(ctx: Context, shape: tuple, dtype: np.dtype):
         return np.empty(shape, dtype)
     if ctx.framework == "torch":
         import torch
-        tdt = {np.dtype(np.float16): torch.float16, bfloat16: torch.bfloat16, np.dtype(np.float32): torch.float32,
-               np.dtype(np.int32): torch.int32, float8_e4m3: torch.float8_e4m3fn,
-               float8_e5m2: torch.float8_e5m2, np.dtype(np.uint8): torch.uint8}[dtype]
-        return torch.empty(shape, dtype=tdt, device=f"cuda:{ctx.device}")
+        return torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device=_torch_device(ctx.device))
     cp = cupy_module()
     with cp.cuda.Device(ctx.device):
         return cp.empty(shape, RAW_VIEW.get(dtype, dtype))

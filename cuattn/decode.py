@@ -77,57 +77,15 @@ def _num_sms(device: int) -> int:
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
-_configured: set = set()
+# kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters
+_KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p"
+_MERGE_ARGS = "ppppp" "qq" "i"
 
 
-def _functions(spec: DecodeSpec, device: int):
-    fn = jit.get_function(spec, _ENTRY, device)
-    merge = jit.get_function(spec, _MERGE_ENTRY, device)
-    key = (spec, device)
-    if key not in _configured:
-        from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
-        # all of the unified L1/smem as shared memory, so ctas_per_sm CTAs fit
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        _configured.add(key)
-    return fn, merge
-
-
-class _Launch:
-    """One kernel's launch with its arguments packed once: ``run()`` patches the per-call slots
-    (pointers, strides) and calls cuLaunchKernel through ctypes, a few µs less per launch than
-    CuPy's generic argument marshalling. Every argument gets an 8-byte slot (int32 and float32
-    arguments use its low 4 bytes; little-endian)."""
-
-    _lib = None
-
-    def __init__(self, function, kinds: str):
-        if _Launch._lib is None:
-            import ctypes
-            lib = ctypes.CDLL("libcuda.so.1")
-            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            lib.cuLaunchKernel.restype = ctypes.c_int
-            _Launch._lib = lib
-        import ctypes
-        self.func = ctypes.c_void_p(function.ptr)
-        self.kinds = kinds                      # one letter per argument: p(ointer) q(int64) i(nt32) f(loat)
-        self.slots = (ctypes.c_uint64 * len(kinds))()
-        base = ctypes.addressof(self.slots)
-        self.params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
-        self.launch = _Launch._lib.cuLaunchKernel
-
-    def set(self, i: int, value) -> None:
-        kind = self.kinds[i]
-        if kind == "f":
-            value = int(np.float32(value).view(np.uint32))
-        elif kind in "qi":
-            value = int(value) & (0xFFFFFFFFFFFFFFFF if kind == "q" else 0xFFFFFFFF)
-        self.slots[i] = value
-
-    def __call__(self, grid, block: int, smem: int, stream_ptr: int) -> None:
-        status = self.launch(self.func, grid[0], grid[1], 1, block, 1, 1, smem, stream_ptr, self.params, None)
-        if status != 0:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
+def _launchers(spec: DecodeSpec, device: int):
+    """(decode kernel, merge kernel) launchers; the kernel's shared memory set at first use."""
+    return (jit.get_launcher(spec, _ENTRY, device, _KERNEL_ARGS, spec.smem_bytes),
+            jit.get_launcher(spec, _MERGE_ENTRY, device, _MERGE_ARGS))
 
 
 def _page_shift(page_size: int) -> int:
@@ -137,55 +95,6 @@ def _page_shift(page_size: int) -> int:
 
 def _short(dtype: np.dtype) -> str:
     return arrays.SHORT_NAME.get(np.dtype(dtype), str(dtype))
-
-
-def _same_dtype(t_dtype: np.dtype, want: np.dtype) -> bool:
-    """A device tensor's dtype matches ``want`` (bf16 may arrive from CuPy as a uint16 view)."""
-    return t_dtype == want or arrays.RAW_VIEW.get(want) == t_dtype
-
-
-# -- fast descriptors for the hot path (CuPy and torch CUDA arrays; everything else goes through
-#    arrays.device_tensor). Returns (ptr, shape, strides in elements, dtype name, device, is_torch).
-#    The dtype is compared by identity/equality with np.dtype objects (CuPy) or by name (torch):
-#    np.dtype.name costs ~5 µs.
-def _describe(x):
-    mod = type(x).__module__
-    if mod == "cupy":
-        isz = x.itemsize
-        return x.data.ptr, x.shape, tuple([v // isz for v in x.strides]), x.dtype, x.device.id, False
-    if mod == "torch":
-        if not x.is_cuda:
-            return None
-        return x.data_ptr(), tuple(x.shape), x.stride(), str(x.dtype)[6:], x.get_device(), True
-    return None
-
-
-_F32 = ("float32", np.dtype(np.float32))
-
-
-def _empty_like(q, torch_in):
-    if torch_in:
-        import torch
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cp = arrays.cupy_module()
-    with cp.cuda.Device(q.device.id):
-        return cp.empty(q.shape, q.dtype)
-
-
-def _empty_f32(q, shape, torch_in):
-    if torch_in:
-        import torch
-        return torch.empty(shape, dtype=torch.float32, device=q.device)
-    cp = arrays.cupy_module()
-    with cp.cuda.Device(q.device.id):
-        return cp.empty(shape, np.float32)
-
-
-def _current_stream_ptr(device: int, torch_in: bool) -> int:
-    if torch_in:
-        import torch
-        return torch.cuda.current_stream(device).cuda_stream
-    return arrays.cupy_module().cuda.get_current_stream(device).ptr
 
 
 # ---------------------------------------------------------------------------- plan buffers
@@ -455,30 +364,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._part_o = ptr
             self._part_lse = ptr + slots * self._num_qo_heads * self._head_dim * 4
         self._build_launchers()
-        names = {np.dtype(np.float16): ("float16", np.dtype(np.float16)),
-                 arrays.bfloat16: ("bfloat16", np.dtype(np.uint16), arrays.bfloat16)}
-        self._q_names, self._kv_names = names[self._q_dtype], names[self._kv_dtype]
 
     def _build_launchers(self):
-        spec = self._spec
-        kernel, merge = _functions(spec, self._device)
+        self._k_launch, merge = _launchers(self._spec, self._device)
+        self._k_grid = (self._num_kv_heads * self._m_tiles, self._grid_work)
         # split requests are merged inside the decode kernel (last piece to finish) unless the
         # _fuse_merge hook (benchmarks only) asks for the separate merge kernel
         fuse = getattr(self, "_fuse_merge", True)
-        k = _Launch(kernel, "ppppppppp" + "qqqqqqq" + "iiiii" + "f" + "p")
-        for i, v in ((0, self._work_ptr), (4, self._indices_ptr), (7, self._part_o), (8, self._part_lse),
-                     (16, self._page_size), (17, _page_shift(self._page_size)), (18, self._num_qo_heads),
-                     (19, self._group), (20, self._m_tiles), (21, self._sm_scale * _LOG2E),
-                     (22, self._counters_ptr if fuse else 0)):
-            k.set(i, v)
-        self._k_launch, self._k_grid = k, (self._num_kv_heads * self._m_tiles, self._grid_work)
-        self._m_launch = None
-        if self._has_merge and not fuse:
-            m = _Launch(merge, "ppppp" + "qq" + "i")
-            for i, v in ((0, self._merge_ptr), (1, self._part_o), (2, self._part_lse), (7, self._num_qo_heads)):
-                m.set(i, v)
-            hpb = _THREADS // (spec.head_dim // 4)
-            self._m_launch, self._m_grid = m, (self._grid_merge, -(-self._num_qo_heads // hpb))
+        self._k_consts = (self._page_size, _page_shift(self._page_size), self._num_qo_heads, self._group,
+                          self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0)
+        self._m_launch = merge if self._has_merge and not fuse else None
+        self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
 
     # ------------------------------------------------------------------ run
 
@@ -510,10 +406,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise UnsupportedError(f"{fn}: q_rope_offset (fused RoPE) is not implemented")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) are not implemented")
-        if stream is None and self._work is not None:
-            result = self._run_fast(q, paged_kv_cache, out, lse, return_lse)
-            if result is not None:
-                return result
         if not arrays.is_device_array(q):
             return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn)
         if self._gpu_error:
@@ -525,14 +417,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         want_q = (self._batch, self._num_qo_heads, self._head_dim)
         if qt.shape != want_q:
             raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qt.shape}")
-        if not _same_dtype(qt.dtype, self._q_dtype):
+        if not arrays.same_storage(qt.dtype, self._q_dtype):
             raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qt.dtype}")
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self._page_size, self._num_kv_heads, self._head_dim):
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
                              f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
                              f"{(kv.page_size, kv.num_kv_heads, kv.head_dim)} (kv_layout={self._kv_layout})")
-        if not _same_dtype(kv.dtype, self._kv_dtype):
+        if not arrays.same_storage(kv.dtype, self._kv_dtype):
             raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
                              f"got {kv.dtype}")
         if kv.k.device != qt.device:
@@ -554,70 +446,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     forward = run
 
-    def _run_fast(self, q, cache, out, lse, return_lse):
-        """run() for CuPy / torch CUDA arrays in the planned shapes, with attribute checks only.
-
-        Returns None when anything differs from the plan; the general path then runs and
-        raises the precise error (or handles the other frameworks)."""
-        qd = _describe(q)
-        if qd is None or qd[1] != (self._batch, self._num_qo_heads, self._head_dim) or qd[2][2] != 1 \
-                or qd[3] not in self._q_names or qd[4] != self._device:
-            return None
-        if isinstance(cache, (tuple, list)):
-            if len(cache) != 2:
-                return None
-            kd, vd = _describe(cache[0]), _describe(cache[1])
-            if kd is None or vd is None or kd[1:] != vd[1:] or len(kd[1]) != 4:
-                return None
-            shape, st, k_ptr, v_ptr = kd[1], kd[2], kd[0], vd[0]
-        else:
-            kd = _describe(cache)
-            if kd is None or len(kd[1]) != 5 or kd[1][1] != 2:
-                return None
-            shape = (kd[1][0],) + kd[1][2:]
-            st = (kd[2][0],) + kd[2][2:]
-            k_ptr, v_ptr = kd[0], kd[0] + kd[2][1] * 2
-        if self._kv_layout == "NHD":
-            dims, s_slot, s_head = (shape[1], shape[2], shape[3]), st[1], st[2]
-        else:
-            dims, s_slot, s_head = (shape[2], shape[1], shape[3]), st[2], st[1]
-        if dims != (self._page_size, self._num_kv_heads, self._head_dim) or st[3] != 1 \
-                or kd[3] not in self._kv_names or kd[4] != self._device or self._max_index >= shape[0]:
-            return None
-        torch_in = qd[5]
-        if out is None:
-            out = _empty_like(q, torch_in)
-        od = _describe(out)
-        if od is None or od[1] != qd[1] or od[3] != qd[3] or od[2][2] != 1 or od[4] != self._device:
-            return None
-        lse_ptr = 0
-        if lse is not None or return_lse:
-            if lse is None:
-                lse = _empty_f32(q, (self._batch, self._num_qo_heads), torch_in)
-            ld = _describe(lse)
-            if ld is None or ld[1] != (self._batch, self._num_qo_heads) or ld[3] not in _F32 \
-                    or ld[2] != (self._num_qo_heads, 1) or ld[4] != self._device:
-                return None
-            lse_ptr = ld[0]
-        stream_ptr = _current_stream_ptr(self._device, torch_in)
-        sl = self._k_launch.slots
-        sl[1], sl[2], sl[3], sl[5], sl[6] = qd[0], k_ptr, v_ptr, od[0], lse_ptr
-        sl[9], sl[10], sl[11], sl[12] = qd[2][0], qd[2][1], od[2][0], od[2][1]
-        sl[13], sl[14], sl[15] = st[0], s_slot, s_head
-        self._k_launch(self._k_grid, _THREADS, self._spec.smem_bytes, stream_ptr)
-        if self._m_launch is not None:
-            ml = self._m_launch.slots
-            ml[3], ml[4], ml[5], ml[6] = od[0], lse_ptr, od[2][0], od[2][1]
-            self._m_launch(self._m_grid, _THREADS, 0, stream_ptr)
-        if return_lse:
-            return out, lse
-        return out
-
     def _output(self, ctx, out, qt, fn):
         if out is None:
             out = arrays.empty(ctx, qt.shape, self._q_dtype)
         ot = arrays.device_tensor(out, "out", fn)
-        if ot.shape != qt.shape or not _same_dtype(ot.dtype, self._q_dtype):
+        if ot.shape != qt.shape or not arrays.same_storage(ot.dtype, self._q_dtype):
             raise ValueError(f"{fn}: out must have shape {qt.shape} and dtype {self._q_dtype}, "
                              f"got {ot.shape} {ot.dtype}")
         if ot.device != qt.device:
@@ -635,15 +468,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return lse, lt.ptr
 
     def _launch(self, qt, kv, ot, lse_ptr, stream):
-        sl = self._k_launch.slots
-        sl[1], sl[2], sl[3], sl[5], sl[6] = qt.ptr, kv.k.ptr, kv.v.ptr, ot.ptr, lse_ptr
-        sl[9], sl[10], sl[11], sl[12] = qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1]
-        sl[13], sl[14], sl[15] = kv.stride_page, kv.stride_slot, kv.stride_head
-        self._k_launch(self._k_grid, _THREADS, self._spec.smem_bytes, stream.ptr)
+        self._k_launch(self._k_grid, _THREADS, stream,
+                       self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
+                       self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
+                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts)
         if self._m_launch is not None:
-            ml = self._m_launch.slots
-            ml[3], ml[4], ml[5], ml[6] = ot.ptr, lse_ptr, ot.strides[0], ot.strides[1]
-            self._m_launch(self._m_grid, _THREADS, 0, stream.ptr)
+            self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
+                           ot.ptr, lse_ptr, ot.strides[0], ot.strides[1], self._num_qo_heads)
 
     def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn):
         qa = arrays.host_array(q, "q", fn)
@@ -761,7 +592,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     hq, d, hkv = _check_single(fn, qt.shape, kt.shape, vt.shape, kv_layout)
     q_dtype = arrays.bfloat16 if qt.dtype == np.uint16 else qt.dtype
     kv_dtype = arrays.bfloat16 if kt.dtype == np.uint16 else kt.dtype
-    if not _same_dtype(vt.dtype, kv_dtype) or kt.strides != vt.strides:
+    if not arrays.same_storage(vt.dtype, kv_dtype) or kt.strides != vt.strides:
         raise ValueError(f"{fn}: k and v must have the same dtype and strides, got k={kt.dtype} {kt.strides}, "
                          f"v={vt.dtype} {vt.strides}")
     if d not in HEAD_DIMS:
@@ -784,22 +615,17 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     with cp.cuda.Device(ctx.device), ctx.stream:     # pool memory tagged with the launch stream
         part = cp.empty(slots * hq * (d + 1), np.float32)
     part_o, part_lse = part.data.ptr, part.data.ptr + slots * hq * d * 4
-    kernel, merge = _functions(spec, ctx.device)
-    u64, i64, i32 = np.uint64, np.int64, np.int32
+    kernel, merge = _launchers(spec, ctx.device)
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    kernel((hkv * m_tiles, len(wl.work), 1), (_THREADS, 1, 1),
-           (u64(work.data.ptr), u64(qt.ptr), u64(kt.ptr), u64(vt.ptr), u64(indices.data.ptr),
-            u64(ot.ptr), u64(lse_ptr), u64(part_o), u64(part_lse),
-            i64(0), i64(qt.strides[0]), i64(0), i64(ot.strides[1]),
-            i64(0), i64(s_tok), i64(s_head),
-            i32(max(kv_len, 1)), i32(_page_shift(max(kv_len, 1))), i32(hq), i32(group), i32(m_tiles),
-            np.float32(scale * _LOG2E), u64(0)),
-           shared_mem=spec.smem_bytes, stream=ctx.stream)
+    # the contiguous KV is one "page" of kv_len rows; no fused merge (counters pointer 0)
+    kernel((hkv * m_tiles, len(wl.work)), _THREADS, ctx.stream,
+           work.data.ptr, qt.ptr, kt.ptr, vt.ptr, indices.data.ptr, ot.ptr, lse_ptr, part_o, part_lse,
+           0, qt.strides[0], 0, ot.strides[1], 0, s_tok, s_head,
+           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0)
     if merge_dev is not None:
         hpb = _THREADS // (d // 4)
-        merge((len(wl.merge), -(-hq // hpb), 1), (_THREADS, 1, 1),
-              (u64(merge_dev.data.ptr), u64(part_o), u64(part_lse), u64(ot.ptr), u64(lse_ptr),
-               i64(0), i64(ot.strides[1]), i32(hq)), stream=ctx.stream)
+        merge((len(wl.merge), -(-hq // hpb)), _THREADS, ctx.stream,
+              merge_dev.data.ptr, part_o, part_lse, ot.ptr, lse_ptr, 0, ot.strides[1], hq)
     del part   # CuPy's pool reuses it only in stream order after the launches above
     result = arrays.export(ctx, out[0], q_dtype)
     if return_lse:

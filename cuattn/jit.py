@@ -329,7 +329,10 @@ class Launcher:
         cp = cupy_module()
         function = get_function(spec, entry, device_id)
         if smem_bytes > 48 * 1024:
-            cp.cuda.driver.funcSetAttribute(function.ptr, 8, smem_bytes)  # ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver = cp.cuda.driver
+            driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
+            # all of the unified L1/shared memory as shared memory, so several CTAs fit per SM
+            driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
         self._runtime, self._device = cp.cuda.runtime, cp.cuda.Device(device_id)
         self.name = f"{spec.name}:{entry}"
         self.device_id = device_id

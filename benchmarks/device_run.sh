@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: every GPU test, then the benchmarks; logs under $OUT, short table last.
+# Usage (device tool): bash benchmarks/device_run.sh [quick]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/cuattn-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+python3 -m cuattn.cli precompile 2>/dev/null | tee -a "$OUT/gpu_tests.log"
+python3 - <<'PY' | tee -a "$OUT/gpu_tests.log"
+from cuattn import cli, jit
+arch = jit.device_arch(0)
+worst = max(((r.get("registers", 0), s.name) for s in cli.shipped_specs()
+             for r in jit.compile_kernel(s, arch).resources.values()), default=None)
+spills = [s.name for s in cli.shipped_specs() for r in jit.compile_kernel(s, arch).resources.values()
+          if r.get("spill_stores", 0)]
+print(f"device NVRTC {jit.nvrtc_version()}: most registers {worst}; specs with spills: {spills or 'none'}")
+PY
+if [ "${1:-}" = quick ]; then
+  python3 benchmarks/bench_decode.py --batch 1 16 64 --kv-len 512 2048 32768 --heads 32:8 --reps 30 \
+      --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -14
+  python3 benchmarks/bench_prefill.py --shapes 1x1024 1x16384 8x2048 --out "$OUT/prefill.json" 2>&1 \
+      | tee "$OUT/prefill.log" | tail -12
+else
+  python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -40
+  python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log" | tail -20
+fi
