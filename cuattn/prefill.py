@@ -39,14 +39,13 @@ _NUM_THREADS = 128
 def tile_config(head_dim: int, custom_mask: bool, paged: bool = False) -> tuple[int, int, int]:
     """(num_mma_q, block_n, stages): the largest tiles that compile without register spills,
     and as many K/V stages as keep two CTAs per SM within shared memory. hd128: 128 x 64 tiles
-    (two stages: 96 KiB, two CTAs per SM) where they fit in 255 registers; the paged kernel's
-    page-offset registers push that over (4-60 bytes of spills), so it keeps 32-key tiles."""
+    (two stages: 96 KiB, two CTAs per SM), paged too since its page offsets live in smem."""
     if head_dim == 64:
         return 2, 64, 3
     if head_dim == 128:
         if custom_mask:
             return 1, 64, 3
-        return (2, 32, 3) if paged else (2, 64, 2)
+        return 2, 64, 2
     return 1, 32, 2
 
 
@@ -82,7 +81,8 @@ class PrefillSpec:
 
     @property
     def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+        return tiles + (4 * self.stages * self.block_n if self.paged else 0)   # paged: row offsets
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:

@@ -2,7 +2,8 @@
 // Compile-time: HEAD_DIM (64 | 128 | 256), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1),
 //   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile),
 //   STAGES (K/V tiles in flight, >= 2).
-// Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2.
+// Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2
+//   (+ STAGES * BLOCK_N * 4 when PAGED: the tiles' row offsets).
 //
 // One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
 // row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
@@ -32,10 +33,18 @@ constexpr int WARP_ROWS = NUM_MMA_Q * 16;
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass of the block
 #ifndef QK_UNROLL   // k-steps of S = QK^T unrolled together; 2 was fastest on an H200 (hd128 128x64 tiles)
 #if BLOCK_N >= 64 && (PAGED || CUATTN_ARCH < 90)
-#define QK_UNROLL 1     // 2 spills there (paged: page-offset registers; sm_80: other scheduling)
+#define QK_UNROLL 1     // 2 spills there (paged: page-table registers; sm_80: other scheduling)
 #else
 #define QK_UNROLL 2
 #endif
+#endif
+// paged, hd128 128x64 tiles sit at 255 registers: these two choices were the spill-free ones on
+// sm_90a and sm_80, full and causal (other combinations spill 8-60 bytes on one of them)
+#ifndef PAGE_BASE_SMEM  // the request's page-table base reread from smem in the loop (2 registers less)
+#define PAGE_BASE_SMEM 1
+#endif
+#ifndef PAGE_PREFETCH   // the next tile's page ids loaded an iteration ahead into a register
+#define PAGE_PREFETCH 1
 #endif
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
@@ -52,49 +61,47 @@ struct KvRows {
   int64_t s_tok;
 };
 
-// -- page index of each key row this thread copies in one tile (fetched a phase ahead of the copy,
-//    so the page-table load latency hides under tensor-core work; one lookup serves K and V)
+// -- paged K/V: the row offset of every key of a tile (in units of s_tok: page * (s_page / s_tok)
+//    + slot; the host checks that s_page is a multiple of s_tok and that this fits in int32) is
+//    staged in smem, STAGES int arrays of BLOCK_N, so the cp.async issue reads it from smem instead
+//    of holding ROWS_PT offsets in registers across the loop. Thread tid < BLOCK_N owns key tid of
+//    a tile: its page id is loaded one iteration ahead into one register (page_id), turned into an
+//    offset and stored to the slot of tile t (t % STAGES) after the first barrier of iteration
+//    t - STAGES (both loads of tile t - STAGES, which used that slot, were issued before it); the
+//    second barrier of that iteration makes it visible to the K load, the V load follows later.
 constexpr int ROWS_PT = BLOCK_N / ROW_STEP;
-struct PageRegs { int p[PAGED ? ROWS_PT : 1]; };
+static_assert(!PAGED || BLOCK_N <= NUM_THREADS, "one thread per key of a tile");
 
-// pr.p[j] = the row's offset in units of s_tok: page * (s_page / s_tok) + slot (host checks that
-// s_page is a multiple of s_tok and that this fits in int32). page_shift >= 0: page_size = 1 << shift.
-__device__ __forceinline__ void fetch_pages(PageRegs& pr, int kv0, int kv_len, const int32_t* __restrict__ pages,
-                                            int page_size, int page_shift, int page_rows) {
-#if PAGED
-#pragma unroll
-  for (int j = 0; j < ROWS_PT; ++j) {
-    const int pos = kv0 + int(threadIdx.x) / CHUNKS + j * ROW_STEP;
-    int idx, slot;
-    if (page_shift >= 0) {
-      idx = pos >> page_shift;
-      slot = pos & (page_size - 1);
-    } else {
-      idx = pos / page_size;
-      slot = pos - idx * page_size;
-    }
-    pr.p[j] = pos < kv_len ? __ldg(pages + idx) * page_rows + slot : 0;
-  }
-#endif
+// page id of key pos (>= 0), or -1 past kv_len (page_shift >= 0: page_size = 1 << shift)
+__device__ __forceinline__ int page_of(int pos, int kv_len, const int32_t* __restrict__ pages, int page_size,
+                                       int page_shift) {
+  if (pos >= kv_len) return -1;
+  return __ldg(pages + (page_shift >= 0 ? pos >> page_shift : pos / page_size));
+}
+__device__ __forceinline__ int row_offset(int page_id, int pos, int page_size, int page_shift, int page_rows) {
+  if (page_id < 0) return 0;
+  const int slot = page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
+  return page_id * page_rows + slot;
 }
 
 // -- cp.async a BLOCK_N x D tile of keys [kv0, kv0 + BLOCK_N) into smem (dst = this thread's first
 //    chunk in the stage buffer); rows past kv_len are zeros. rows_left = kv_len - kv0 - tid / CHUNKS.
+//    offs: the tile's smem row offsets (PAGED).
 __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int kv0, int rows_left,
-                                             const PageRegs& pr) {
+                                             const int* offs) {
 #if !PAGED
   const dtype_t* tile_src = t.base + int64_t(kv0) * t.s_tok;
 #endif
 #pragma unroll
   for (int j = 0; j < ROWS_PT; ++j) {
     const bool ok = j * ROW_STEP < rows_left;
+    // row r = tid / CHUNKS + j * ROW_STEP: the swizzle depends on r % 8 alone
+    const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
 #if PAGED
-    const dtype_t* src = t.base + int64_t(pr.p[j]) * t.s_tok;
+    const dtype_t* src = t.base + int64_t(offs[r]) * t.s_tok;
 #else
     const dtype_t* src = tile_src + int64_t(j * ROW_STEP) * t.s_tok;
 #endif
-    // row r = tid / CHUNKS + j * ROW_STEP: the swizzle depends on r % 8 alone
-    const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
     cp_async_16(dst + swz(r, int(threadIdx.x) % CHUNKS), ok ? src : t.base, ok ? 16 : 0);
   }
 }
@@ -185,20 +192,39 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   }
   const int num_tiles = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
 
+  // -- paged: row offsets of tiles 0 .. STAGES-1 into their smem slots, the page id of tile STAGES
+  //    into page_id (one lookup serves K and V)
+#if PAGED
+  int* const s_off = reinterpret_cast<int*>(smem + BLOCK_M * D * 2 + 2 * STAGES * TILE_BYTES);
+  int page_id = -1;
+  (void)page_id;
+  __shared__ int s_page0;     // the request's first page-table entry, reread after each barrier
+  if (tid == 0) s_page0 = int(pages - kv_indices);
+  if (tid < BLOCK_N) {
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) {
+      const int pos = st * BLOCK_N + tid;
+      s_off[st * BLOCK_N + tid] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
+                                             page_shift, page_rows);
+    }
+#if PAGE_PREFETCH
+    page_id = page_of(STAGES * BLOCK_N + tid, kv_len, pages, page_size, page_shift);
+#endif
+  }
+  __syncthreads();
+#define TILE_OFFS(t) (s_off + ((t) % STAGES) * BLOCK_N)
+#else
+#define TILE_OFFS(t) nullptr
+#endif
+
   // -- prologue: groups (Q + K0), V0, K1, V1, ..., V[STAGES-1]; every later group is one tile
-  PageRegs pr;
 #pragma unroll
   for (int st = 0; st < STAGES; ++st) {
-    if (st < num_tiles) {
-      fetch_pages(pr, st * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
-      load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, row_lim - st * BLOCK_N, pr);
-    }
+    if (st < num_tiles) load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, row_lim - st * BLOCK_N, TILE_OFFS(st));
     cp_async_commit();
-    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, row_lim - st * BLOCK_N, pr);
+    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, row_lim - st * BLOCK_N, TILE_OFFS(st));
     cp_async_commit();
   }
-  // pr holds the pages of tile it + STAGES - 1 at the top of iteration it >= 1, of tile STAGES at it = 0
-  if (STAGES < num_tiles) fetch_pages(pr, STAGES * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
 
   // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
   const int g = lane / 4, t4 = lane % 4;
@@ -222,10 +248,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     __syncthreads();                            // K[it] (and Q) visible; every warp done with P.V of it-1
     if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
-      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, row_lim - nt * BLOCK_N, pr);
+      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, row_lim - nt * BLOCK_N, TILE_OFFS(nt));
       cp_async_commit();
-      if (PAGED && nt + 1 < num_tiles) fetch_pages(pr, (nt + 1) * BLOCK_N, kv_len, pages, page_size, page_shift, page_rows);
     }
+#if PAGED
+    if (tid < BLOCK_N && it + STAGES < num_tiles) {   // -- offsets of tile it + STAGES into slot it % STAGES
+      const int pos = (it + STAGES) * BLOCK_N + tid;
+#if PAGE_BASE_SMEM
+      const int32_t* pages = kv_indices + s_page0;
+#endif
+#if PAGE_PREFETCH
+      s_off[stage * BLOCK_N + tid] = row_offset(page_id, pos, page_size, page_shift, page_rows);
+      page_id = page_of(pos + BLOCK_N, kv_len, pages, page_size, page_shift);
+#else
+      s_off[stage * BLOCK_N + tid] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
+                                                page_shift, page_rows);
+#endif
+    }
+#endif
 
     // -- S = Q K^T
     float s[NUM_MMA_Q][BLOCK_N / 8][4];
@@ -324,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // V[it] visible; every warp done reading K[it]
     if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
-      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, row_lim - (it + STAGES) * BLOCK_N, pr);
+      load_kv_tile(sKs, kt, (it + STAGES) * BLOCK_N, row_lim - (it + STAGES) * BLOCK_N, TILE_OFFS(it + STAGES));
     cp_async_commit();
 
     // -- O += P V (P from the S accumulators, repacked as A fragments)

@@ -392,8 +392,8 @@ def test_batch_gpu_full_grid(case):
 
 @pytest.mark.gpu
 def test_batch_paged_gpu_equals_ragged_bitwise(monkeypatch):
-    # hd128 ragged ships 64-key tiles, paged 32-key ones: give the ragged run the paged tile shape,
-    # so the two differ only in how K/V rows are addressed and must agree bit for bit
+    # give the ragged run the paged tile shape (the same 128x64 for hd128 now; kept so a future
+    # split stays covered): the two differ only in how K/V rows are addressed, so bit for bit
     orig = prefill.tile_config
     monkeypatch.setattr(prefill, "tile_config", lambda d, m, paged=False: orig(d, m, True))
     rng = np.random.default_rng(7)
