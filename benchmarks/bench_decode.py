@@ -183,7 +183,8 @@ def main():
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "regidx (page ids loaded per thread a tile ahead, the pre-2026-11-23 kernel), "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
-                         "of N tokens); e.g. regidx+sepmerge")
+                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA), lazy (skip the O "
+                         "rescale when no row max moved); e.g. regidx+sepmerge, w8+s3")
     ap.add_argument("--flush", default="write", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
@@ -252,12 +253,16 @@ def main():
 def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices, lpl, cache, q, reps, flush,
               read_tbs, copy_tbs, fi, have_fi):
     tweaks = set(variant.split("+")) - {"shipped"}
-    plan_kw = {}
+    plan_kw, spec_kw = {}, {}
     for t in list(tweaks):
         if t == "nosplit":
             plan_kw["disable_split_kv"] = True
         elif t.startswith("chunk") and t[5:].isdigit():
             plan_kw["fixed_split_size"] = int(t[5:])
+        elif t[:1] in "sw" and t[1:].isdigit():
+            spec_kw[t[0]] = int(t[1:])
+        elif t == "lazy":
+            spec_kw["lazy"] = 1
         else:
             continue
         tweaks.discard(t)
@@ -265,7 +270,8 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-    w._num_stages, w._prefetch = args.stages, args.prefetch   # tuning hooks, not API
+    w._num_stages, w._prefetch = spec_kw.get("s", args.stages), args.prefetch   # tuning hooks, not API
+    w._num_warps, w._lazy_rescale = spec_kw.get("w", 0), spec_kw.get("lazy", 0)   # 0: plan's choice
     w._idx_smem = 0 if "regidx" in tweaks else 1
     w._fuse_merge = "sepmerge" not in tweaks
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ FlashInfer returns base 2; multiply cuattn's LSE by ``1 / ln 2`` to compare.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class DecodeSpec:
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
     prefetch: int = 0    # tiles prefetched into L2 beyond the cp.async stages (measured slower: off)
     idx_smem: int = 1    # page ids staged in shared memory by cp.async (0: per-thread loads a tile ahead)
+    num_warps: int = 4   # warps per CTA (16 tokens each per stage); plan() picks 8 at <= 1 CTA/SM (hd128)
+    lazy_rescale: int = 0  # skip the O rescale when a warp's row maxima did not move
     source = _SOURCE
 
     @property
@@ -46,6 +49,8 @@ class DecodeSpec:
         extra = f"_s{self.num_stages}" if self.num_stages else ""
         extra += f"_pf{self.prefetch}" if self.prefetch else ""
         extra += "" if self.idx_smem else "_regidx"
+        extra += f"_w{self.num_warps}" if self.num_warps != 4 else ""
+        extra += "_lazy" if self.lazy_rescale else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -55,12 +60,21 @@ class DecodeSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
-                f"-DPREFETCH={self.prefetch}", f"-DIDX_SMEM={int(bool(self.idx_smem))}")
+                f"-DPREFETCH={self.prefetch}", f"-DIDX_SMEM={int(bool(self.idx_smem))}",
+                f"-DNUM_WARPS={self.num_warps}", f"-DLAZY_RESCALE={int(bool(self.lazy_rescale))}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def block_n(self) -> int:  # tokens per pipeline stage
+        return 16 * self.num_warps
 
     @property
     def smem_bytes(self) -> int:
         row = self.head_dim * 2 + 16
-        return _M_TILE * row + self.stages * 2 * 64 * row + (2 * 512 * 4 if self.idx_smem else 0)
+        return _M_TILE * row + self.stages * 2 * self.block_n * row + (2 * 512 * 4 if self.idx_smem else 0)
 
     @property
     def ctas_per_sm(self) -> int:
@@ -68,7 +82,9 @@ class DecodeSpec:
 
 
 def shipped_specs() -> list[DecodeSpec]:
-    return [DecodeSpec(d, q, kv) for d in HEAD_DIMS for q in ("f16", "bf16") for kv in ("f16", "bf16")]
+    dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16")]
+    return ([DecodeSpec(d, q, kv) for d in HEAD_DIMS for q, kv in dts] +
+            [DecodeSpec(128, q, kv, num_warps=8) for q, kv in dts])   # low-occupancy plans
 
 
 @functools.cache
@@ -106,8 +122,17 @@ class _DeviceBuffers:
     def __init__(self, device: int, fixed: bool):
         self.device, self.fixed = device, fixed
         self.plan = None          # int32 cupy
-        self.indices = None       # int32 cupy
         self.partial = None       # float32 cupy (when no workspace buffer was given)
+        self._pinned = None       # (pinned memory, int32 NumPy view): plan() staging
+
+    def staging(self, size: int) -> np.ndarray:
+        """Pinned int32 host buffer of >= size elements (grown by doubling, kept)."""
+        if self._pinned is None or self._pinned[1].size < size:
+            cp = arrays.cupy_module()
+            n = max(size, 1024, 0 if self._pinned is None else 2 * self._pinned[1].size)
+            mem = cp.cuda.alloc_pinned_memory(n * 4)
+            self._pinned = (mem, np.frombuffer(mem, np.int32, n))
+        return self._pinned[1]
 
     def _ensure(self, name: str, size: int, dtype, what: str):
         cp = arrays.cupy_module()
@@ -254,7 +279,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                              getattr(self, "_num_stages", 0),
                                                              getattr(self, "_prefetch", 0),
                                                              0 if getattr(self, "_prefetch", 0) else
-                                                             getattr(self, "_idx_smem", 1))
+                                                             getattr(self, "_idx_smem", 1),
+                                                             4,
+                                                             getattr(self, "_lazy_rescale", 0))
         self._planned = True
 
         device = self._device
@@ -268,6 +295,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
 
         heads_work = self._num_kv_heads * self._m_tiles
+        # -- 8 warps x 3 stages (one 217 KB CTA per SM) when the batch gives at most one CTA per
+        #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
+        #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9).
+        #    With use_cuda_graph the choice of the first plan is kept (the captured kernel).
+        warps = getattr(self, "_num_warps", 0)
+        if not warps:
+            warps = getattr(self, "_graph_warps", 0) if self._use_cuda_graph else 0
+            if not warps:
+                warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
+                         and self._batch * heads_work <= _num_sms(device) else 4)
+            if self._use_cuda_graph:
+                self._graph_warps = warps
+        if warps != self._spec.num_warps:
+            self._spec = dataclasses.replace(self._spec, num_warps=warps)
         if disable_split_kv:
             chunk = 0
         elif fixed_split_size is not None:
@@ -275,8 +316,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
             chunk = int(fixed_split_size)
         else:
-            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm)
-        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk)
+            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm,
+                                       self._spec.block_n)
+        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, self._spec.block_n)
         if len(wl.work) > 65535:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
                                    f"pass a larger fixed_split_size")
@@ -317,38 +359,50 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"first plan with use_cuda_graph=True ({n_work_c}); make a new wrapper")
         else:
             n_work_c, n_merge_c = n_work, n_merge
-        # -- work rows, merge rows, then one zeroed counter per (merge row, grid x) for the
-        #    kernel's fused merge (the merging CTA resets its counter, so replays find zeros)
+        # -- one int32 buffer, one synchronous copy from pinned memory: work rows, merge rows, one
+        #    zeroed counter per (merge row, grid x) for the kernel's fused merge (the merging CTA
+        #    resets its counter, so replays find zeros), then the page ids when they are uploaded
+        #    (host indices, or any indices with use_cuda_graph: fixed addresses)
         n_ctr = n_merge_c * self._num_kv_heads * self._m_tiles
-        host = np.full(n_work_c * 8 + n_merge_c * 4 + n_ctr, -1, np.int32)
+        head = n_work_c * 8 + n_merge_c * 4 + n_ctr
+        n_idx = idx_t.shape[0] if indices_dev else len(indices_h)
+        upload_idx = not indices_dev or self._use_cuda_graph
+        if self._use_cuda_graph:
+            if bufs.plan is None:
+                self._cap_idx = max(n_idx, 1)
+            if n_idx > self._cap_idx:
+                raise ValueError(f"{fn}: indices must fit the buffers captured with use_cuda_graph=True "
+                                 f"({self._cap_idx} elements), got {n_idx}; plan the largest batch first "
+                                 f"or make a new wrapper")
+            idx_cap = self._cap_idx
+        else:
+            idx_cap = n_idx if upload_idx else 0
+        n_host = head + (n_idx if not indices_dev else 0)
+        host = bufs.staging(n_host)
+        host[:head] = -1
         host[:n_work * 8] = wl.work.ravel()
         host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
-        host[n_work_c * 8 + n_merge_c * 4:] = 0
+        host[n_work_c * 8 + n_merge_c * 4:head] = 0
+        if not indices_dev:
+            host[head:n_host] = indices_h
         with cp.cuda.Device(self._device):
-            plan_dev = bufs._ensure("plan", host.size, np.int32, "the work list")
-            plan_dev[:host.size].set(host)
+            plan_dev = bufs._ensure("plan", head + idx_cap, np.int32, "the work list and indices")
+            # cudaMemcpy from pinned memory: synchronous for the host (the staging buffer is free
+            # again on return) and ordered like the pageable copy it replaces
+            cp.cuda.runtime.memcpy(plan_dev.data.ptr, host.ctypes.data, n_host * 4, 1)
             self._grid_work, self._grid_merge = n_work_c, n_merge_c
             self._work_ptr = plan_dev.data.ptr
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
             self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
             self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
-            if indices_dev and not self._use_cuda_graph:
+            if upload_idx:
+                self._indices_ptr = plan_dev.data.ptr + head * 4
+                if indices_dev and n_idx:
+                    plan_dev[head:head + n_idx] = (idx_t.obj if idx_t.framework == "cupy"
+                                                   else cp.from_dlpack(idx_t.obj))
+            else:
                 self._indices_ptr = idx_t.ptr
                 self._indices_keep = idx_t.obj
-            else:
-                if indices_dev:
-                    src = idx_t.obj if idx_t.framework == "cupy" else cp.from_dlpack(idx_t.obj)
-                    n = src.size
-                else:
-                    src = indices_h.astype(np.int32, copy=False)
-                    n = len(src)
-                dev = bufs._ensure("indices", max(n, 1), np.int32, "indices")
-                if n:
-                    if indices_dev:
-                        dev[:n] = src
-                    else:
-                        dev[:n].set(src)
-                self._indices_ptr = dev.data.ptr
             # -- partial outputs for split requests: fp32 rows + LSE
             slots = max(wl.num_slots, 1)
             if self._use_cuda_graph:
@@ -468,7 +522,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return lse, lt.ptr
 
     def _launch(self, qt, kv, ot, lse_ptr, stream):
-        self._k_launch(self._k_grid, _THREADS, stream,
+        self._k_launch(self._k_grid, self._spec.threads, stream,
                        self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
                        self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
                        kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts)

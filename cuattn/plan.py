@@ -73,7 +73,8 @@ def check_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, pag
     return kv_lens
 
 
-def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int) -> int:
+def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int,
+                 block_n: int = BLOCK_N) -> int:
     """Tokens per piece for split-KV; 0 means no request is split.
 
     Enough CTAs to fill every SM with ctas_per_sm resident CTAs when the batch alone cannot (one
@@ -94,7 +95,7 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
         #    (rounding p up would leave a mostly empty second wave)
         p = max(1, slots // (batch * heads_work))
         chunk = -(-mean // p)
-    chunk = max(MIN_CHUNK, -(-chunk // BLOCK_N) * BLOCK_N)
+    chunk = max(MIN_CHUNK, -(-chunk // block_n) * block_n)
     if chunk < SHORT_PIECE and batch * heads_work >= 0.9 * num_sms:
         # ~1 CTA per SM already and the pieces would be short: the split's extra partial
         # writes and merge cost more than the second CTA per SM gains (H200, 2026-11-22:
@@ -103,7 +104,8 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
     return 0 if max_len <= chunk else chunk
 
 
-def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> DecodeWorkList:
+def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
+                     block_n: int = BLOCK_N) -> DecodeWorkList:
     """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first."""
     batch = len(kv_lens)
     kv_lens = kv_lens.astype(np.int64)
@@ -116,47 +118,39 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int) -> Dec
         if batch > 1 and kv_lens.min() != kv_lens.max():
             work = work[np.argsort(-kv_lens, kind="stable")]
         return DecodeWorkList(work, np.zeros((0, MERGE_COLS), np.int32), 0, 0, kv_lens)
-    if chunk > 0:
-        n_pieces = np.maximum(1, -(-kv_lens // chunk))
-        # -- even pieces, each a multiple of the tile where possible
-        piece = -(-kv_lens // n_pieces)
-        piece = np.where(piece > BLOCK_N, -(-piece // BLOCK_N) * BLOCK_N, piece)
-        piece = np.maximum(piece, 1)
-        n_pieces = np.maximum(1, -(-kv_lens // piece))
-    else:
-        n_pieces = np.ones(batch, np.int64)
-        piece = np.maximum(kv_lens, 1)
-    total = int(n_pieces.sum())
+    # -- even pieces, each a multiple of the tile where possible (vectorized: ~25 NumPy calls)
+    n_pieces = np.maximum(1, -(-kv_lens // chunk))
+    piece = -(-kv_lens // n_pieces)
+    piece = np.maximum(np.where(piece > block_n, -(-piece // block_n) * block_n, piece), 1)
+    n_pieces = np.maximum(1, -(-kv_lens // piece))
+    ends = np.cumsum(n_pieces)
+    total = int(ends[-1])
     req = np.repeat(np.arange(batch, dtype=np.int64), n_pieces)
-    first = np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
-    k = np.arange(total, dtype=np.int64) - first                  # piece index within its request
-    start = k * piece[req]
-    end = np.minimum(start + piece[req], kv_lens[req])
+    k = np.arange(total, dtype=np.int64) - (ends - n_pieces)[req]    # piece index within its request
+    piece_r = piece[req]
+    start = k * piece_r
+    end = np.minimum(start + piece_r, kv_lens[req])
+    # -- slots: pieces of split requests, numbered in request order; merge rows likewise
     split_req = n_pieces > 1
-    # -- slots: pieces of split requests, numbered in request order
-    is_split = split_req[req]
-    slot = np.full(total, -1, np.int64)
-    slot[is_split] = np.arange(int(is_split.sum()))
-    work = np.zeros((total, 8), np.int32)
+    sp_pieces = np.where(split_req, n_pieces, 0)
+    slot_base = np.cumsum(sp_pieces) - sp_pieces                      # first slot of each request
+    row_of = np.cumsum(split_req) - 1                                 # merge row of each request
+    sp = split_req[req]
+    work = np.empty((total, WORK_COLS), np.int32)
     work[:, 0] = req
-    work[:, 1] = indptr[:-1].astype(np.int64)[req]
+    work[:, 1] = indptr[:-1][req]
     work[:, 2] = start
     work[:, 3] = end
-    work[:, 4] = slot
-    order = np.argsort(-(end - start), kind="stable")
-    work = work[order]
+    work[:, 4] = np.where(sp, slot_base[req] + k, -1)
+    work[:, 5] = np.where(sp, row_of[req], 0)
+    work[:, 6] = np.where(sp, slot_base[req], 0)
+    work[:, 7] = np.where(sp, n_pieces[req], 0)
+    lens = end - start
+    if lens.min() != lens.max():
+        work = work[np.argsort(-lens, kind="stable")]
     sreqs = np.nonzero(split_req)[0]
     merge = np.zeros((len(sreqs), MERGE_COLS), np.int32)
-    if len(sreqs):
-        counts = n_pieces[sreqs]
-        merge[:, 0] = sreqs
-        merge[:, 2] = np.cumsum(counts)
-        merge[:, 1] = merge[:, 2] - counts
-        row_of = np.zeros(batch, np.int64)
-        row_of[sreqs] = np.arange(len(sreqs))
-        r = work[:, 0].astype(np.int64)
-        sp = work[:, 4] >= 0
-        work[sp, 5] = row_of[r[sp]]
-        work[sp, 6] = merge[row_of[r[sp]], 1]
-        work[sp, 7] = n_pieces[r[sp]]
-    return DecodeWorkList(work, merge, int(is_split.sum()), int(chunk), kv_lens)
+    merge[:, 0] = sreqs
+    merge[:, 1] = slot_base[sreqs]
+    merge[:, 2] = slot_base[sreqs] + n_pieces[sreqs]
+    return DecodeWorkList(work, merge, int(sp_pieces.sum()), int(chunk), kv_lens)

@@ -1,14 +1,16 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
+//   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), LAZY_RESCALE (1: skip the O
+//   rescale when a warp's row maxima did not move),
 //   PREFETCH (tiles prefetched into L2 beyond the stages), IDX_SMEM (1: page ids staged in shared
 //   memory a window at a time by cp.async, 0: each thread loads its rows' page ids a tile ahead).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
-//   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 128 (4 warps).
+//   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 32 * NUM_WARPS.
 //   K/V rows stream through a STAGES-deep cp.async pipeline (16-byte copies, zero fill past the
-//   end), 64 tokens per stage, 16 per warp (PREFETCH > 0 adds L2 prefetches further ahead).
+//   end), 16 * NUM_WARPS tokens per stage, 16 per warp (PREFETCH > 0 adds L2 prefetches further ahead).
 //   Each warp runs S = Q K^T and O += P V with mma.sync m16n8k16 (query heads are the M dimension, so K/V is read once per group) and keeps
-//   its own online-softmax state; the 4 warps merge through shared memory at the end.
+//   its own online-softmax state; the warps merge through shared memory at the end.
 //   page_shift = log2(page_size) for power-of-two pages (shift/mask addressing), else -1.
 //   Output: the final row (dtype of q) and LSE, or, for a split request, an fp32 partial row and
 //   partial LSE in the workspace, merged either by cuattn_decode_merge (counters == null) or by
@@ -36,7 +38,12 @@ typedef bf16 kv_t;
 typedef f16 kv_t;
 #endif
 
-constexpr int NUM_WARPS = 4;
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef LAZY_RESCALE
+#define LAZY_RESCALE 0
+#endif
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_N = 16;                       // tokens per warp per stage
 constexpr int BLOCK_N = NUM_WARPS * WARP_N;      // tokens per stage
@@ -58,11 +65,13 @@ constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
 #if IDX_SMEM && PREFETCH
 #error "IDX_SMEM and PREFETCH are exclusive experiments"
 #endif
-constexpr int WIN_TILES = 8;                     // tiles per page-id window (IDX_SMEM)
+constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window (IDX_SMEM)
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
 constexpr int IDX_BYTES = IDX_SMEM ? 2 * WIN_CAP * 4 : 0;
 static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
+static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * HEAD_DIM * 4 <= STAGES * STAGE_BYTES,
+              "the warp merge reuses the pipeline buffers");
 constexpr float LN2 = 0.69314718055994531f;
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
@@ -324,10 +333,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       }
     l_i[0] = l_i[0] * alpha[0] + rs[0];
     l_i[1] = l_i[1] * alpha[1] + rs[1];
+    // LAZY_RESCALE: skip the rescale when no row max of this warp moved (alpha == 1 exactly)
+    if (!LAZY_RESCALE || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d) {
-      acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];
-      acc[d][2] *= alpha[1]; acc[d][3] *= alpha[1];
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];
+        acc[d][2] *= alpha[1]; acc[d][3] *= alpha[1];
+      }
     }
 
     // -- O += P V: P (C layout of two n8 tiles) is the A operand of one k16 step
@@ -350,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   }
   cp_async_wait<0>();
 
-  // -- merge the 4 warps' states through smem (pipeline buffers are free now)
+  // -- merge the warps' states through smem (pipeline buffers are free now)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
