@@ -182,7 +182,7 @@ def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     fw = framework_of(x)
     if fw == "cupy":
         itemsize = x.itemsize
-        t = Tensor(x.data.ptr, x.shape, tuple([s // itemsize for s in x.strides]), x.dtype, x.device.id, fw, x)
+        t = Tensor(x.data.ptr, x.shape, tuple([s // itemsize for s in x.strides]), x.dtype, x.data.device_id, fw, x)
     elif fw == "torch":
         if not x.is_cuda:
             raise ValueError(f"{fn}: {name} is a CPU tensor where a CUDA tensor is needed")
@@ -273,9 +273,9 @@ def context_of(fn: str, arrays: dict[str, Any], stream: Any = None) -> Context:
 def _device_id(x) -> int:
     fw = framework_of(x)
     if fw == "cupy":
-        return x.device.id
+        return x.data.device_id
     if fw == "torch":
-        return x.device.index or 0
+        return x.get_device()
     if fw == "jax":
         return next(iter(x.devices())).id
     if fw == "dlpack":

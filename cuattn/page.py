@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,8 +42,7 @@ def shipped_specs() -> list[PageSpec]:
 # ---------------------------------------------------------------------------- cache arrays
 
 
-@dataclass(frozen=True)
-class PagedKV:
+class PagedKV(NamedTuple):
     """A paged cache seen through the boundary: K and V tensors with shared element strides."""
     k: Tensor
     v: Tensor
