@@ -184,8 +184,7 @@ def main():
                          "regidx (page ids loaded per thread a tile ahead, the pre-2026-11-23 kernel), "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
                          "of N tokens), sN (N cp.async stages), wN (N warps per CTA), lazy (skip the O "
-                         "rescale when no row max moved), kvsplit (K and V in separate cp.async groups); "
-                         "e.g. regidx+sepmerge, w8+s3")
+                         "rescale when no row max moved); e.g. regidx+sepmerge, w8+s3")
     ap.add_argument("--flush", default="write", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
@@ -264,8 +263,6 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
             spec_kw[t[0]] = int(t[1:])
         elif t == "lazy":
             spec_kw["lazy"] = 1
-        elif t == "kvsplit":
-            spec_kw["kvsplit"] = 1
         else:
             continue
         tweaks.discard(t)
@@ -275,7 +272,6 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w._num_stages, w._prefetch = spec_kw.get("s", args.stages), args.prefetch   # tuning hooks, not API
     w._num_warps, w._lazy_rescale = spec_kw.get("w", 0), spec_kw.get("lazy", 0)   # 0: plan's choice
-    w._kv_split = spec_kw.get("kvsplit", 0)
     w._idx_smem = 0 if "regidx" in tweaks else 1
     w._fuse_merge = "sepmerge" not in tweaks
     t0 = time.perf_counter()

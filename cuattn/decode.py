@@ -42,7 +42,6 @@ class DecodeSpec:
     idx_smem: int = 1    # page ids staged in shared memory by cp.async (0: per-thread loads a tile ahead)
     num_warps: int = 4   # warps per CTA (16 tokens each per stage); plan() picks 8 at <= 1 CTA/SM (hd128)
     lazy_rescale: int = 0  # skip the O rescale when a warp's row maxima did not move
-    kv_split: int = 0    # K and V in separate cp.async groups (S + softmax before V lands; experiment)
     source = _SOURCE
 
     @property
@@ -52,7 +51,6 @@ class DecodeSpec:
         extra += "" if self.idx_smem else "_regidx"
         extra += f"_w{self.num_warps}" if self.num_warps != 4 else ""
         extra += "_lazy" if self.lazy_rescale else ""
-        extra += "_kvsplit" if self.kv_split else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -63,8 +61,7 @@ class DecodeSpec:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
                 f"-DPREFETCH={self.prefetch}", f"-DIDX_SMEM={int(bool(self.idx_smem))}",
-                f"-DNUM_WARPS={self.num_warps}", f"-DLAZY_RESCALE={int(bool(self.lazy_rescale))}",
-                f"-DKV_SPLIT={int(bool(self.kv_split))}")
+                f"-DNUM_WARPS={self.num_warps}", f"-DLAZY_RESCALE={int(bool(self.lazy_rescale))}")
 
     @property
     def threads(self) -> int:
@@ -284,8 +281,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                              0 if getattr(self, "_prefetch", 0) else
                                                              getattr(self, "_idx_smem", 1),
                                                              4,
-                                                             getattr(self, "_lazy_rescale", 0),
-                                                             getattr(self, "_kv_split", 0))
+                                                             getattr(self, "_lazy_rescale", 0))
         self._planned = True
 
         device = self._device

@@ -3,9 +3,7 @@
 //   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), LAZY_RESCALE (1: skip the O
 //   rescale when a warp's row maxima did not move),
 //   PREFETCH (tiles prefetched into L2 beyond the stages), IDX_SMEM (1: page ids staged in shared
-//   memory a window at a time by cp.async, 0: each thread loads its rows' page ids a tile ahead),
-//   KV_SPLIT (1: each warp copies its own 16 K/V rows, K and V of a tile in separate cp.async
-//   groups; S = QK^T and the softmax wait only for K, a __syncwarp-ed wait for V precedes PV).
+//   memory a window at a time by cp.async, 0: each thread loads its rows' page ids a tile ahead).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
 //   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 32 * NUM_WARPS.
@@ -46,9 +44,6 @@ typedef f16 kv_t;
 #ifndef LAZY_RESCALE
 #define LAZY_RESCALE 0
 #endif
-#ifndef KV_SPLIT
-#define KV_SPLIT 0
-#endif
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_N = 16;                       // tokens per warp per stage
 constexpr int BLOCK_N = NUM_WARPS * WARP_N;      // tokens per stage
@@ -70,11 +65,6 @@ constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
 #if IDX_SMEM && PREFETCH
 #error "IDX_SMEM and PREFETCH are exclusive experiments"
 #endif
-#if KV_SPLIT && !IDX_SMEM
-#error "KV_SPLIT needs IDX_SMEM"
-#endif
-constexpr int WARP_ROWS_PER_PASS = 32 / CHUNKS;  // KV_SPLIT: rows one warp copies per pass
-static_assert(!KV_SPLIT || WARP_N % WARP_ROWS_PER_PASS == 0, "KV_SPLIT row mapping");
 constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window (IDX_SMEM)
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
@@ -174,29 +164,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       const int p_base = page_of(kv_start + wi * WIN_TOK);
       unsigned char* ks = kv_s + stage * STAGE_BYTES;
       unsigned char* vs = ks + BLOCK_N * SROW;
-#if KV_SPLIT
-      int64_t offs[PASSES];
-      bool valids[PASSES];
-#pragma unroll
-      for (int p = 0; p < PASSES; ++p) {
-        const int r = warp * WARP_N + p * WARP_ROWS_PER_PASS + lane / CHUNKS;
-        const int pos = kv_start + tile * BLOCK_N + r;
-        valids[p] = pos < kv_end;
-        offs[p] = 0;
-        if (valids[p]) {
-          const int pg = page_of(pos);
-          const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos - pg * page_size;
-          offs[p] = int64_t(win[pg - p_base]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
-        }
-        cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + offs[p], valids[p] ? 16 : 0);
-      }
-      cp_async_commit();
-#pragma unroll
-      for (int p = 0; p < PASSES; ++p) {
-        const int r = warp * WARP_N + p * WARP_ROWS_PER_PASS + lane / CHUNKS;
-        cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + offs[p], valids[p] ? 16 : 0);
-      }
-#else
 #pragma unroll
       for (int p = 0; p < PASSES; ++p) {
         const int r = p * ROWS_PER_PASS + tid / CHUNKS;
@@ -211,11 +178,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
         cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
       }
-#endif
     }
-#if KV_SPLIT
-    else cp_async_commit();   // an empty K group: two groups per tile, always
-#endif
     cp_async_commit();
   };
 
@@ -308,11 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   const uint32_t q_addr = smem_u32(q_s + (lane % 16) * SROW + (lane / 16) * 16);
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-#if KV_SPLIT
-    cp_async_wait<2 * STAGES - 3>();   // K of this tile (its V and later tiles may be in flight)
-#else
     cp_async_wait<STAGES - 2>();
-#endif
     __syncthreads();
 #if IDX_SMEM
     issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
@@ -383,10 +342,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       }
     }
 
-#if KV_SPLIT
-    cp_async_wait<2 * STAGES - 2>();   // V of this tile (copied by this warp only)
-    __syncwarp();
-#endif
     // -- O += P V: P (C layout of two n8 tiles) is the A operand of one k16 step
     uint32_t pa[4];
     pa[0] = pack2<kv_t>(s[0][0], s[0][1]);

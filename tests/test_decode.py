@@ -295,8 +295,7 @@ def test_batch_decode_gpu_split_and_unsplit_plans_agree(case_args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(_fuse_merge=False), dict(_idx_smem=0), dict(_idx_smem=0, _fuse_merge=False),
-                                     dict(_num_warps=4), dict(_num_warps=8), dict(_num_warps=8, _fuse_merge=False),
-                                     dict(_kv_split=1, _num_warps=4), dict(_kv_split=1, _num_warps=8)])
+                                     dict(_num_warps=4), dict(_num_warps=8), dict(_num_warps=8, _fuse_merge=False)])
 def test_batch_decode_gpu_merge_and_index_variants_agree(variant):
     """Fused merge (last piece merges, counters reset) vs the merge kernel; smem vs register page
     ids; each run several times on one plan (a counter left non-zero would break the 2nd run)."""
