@@ -19,7 +19,7 @@ import numpy as np
 
 from . import arrays, jit, plan as _plan, reference
 from .errors import UnsupportedError
-from .page import check_kv_layout, paged_kv_host, paged_kv_tensors
+from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "decode.cu"
 _ENTRY = "cuattn_decode_paged"
@@ -247,7 +247,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"dtype {idx_t.dtype}")
             num_indices = idx_t.shape[0]
             indices_h = None
-        kv_lens = _plan.check_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
+        kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
         if indices_h is not None and len(indices_h) and indices_h.min() < 0:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
         max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1

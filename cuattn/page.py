@@ -144,28 +144,50 @@ def _int32_vector(x: Any, name: str, fn: str, length: int | None = None) -> np.n
     return a.astype(np.int32, copy=False)
 
 
-def validate_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size: int, num_pages: int | None,
-                        fn: str) -> None:
-    """Check host page-table arrays: monotone indptr matching indices, last_page_len in range."""
-    if len(kv_indptr) < 1 or kv_indptr[0] != 0:
-        raise ValueError(f"{fn}: kv_indptr must start at 0, got {kv_indptr[:1]}")
-    if np.any(np.diff(kv_indptr) < 0):
-        raise ValueError(f"{fn}: kv_indptr must be non-decreasing")
-    if kv_indptr[-1] != len(kv_indices):
-        raise ValueError(f"{fn}: kv_indptr[-1] must equal len(kv_indices)={len(kv_indices)}, got {kv_indptr[-1]}")
-    batch = len(kv_indptr) - 1
-    if kv_last_page_len is not None:
-        if len(kv_last_page_len) != batch:
-            raise ValueError(f"{fn}: kv_last_page_len must have length batch={batch}, got {len(kv_last_page_len)}")
-        has_pages = np.diff(kv_indptr) > 0
-        bad = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
+def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
+                        num_indices: int, *, prefix: str = "", indices: np.ndarray | None = None,
+                        num_pages: int | None = None) -> np.ndarray:
+    """Check host CSR page-table metadata; returns each request's kv_len (int64).
+
+    ``prefix`` names the arguments in messages ("kv_" -> kv_indptr, kv_last_page_len, kv_indices).
+    ``indices`` (host) are range-checked against ``num_pages`` when both are given.
+    """
+    n_indptr, n_last, n_indices = f"{prefix}indptr", f"{prefix}last_page_len", f"{prefix}indices"
+    if indptr.ndim != 1 or len(indptr) < 1:
+        raise ValueError(f"{fn}: {n_indptr} must be 1-D of length batch + 1, got shape {indptr.shape}")
+    batch = len(indptr) - 1
+    if last_page_len.shape != (batch,):
+        raise ValueError(f"{fn}: {n_last} must have shape (batch,) = ({batch},) to match {n_indptr}, "
+                         f"got {last_page_len.shape}")
+    if not np.issubdtype(indptr.dtype, np.integer) or not np.issubdtype(last_page_len.dtype, np.integer):
+        raise TypeError(f"{fn}: {n_indptr} and {n_last} must be integer arrays, "
+                        f"got {indptr.dtype} and {last_page_len.dtype}")
+    if page_size < 1:
+        raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
+    pages = np.diff(indptr.astype(np.int64))
+    if batch and indptr[0] < 0:
+        raise ValueError(f"{fn}: {n_indptr} must start at >= 0, got {n_indptr}[0]={int(indptr[0])}")
+    if batch and pages.min() < 0:
+        bad = int(np.argmax(pages < 0))
+        raise ValueError(f"{fn}: {n_indptr} must be non-decreasing, got {n_indptr}[{bad}]={int(indptr[bad])} > "
+                         f"{n_indptr}[{bad + 1}]={int(indptr[bad + 1])}")
+    if int(indptr[-1]) != num_indices:
+        raise ValueError(f"{fn}: {n_indptr}[-1] must equal len({n_indices}) = {num_indices}, got {int(indptr[-1])}")
+    lpl = last_page_len.astype(np.int64)
+    kv_lens = (pages - 1) * page_size + lpl
+    if batch and (lpl.min() < 1 or lpl.max() > page_size):    # fast path: all in range
+        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
         if np.any(bad):
-            i = int(np.argmax(bad))
-            raise ValueError(f"{fn}: kv_last_page_len must be in 1..page_size={page_size}, "
-                             f"got {kv_last_page_len[i]} for request {i}")
-    if num_pages is not None and len(kv_indices) and (kv_indices.min() < 0 or kv_indices.max() >= num_pages):
-        raise ValueError(f"{fn}: kv_indices must be in 0..{num_pages - 1} (num_pages of the cache), got "
-                         f"values in {kv_indices.min()}..{kv_indices.max()}")
+            b = int(np.argmax(bad))
+            raise ValueError(f"{fn}: {n_last} must be in 1..page_size={page_size} for every request "
+                             f"with pages, got {n_last}[{b}]={int(lpl[b])}")
+    kv_lens[pages == 0] = 0
+    if indices is not None and len(indices):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or (num_pages is not None and hi >= num_pages):
+            limit = f"0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
+            raise ValueError(f"{fn}: {n_indices} must be in {limit}, got values in {lo}..{hi}")
+    return kv_lens
 
 
 # ---------------------------------------------------------------------------- ops
@@ -297,7 +319,8 @@ def _append_host(fn, kv_layout, paged_kv_cache, append_key, append_value, batch_
     indptr = _int32_vector(kv_indptr, "kv_indptr", fn)
     indices = _int32_vector(kv_indices, "kv_indices", fn)
     last = _int32_vector(kv_last_page_len, "kv_last_page_len", fn)
-    validate_page_table(indptr, indices, last, page_size, num_pages, fn)
+    validate_page_table(fn, indptr, last, page_size, len(indices), prefix="kv_", indices=indices,
+                        num_pages=num_pages)
     batch = len(indptr) - 1
     if nnz and (b.min() < 0 or b.max() >= batch):
         raise ValueError(f"{fn}: batch_indices must be in 0..{batch - 1}, got {b.min()}..{b.max()}")

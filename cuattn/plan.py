@@ -36,43 +36,6 @@ class DecodeWorkList:
         return len(self.merge) > 0
 
 
-def check_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
-                     num_indices: int | None) -> np.ndarray:
-    """Validate CSR metadata (host arrays); returns kv_len per request (int64)."""
-    if indptr.ndim != 1 or len(indptr) < 1:
-        raise ValueError(f"{fn}: indptr must be 1-D of length batch + 1, got shape {indptr.shape}")
-    batch = len(indptr) - 1
-    if last_page_len.shape != (batch,):
-        raise ValueError(f"{fn}: last_page_len must have shape (batch,) = ({batch},) to match indptr, "
-                         f"got {last_page_len.shape}")
-    if not np.issubdtype(indptr.dtype, np.integer) or not np.issubdtype(last_page_len.dtype, np.integer):
-        raise TypeError(f"{fn}: indptr and last_page_len must be integer arrays, "
-                        f"got {indptr.dtype} and {last_page_len.dtype}")
-    if page_size < 1:
-        raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
-    pages = np.diff(indptr.astype(np.int64))
-    if batch and indptr[0] < 0:
-        raise ValueError(f"{fn}: indptr must start at >= 0, got indptr[0]={int(indptr[0])}")
-    if batch and pages.min() < 0:
-        bad = int(np.argmax(pages < 0))
-        raise ValueError(f"{fn}: indptr must be non-decreasing, got indptr[{bad}]={int(indptr[bad])} > "
-                         f"indptr[{bad + 1}]={int(indptr[bad + 1])}")
-    if num_indices is not None and int(indptr[-1]) != num_indices:
-        raise ValueError(f"{fn}: indptr[-1] must equal len(indices) = {num_indices}, got {int(indptr[-1])}")
-    lpl = last_page_len.astype(np.int64)
-    kv_lens = (pages - 1) * page_size + lpl
-    if batch and (lpl.min() < 1 or lpl.max() > page_size):    # fast path: all in range
-        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
-        if np.any(bad):
-            b = int(np.argmax(bad))
-            raise ValueError(f"{fn}: last_page_len must be in 1..page_size={page_size} for every request "
-                             f"with pages, got last_page_len[{b}]={int(lpl[b])}")
-        kv_lens[pages == 0] = 0
-    elif batch and pages.min() == 0:
-        kv_lens[pages == 0] = 0
-    return kv_lens
-
-
 def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int,
                  block_n: int = BLOCK_N) -> int:
     """Tokens per piece for split-KV; 0 means no request is split.

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cuattn import plan
+from cuattn.page import validate_page_table
 
 
 def _page_table(lens, page_size, rng):
@@ -31,7 +32,7 @@ def _covered(wl, indptr, indices, page_size, num_heads_work):
 def test_decode_work_list_covers_every_request_head_token_exactly_once(lens, page_size, heads, sms, fixed, seed):
     rng = np.random.default_rng(seed)
     indptr, indices, lpl = _page_table(lens, page_size, rng)
-    kv_lens = plan.check_page_table("t", indptr, lpl, page_size, len(indices))
+    kv_lens = validate_page_table("t", indptr, lpl, page_size, len(indices))
     assert kv_lens.tolist() == lens
     chunk = fixed if fixed is not None else plan.choose_chunk(kv_lens, heads, sms, 2)
     wl = plan.decode_work_list(indptr, kv_lens, chunk)
@@ -102,6 +103,6 @@ def test_empty_request_gets_one_empty_piece():
     ([0, 1, 3], [1, 1], "indptr\\[-1\\] must equal len\\(indices\\)"),
     ([0, 1, 2], [1], "last_page_len must have shape"),
 ])
-def test_check_page_table_rejects_bad_metadata(indptr, lpl, match):
+def test_validate_page_table_rejects_bad_metadata(indptr, lpl, match):
     with pytest.raises(ValueError, match=match):
-        plan.check_page_table("f", np.array(indptr), np.array(lpl), 16, 2)
+        validate_page_table("f", np.array(indptr), np.array(lpl), 16, 2)
