@@ -194,6 +194,8 @@ def check(args):
 
 
 VARIANTS = [(2, 32, 3), (2, 64, 2), (2, 64, 2, "QK_UNROLL=1"), (2, 64, 2, "QK_UNROLL=4")]
+# --variants paged: the paged page-id schemes (PAGE_CPASYNC=0: page id held in a register, QK unroll 1)
+VARIANTS_PAGED = [(2, 64, 2, "PAGE_CPASYNC=0"), (2, 64, 2, "PAGE_CPASYNC=1", "QK_UNROLL=1"), (2, 64, 2)]
 
 
 def sweep_variants(args, hq, hkv, mm):
@@ -203,7 +205,7 @@ def sweep_variants(args, hq, hkv, mm):
     print("variant sweep, 1x16384 hd128 fp16 (num_mma_q, block_n, stages): TFLOP/s full / causal / paged full")
     sweep = []
     orig_make = prefill.make_spec
-    for var in VARIANTS:
+    for var in (VARIANTS_PAGED if args.variants == "paged" else VARIANTS):
         prefill.make_spec = lambda d, t, c, m, p, var=var: prefill.PrefillSpec(d, t, bool(c), bool(m), bool(p), *var[:3],
                                                                               variant=tuple(var[3:]))
         try:
@@ -215,9 +217,9 @@ def sweep_variants(args, hq, hkv, mm):
             sweep.append(dict(variant=list(map(str, var)), full=res[0], causal=res[1], ragged=rg, resources=regs))
         except Exception as e:  # a variant that fails to launch (smem) is reported, not fatal
             print(f"  {var}: failed: {type(e).__name__}: {str(e)[:120]}")
-    return sweep
     prefill.tile_config = orig
     prefill.make_spec = orig_make
+    return sweep
 
 
 def main():
@@ -230,7 +232,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--variants", action="store_true", help="sweep tile configurations first (hd128)")
+    ap.add_argument("--variants", nargs="?", const="tiles", default=None, choices=("tiles", "paged"),
+                    help="sweep tile configurations (or the paged variants: --variants paged) first (hd128)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()

@@ -82,7 +82,8 @@ class PrefillSpec:
     @property
     def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
         tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
-        return tiles + (4 * self.stages * self.block_n if self.paged else 0)   # paged: row offsets
+        # paged: row offsets (STAGES x BLOCK_N int) and page ids ((STAGES + 1) x BLOCK_N int)
+        return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:
@@ -597,7 +598,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         indptr = host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn)
         indices = host_int_vector(paged_kv_indices, "paged_kv_indices", fn)
         last = host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
-        validate_page_table(indptr, indices, last, page_size, None, fn)
+        validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_", indices=indices)
         npages = np.diff(indptr)
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,

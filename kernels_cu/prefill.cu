@@ -3,7 +3,7 @@
 //   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile),
 //   STAGES (K/V tiles in flight, >= 2).
 // Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2
-//   (+ STAGES * BLOCK_N * 4 when PAGED: the tiles' row offsets).
+//   (+ (2 STAGES + 1) * BLOCK_N * 4 when PAGED: the tiles' row offsets and page ids).
 //
 // One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
 // row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
@@ -31,9 +31,12 @@ constexpr int CHUNKS = D / 8;                       // 16-byte chunks per row
 constexpr int BLOCK_M = NUM_MMA_Q * 16 * NUM_WARPS;
 constexpr int WARP_ROWS = NUM_MMA_Q * 16;
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass of the block
+#ifndef PAGE_CPASYNC    // paged: page ids cp.async'd STAGES iterations ahead into smem (no register held)
+#define PAGE_CPASYNC 1
+#endif
 #ifndef QK_UNROLL   // k-steps of S = QK^T unrolled together; 2 was fastest on an H200 (hd128 128x64 tiles)
-#if BLOCK_N >= 64 && (PAGED || CUATTN_ARCH < 90)
-#define QK_UNROLL 1     // 2 spills there (paged: page-table registers; sm_80: other scheduling)
+#if BLOCK_N >= 64 && ((PAGED && !PAGE_CPASYNC) || CUATTN_ARCH < 90)
+#define QK_UNROLL 1     // 2 spills there (paged with a page-id register; sm_80: other scheduling)
 #else
 #define QK_UNROLL 2
 #endif
@@ -43,9 +46,10 @@ constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass 
 #ifndef PAGE_BASE_SMEM  // the request's page-table base reread from smem in the loop (2 registers less)
 #define PAGE_BASE_SMEM 1
 #endif
-#ifndef PAGE_PREFETCH   // the next tile's page ids loaded an iteration ahead into a register
+#ifndef PAGE_PREFETCH   // PAGE_CPASYNC=0 only: the next tile's page ids loaded an iteration ahead into a register
 #define PAGE_PREFETCH 1
 #endif
+
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "tile shape");
@@ -65,7 +69,8 @@ struct KvRows {
 //    + slot; the host checks that s_page is a multiple of s_tok and that this fits in int32) is
 //    staged in smem, STAGES int arrays of BLOCK_N, so the cp.async issue reads it from smem instead
 //    of holding ROWS_PT offsets in registers across the loop. Thread tid < BLOCK_N owns key tid of
-//    a tile: its page id is loaded one iteration ahead into one register (page_id), turned into an
+//    a tile: its page id is cp.async'd into smem STAGES iterations ahead (PAGE_CPASYNC; else loaded
+//    one iteration ahead into a register, page_id), turned into an
 //    offset and stored to the slot of tile t (t % STAGES) after the first barrier of iteration
 //    t - STAGES (both loads of tile t - STAGES, which used that slot, were issued before it); the
 //    second barrier of that iteration makes it visible to the K load, the V load follows later.
@@ -77,6 +82,17 @@ __device__ __forceinline__ int page_of(int pos, int kv_len, const int32_t* __res
                                        int page_shift) {
   if (pos >= kv_len) return -1;
   return __ldg(pages + (page_shift >= 0 ? pos >> page_shift : pos / page_size));
+}
+// 4-byte cp.async (zero-filled when src_bytes == 0): page ids into smem
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// cp.async the page id of key pos (of this thread) into dst; nothing useful past kv_len
+__device__ __forceinline__ void page_id_async(uint32_t dst, int pos, int kv_len, const int32_t* __restrict__ pages,
+                                              int page_size, int page_shift) {
+  const bool ok = pos < kv_len;
+  const int32_t* src = pages + (ok ? (page_shift >= 0 ? pos >> page_shift : pos / page_size) : 0);
+  cp_async_4(dst, src, ok ? 4 : 0);
 }
 __device__ __forceinline__ int row_offset(int page_id, int pos, int page_size, int page_shift, int page_rows) {
   if (page_id < 0) return 0;
@@ -198,6 +214,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   int* const s_off = reinterpret_cast<int*>(smem + BLOCK_M * D * 2 + 2 * STAGES * TILE_BYTES);
   int page_id = -1;
   (void)page_id;
+#if PAGE_CPASYNC
+  // page ids: STAGES + 1 int arrays of BLOCK_N after the offsets; thread tid < BLOCK_N reads and
+  // writes only its own entries, so its cp.async.wait_group alone orders them (no barrier)
+  const uint32_t s_pid = smem_u32(s_off + STAGES * BLOCK_N);
+#endif
   __shared__ int s_page0;     // the request's first page-table entry, reread after each barrier
   if (tid == 0) s_page0 = int(pages - kv_indices);
   if (tid < BLOCK_N) {
@@ -207,7 +228,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       s_off[st * BLOCK_N + tid] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
                                              page_shift, page_rows);
     }
-#if PAGE_PREFETCH
+#if PAGE_CPASYNC   // page ids of tiles STAGES .. 2 STAGES - 1 (group 0: complete before iteration 0)
+#pragma unroll
+    for (int st = STAGES; st < 2 * STAGES; ++st)
+      page_id_async(s_pid + ((st % (STAGES + 1)) * BLOCK_N + tid) * 4, st * BLOCK_N + tid, kv_len, pages,
+                    page_size, page_shift);
+#elif PAGE_PREFETCH
     page_id = page_of(STAGES * BLOCK_N + tid, kv_len, pages, page_size, page_shift);
 #endif
   }
@@ -257,7 +283,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #if PAGE_BASE_SMEM
       const int32_t* pages = kv_indices + s_page0;
 #endif
-#if PAGE_PREFETCH
+#if PAGE_CPASYNC
+      // ids of tile it + STAGES were issued in the K group of iteration it - STAGES (or group 0),
+      // which the wait above has completed; then those of tile it + 2 STAGES, into the slot of
+      // tile it + STAGES - 1 (read by this thread last iteration)
+      const int pid = s_off[(STAGES + (it + STAGES) % (STAGES + 1)) * BLOCK_N + tid];
+      s_off[stage * BLOCK_N + tid] = row_offset(pos < kv_len ? pid : -1, pos, page_size, page_shift, page_rows);
+      if (it + 2 * STAGES < num_tiles)
+        page_id_async(s_pid + (((it + 2 * STAGES) % (STAGES + 1)) * BLOCK_N + tid) * 4, pos + STAGES * BLOCK_N,
+                      kv_len, pages, page_size, page_shift);
+#elif PAGE_PREFETCH
       s_off[stage * BLOCK_N + tid] = row_offset(page_id, pos, page_size, page_shift, page_rows);
       page_id = page_of(pos + BLOCK_N, kv_len, pages, page_size, page_shift);
 #else
