@@ -233,6 +233,33 @@ def host_array(x: Any, name: str, fn: str) -> np.ndarray:
     return arr
 
 
+def cupy_view(t: Tensor, dtype=None):
+    """A CuPy array over a device Tensor's memory (no copy); ``dtype`` defaults to the raw one."""
+    cp = cupy_module()
+    dtype = np.dtype(dtype if dtype is not None else RAW_VIEW.get(t.dtype, t.dtype))
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) if all(t.shape) else 0
+    mem = cp.cuda.UnownedMemory(t.ptr, max(extent, 1) * dtype.itemsize, t.obj, t.device)
+    return cp.ndarray(t.shape, dtype, cp.cuda.MemoryPointer(mem, 0),
+                      strides=tuple(s * dtype.itemsize for s in t.strides))
+
+
+def to_host(x: Any, name: str, fn: str) -> np.ndarray:
+    """A NumPy array of ``x``: a view for CPU arrays, a copy (a sync) for GPU arrays."""
+    if is_device_array(x):
+        return cupy_view(device_tensor(x, name, fn)).get()
+    return host_array(x, name, fn)
+
+
+def host_int_vector(x: Any, name: str, fn: str, length: int | None = None) -> np.ndarray:
+    """Host copy of 1-D integer metadata (lists, or arrays of any framework), checked."""
+    a = np.asarray(x) if isinstance(x, (list, tuple)) else to_host(x, name, fn)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
+    if length is not None and len(a) != length:
+        raise ValueError(f"{fn}: {name} must have length {length}, got {len(a)}")
+    return a
+
+
 # ---------------------------------------------------------------------------- a call's context
 
 

@@ -234,11 +234,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
         kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
 
-        indptr_h = self._host_int(indptr, "indptr", fn)
-        lpl_h = self._host_int(last_page_len, "last_page_len", fn)
+        indptr_h = arrays.host_int_vector(indptr, "indptr", fn)
+        lpl_h = arrays.host_int_vector(last_page_len, "last_page_len", fn)
         indices_dev = arrays.is_device_array(indices)
         if not indices_dev:
-            indices_h = self._host_int(indices, "indices", fn)
+            indices_h = arrays.host_int_vector(indices, "indices", fn)
             num_indices = len(indices_h)
         else:
             idx_t = arrays.device_tensor(indices, "indices", fn)
@@ -324,23 +324,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    f"pass a larger fixed_split_size")
         self._work = wl
         self._upload(wl, indices_h, indices_dev, idx_t if indices_dev else None, fn)
-
-    @staticmethod
-    def _host_int(x, name: str, fn: str) -> np.ndarray:
-        if isinstance(x, (list, tuple)):
-            a = np.asarray(x)
-        elif arrays.is_device_array(x):
-            fw = arrays.framework_of(x)
-            if fw == "torch":
-                a = x.detach().cpu().numpy()
-            else:
-                a = arrays.cupy_module().asnumpy(arrays.cupy_module().from_dlpack(x)
-                                                 if fw != "cupy" else x)
-        else:
-            a = arrays.host_array(x, name, fn)
-        if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
-        return a
 
     def _upload(self, wl, indices_h, indices_dev, idx_t, fn):
         cp = arrays.cupy_module()
@@ -548,7 +531,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"got {k_pages.dtype}")
         indices = self._indices_h
         if indices is None:
-            indices = self._host_int(self._indices_src, "indices", fn)
+            indices = arrays.host_int_vector(self._indices_src, "indices", fn)
         if len(indices) and (indices.min() < 0 or indices.max() >= k_pages.shape[0]):
             raise ValueError(f"{fn}: indices must be in 0..{k_pages.shape[0] - 1} (num_pages of the cache), "
                              f"got values in {int(indices.min())}..{int(indices.max())}")

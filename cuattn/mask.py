@@ -21,21 +21,11 @@ def _check_bitorder(bitorder: str, fn: str) -> None:
         raise ValueError(f"{fn}: bitorder must be 'little' (the order the kernels read), got {bitorder!r}")
 
 
-def cupy_view(t: arrays.Tensor, dtype=None):
-    """A CuPy array over a device Tensor's memory (no copy); ``dtype`` defaults to the raw one."""
-    cp = arrays.cupy_module()
-    dtype = np.dtype(dtype if dtype is not None else arrays.RAW_VIEW.get(t.dtype, t.dtype))
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) if all(t.shape) else 0
-    mem = cp.cuda.UnownedMemory(t.ptr, max(extent, 1) * dtype.itemsize, t.obj, t.device)
-    return cp.ndarray(t.shape, dtype, cp.cuda.MemoryPointer(mem, 0),
-                      strides=tuple(s * dtype.itemsize for s in t.strides))
-
-
 def _device_bool(x: Any, name: str, fn: str):
     t = arrays.device_tensor(x, name, fn)
     if t.dtype != np.bool_ and t.dtype.kind not in "iu":
         raise TypeError(f"{fn}: {name} must be a boolean array, got dtype {t.dtype}")
-    return cupy_view(t) != 0
+    return arrays.cupy_view(t) != 0
 
 
 def _to_framework(ctx: arrays.Context, packed):
@@ -43,7 +33,7 @@ def _to_framework(ctx: arrays.Context, packed):
     if ctx.framework != "torch":
         return arrays.export(ctx, packed)
     out = arrays.empty(ctx, packed.shape, np.uint8)
-    cupy_view(arrays.device_tensor(out, "out", "packbits"))[...] = packed
+    arrays.cupy_view(arrays.device_tensor(out, "out", "packbits"))[...] = packed
     return arrays.export(ctx, out)
 
 
@@ -84,19 +74,6 @@ def segment_packbits_host(x: np.ndarray, indptr: np.ndarray) -> tuple[np.ndarray
     return packed, new_indptr
 
 
-def host_int_vector(x: Any, name: str, fn: str) -> np.ndarray:
-    """A host int64 copy of 1-D integer metadata from any framework (a GPU array is copied)."""
-    if isinstance(x, (list, tuple)):
-        a = np.asarray(x)
-    elif arrays.is_device_array(x):
-        a = cupy_view(arrays.device_tensor(x, name, fn)).get()
-    else:
-        a = arrays.host_array(x, name, fn)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
-    return a.astype(np.int64)
-
-
 def segment_packbits(x: Any, indptr: Any, bitorder: str = "little"):
     """Pack each segment ``x[indptr[i]:indptr[i+1]]`` separately (each starts on a byte).
 
@@ -114,7 +91,7 @@ def segment_packbits(x: Any, indptr: Any, bitorder: str = "little"):
     fn = "segment_packbits"
     _check_bitorder(bitorder, fn)
     ctx = arrays.context_of(fn, {"x": x})
-    ind = host_int_vector(indptr, "indptr", fn)
+    ind = arrays.host_int_vector(indptr, "indptr", fn).astype(np.int64)
     if len(ind) < 1 or ind[0] != 0 or np.any(np.diff(ind) < 0):
         raise ValueError(f"{fn}: indptr must start at 0 and be non-decreasing, got {ind[:8]}")
     if not ctx.on_gpu:
@@ -145,7 +122,7 @@ def _to_framework_int(ctx: arrays.Context, host: np.ndarray):
     dev = cp.asarray(host)
     if ctx.framework == "torch":
         out = arrays.empty(ctx, host.shape, np.int32)
-        cupy_view(arrays.device_tensor(out, "out", "segment_packbits"))[...] = dev
+        arrays.cupy_view(arrays.device_tensor(out, "out", "segment_packbits"))[...] = dev
         return out
     return arrays.export(ctx, dev)
 

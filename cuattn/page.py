@@ -130,20 +130,6 @@ def paged_kv_host(paged_kv_cache: Any, kv_layout: str, fn: str) -> tuple[np.ndar
     return reference.split_paged_kv_cache((ka, va), kv_layout)
 
 
-def _int32_vector(x: Any, name: str, fn: str, length: int | None = None) -> np.ndarray:
-    """Host copy of int32 page-table metadata, checked for dtype, rank and length."""
-    a = np.asarray(x) if isinstance(x, (np.ndarray, list, tuple)) else None
-    if a is None:
-        a = arrays.host_array(x, name, fn) if not arrays.is_device_array(x) else None
-    if a is None:
-        raise TypeError(f"{fn}: {name} must be host metadata here")
-    if a.ndim != 1 or a.dtype.kind not in "iu":
-        raise ValueError(f"{fn}: {name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
-    if length is not None and len(a) != length:
-        raise ValueError(f"{fn}: {name} must have length {length}, got {len(a)}")
-    return a.astype(np.int32, copy=False)
-
-
 def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
                         num_indices: int, *, prefix: str = "", indices: np.ndarray | None = None,
                         num_pages: int | None = None) -> np.ndarray:
@@ -212,8 +198,8 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *, stream=Non
     fn = "get_batch_indices_positions"
     ctx = arrays.context_of(fn, {"append_indptr": append_indptr, "seq_lens": seq_lens}, stream)
     if not ctx.on_gpu:
-        indptr = _int32_vector(append_indptr, "append_indptr", fn)
-        lens = _int32_vector(seq_lens, "seq_lens", fn, len(indptr) - 1)
+        indptr = arrays.host_int_vector(append_indptr, "append_indptr", fn)
+        lens = arrays.host_int_vector(seq_lens, "seq_lens", fn, len(indptr) - 1)
         if indptr[-1] != nnz:
             raise ValueError(f"{fn}: nnz must equal append_indptr[-1]={indptr[-1]}, got {nnz}")
         if np.any(np.diff(indptr) > lens):
@@ -314,11 +300,11 @@ def _append_host(fn, kv_layout, paged_kv_cache, append_key, append_value, batch_
     nnz = ak.shape[0]
     if av.shape[0] != nnz:
         raise ValueError(f"{fn}: append_value must have {nnz} rows like append_key, got {av.shape[0]}")
-    b = _int32_vector(batch_indices, "batch_indices", fn, nnz)
-    p = _int32_vector(positions, "positions", fn, nnz)
-    indptr = _int32_vector(kv_indptr, "kv_indptr", fn)
-    indices = _int32_vector(kv_indices, "kv_indices", fn)
-    last = _int32_vector(kv_last_page_len, "kv_last_page_len", fn)
+    b = arrays.host_int_vector(batch_indices, "batch_indices", fn, nnz)
+    p = arrays.host_int_vector(positions, "positions", fn, nnz)
+    indptr = arrays.host_int_vector(kv_indptr, "kv_indptr", fn)
+    indices = arrays.host_int_vector(kv_indices, "kv_indices", fn)
+    last = arrays.host_int_vector(kv_last_page_len, "kv_last_page_len", fn)
     validate_page_table(fn, indptr, last, page_size, len(indices), prefix="kv_", indices=indices,
                         num_pages=num_pages)
     batch = len(indptr) - 1

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import arrays, jit, reference
 from .errors import UnsupportedError
-from .mask import cupy_view, host_int_vector, segment_packbits_host, unpack_host
+from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "prefill.cu"
@@ -169,22 +169,16 @@ def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarr
     if custom_mask is not None and packed_custom_mask is not None:
         raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
     if custom_mask is not None:
-        m = np.asarray(_to_host(custom_mask, "custom_mask", fn)).ravel()
+        m = np.asarray(arrays.to_host(custom_mask, "custom_mask", fn)).ravel()
         if m.size != total:
             raise ValueError(f"{fn}: custom_mask must have {total} entries (sum of qo_len * kv_len), got {m.size}")
         return m.astype(bool)
     if packed_custom_mask is not None:
-        p = np.asarray(_to_host(packed_custom_mask, "packed_custom_mask", fn)).ravel()
+        p = np.asarray(arrays.to_host(packed_custom_mask, "packed_custom_mask", fn)).ravel()
         if p.dtype != np.uint8:
             raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {p.dtype}")
         return p
     return None
-
-
-def _to_host(x, name: str, fn: str) -> np.ndarray:
-    if arrays.is_device_array(x):
-        return cupy_view(arrays.device_tensor(x, name, fn)).get()
-    return arrays.host_array(x, name, fn)
 
 
 # ---------------------------------------------------------------------------- launch
@@ -342,14 +336,14 @@ def _device_mask(custom_mask, packed_custom_mask, total: int, fn: str):
         mt = arrays.device_tensor(custom_mask, "custom_mask", fn)
         if math.prod(mt.shape) != total:
             raise ValueError(f"{fn}: custom_mask must have {total} entries (qo_len * kv_len), got {math.prod(mt.shape)}")
-        return cp.packbits(cupy_view(mt).ravel() != 0, bitorder="little")
+        return cp.packbits(arrays.cupy_view(mt).ravel() != 0, bitorder="little")
     pt = arrays.device_tensor(packed_custom_mask, "packed_custom_mask", fn)
     if pt.dtype != np.uint8:
         raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {pt.dtype}")
     if math.prod(pt.shape) != (total + 7) // 8:
         raise ValueError(f"{fn}: packed_custom_mask must have {(total + 7) // 8} bytes (ceil(qo_len * kv_len / 8)), "
                          f"got {math.prod(pt.shape)}")
-    return cp.ascontiguousarray(cupy_view(pt).ravel())
+    return cp.ascontiguousarray(arrays.cupy_view(pt).ravel())
 
 
 # ---------------------------------------------------------------------------- batches
@@ -368,7 +362,7 @@ class _BatchPrefillBase:
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged):
-        qo = host_int_vector(qo_indptr, "qo_indptr", fn)
+        qo = arrays.host_int_vector(qo_indptr, "qo_indptr", fn).astype(np.int64)
         if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         batch = len(qo) - 1
@@ -508,7 +502,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         fn = f"{self._fn}.plan"
         _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
                            rope_scale, rope_theta)
-        kv = host_int_vector(kv_indptr, "kv_indptr", fn)
+        kv = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
         if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
             raise ValueError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, got {kv[:8]}")
         plan = self._plan_common(fn, qo_indptr, np.diff(kv), num_qo_heads, num_kv_heads, head_dim_qk,
@@ -595,9 +589,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                            rope_scale, rope_theta)
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
-        indptr = host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn)
-        indices = host_int_vector(paged_kv_indices, "paged_kv_indices", fn)
-        last = host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
+        indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn).astype(np.int64)
+        indices = arrays.host_int_vector(paged_kv_indices, "paged_kv_indices", fn).astype(np.int64)
+        last = arrays.host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn).astype(np.int64)
         validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_", indices=indices)
         npages = np.diff(indptr)
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
