@@ -7,6 +7,8 @@ OUT=${OUT:-/tmp/cuattn-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+# the boundary's PyTorch/JAX CPU round trips need those frameworks, which the device image has
+python3 -m pytest tests/test_arrays.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -2
 python3 -m cuattn.cli precompile 2>/dev/null | tee -a "$OUT/gpu_tests.log"
 python3 - <<'PY' | tee -a "$OUT/gpu_tests.log"
 from cuattn import cli, jit
