@@ -41,7 +41,7 @@ def test_torch_cpu_round_trip_is_zero_copy():
 
 def test_jax_cpu_import_is_zero_copy():
     jax = pytest.importorskip("jax")
-    x = jax.numpy.arange(16, dtype=jax.numpy.float32).reshape(4, 4)
+    x = jax.device_put(jax.numpy.arange(16, dtype=jax.numpy.float32).reshape(4, 4), jax.devices("cpu")[0])
     a = arrays.host_array(x, "x", "f")
     assert a.ctypes.data == x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(a, np.arange(16, dtype=np.float32).reshape(4, 4))
