@@ -54,7 +54,9 @@ class CompiledKernel:
     spec_name: str
     arch: str
     cubin: bytes
-    resources: dict          # entry -> {"registers", "spill_stores", "spill_loads", "stack_frame"}
+    # entry -> {"registers", "spill_stores", "spill_loads", "stack_frame"} from the ptxas log; empty
+    # when NVRTC prints no log (seen with NVRTC 13.0 on the device when it reuses its own results)
+    resources: dict
     seconds: float           # NVRTC wall time when it was compiled
     from_cache: bool
 
