@@ -178,13 +178,11 @@ def main():
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
     ap.add_argument("--stages", type=int, default=0, help="cp.async depth experiment (0: shipped default)")
-    ap.add_argument("--prefetch", type=int, default=0, help="L2 prefetch distance experiment (tiles)")
     ap.add_argument("--variants", nargs="+", default=["shipped"],
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
-                         "regidx (page ids loaded per thread a tile ahead, the pre-2026-11-23 kernel), "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
-                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA), lazy (skip the O "
-                         "rescale when no row max moved); e.g. regidx+sepmerge, w8+s3")
+                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA); e.g. w8+s3+sepmerge. "
+                         "(regidx, lazy and --prefetch were removed on 2026-11-22: decode_notes.md)")
     ap.add_argument("--flush", default="write", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
@@ -261,19 +259,15 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
             plan_kw["fixed_split_size"] = int(t[5:])
         elif t[:1] in "sw" and t[1:].isdigit():
             spec_kw[t[0]] = int(t[1:])
-        elif t == "lazy":
-            spec_kw["lazy"] = 1
         else:
             continue
         tweaks.discard(t)
-    unknown = tweaks - {"regidx", "sepmerge"}
+    unknown = tweaks - {"sepmerge"}
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-    w._num_stages, w._prefetch = spec_kw.get("s", args.stages), args.prefetch   # tuning hooks, not API
-    w._num_warps, w._lazy_rescale = spec_kw.get("w", 0), spec_kw.get("lazy", 0)   # 0: plan's choice
-    w._idx_smem = 0 if "regidx" in tweaks else 1
-    w._fuse_merge = "sepmerge" not in tweaks
+    w._tuning = dict(num_stages=spec_kw.get("s", args.stages), num_warps=spec_kw.get("w", 0),   # 0: plan's
+                     fuse_merge="sepmerge" not in tweaks)   # choice; benchmark overrides, not API
     t0 = time.perf_counter()
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6

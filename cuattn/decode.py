@@ -38,19 +38,13 @@ class DecodeSpec:
     dtype_q: str        # "f16" | "bf16"
     dtype_kv: str       # "f16" | "bf16"
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
-    prefetch: int = 0    # tiles prefetched into L2 beyond the cp.async stages (measured slower: off)
-    idx_smem: int = 1    # page ids staged in shared memory by cp.async (0: per-thread loads a tile ahead)
     num_warps: int = 4   # warps per CTA (16 tokens each per stage); plan() picks 8 at <= 1 CTA/SM (hd128)
-    lazy_rescale: int = 0  # skip the O rescale when a warp's row maxima did not move
     source = _SOURCE
 
     @property
     def name(self) -> str:     # "decode_hd128_qf16_kvf16"
         extra = f"_s{self.num_stages}" if self.num_stages else ""
-        extra += f"_pf{self.prefetch}" if self.prefetch else ""
-        extra += "" if self.idx_smem else "_regidx"
         extra += f"_w{self.num_warps}" if self.num_warps != 4 else ""
-        extra += "_lazy" if self.lazy_rescale else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
 
     @property
@@ -60,8 +54,7 @@ class DecodeSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
-                f"-DPREFETCH={self.prefetch}", f"-DIDX_SMEM={int(bool(self.idx_smem))}",
-                f"-DNUM_WARPS={self.num_warps}", f"-DLAZY_RESCALE={int(bool(self.lazy_rescale))}")
+                f"-DNUM_WARPS={self.num_warps}")
 
     @property
     def threads(self) -> int:
@@ -74,7 +67,7 @@ class DecodeSpec:
     @property
     def smem_bytes(self) -> int:
         row = self.head_dim * 2 + 16
-        return _M_TILE * row + self.stages * 2 * self.block_n * row + (2 * 512 * 4 if self.idx_smem else 0)
+        return _M_TILE * row + self.stages * 2 * self.block_n * row + 2 * 512 * 4   # + page-id windows
 
     @property
     def ctas_per_sm(self) -> int:
@@ -92,6 +85,11 @@ def _num_sms(device: int) -> int:
     cp = arrays.cupy_module()
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
+
+# Benchmark/test overrides (BatchDecodeWithPagedKVCacheWrapper._tuning), not API; 0: plan() chooses.
+#   num_stages: cp.async depth (DecodeSpec.num_stages); num_warps: 4 | 8 warps per CTA;
+#   fuse_merge: False launches the separate merge kernel for split requests.
+_TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True}
 
 # kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters
 _KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p"
@@ -182,6 +180,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._device = t.device
         self._bufs: _DeviceBuffers | None = None
         self._planned = False
+        self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)
+        # Benchmark/test overrides, not API (benchmarks/bench_decode.py --variants, tests/test_decode.py):
+        # keys of _TUNING_DEFAULTS; read only through _tuned().
+        self._tuning: dict[str, Any] = {}
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
 
     # ------------------------------------------------------------------ plan
@@ -276,12 +278,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
                                f"supported: float16, bfloat16")
         self._spec = None if self._gpu_error else DecodeSpec(int(head_dim), _short(q_dtype), _short(kv_dtype),
-                                                             getattr(self, "_num_stages", 0),
-                                                             getattr(self, "_prefetch", 0),
-                                                             0 if getattr(self, "_prefetch", 0) else
-                                                             getattr(self, "_idx_smem", 1),
-                                                             4,
-                                                             getattr(self, "_lazy_rescale", 0))
+                                                             self._tuned("num_stages"), 4)
         self._planned = True
 
         device = self._device
@@ -299,9 +296,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
         #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9).
         #    With use_cuda_graph the choice of the first plan is kept (the captured kernel).
-        warps = getattr(self, "_num_warps", 0)
+        warps = self._tuned("num_warps")
         if not warps:
-            warps = getattr(self, "_graph_warps", 0) if self._use_cuda_graph else 0
+            warps = self._graph_warps if self._use_cuda_graph else 0
             if not warps:
                 warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
                          and self._batch * heads_work <= _num_sms(device) else 4)
@@ -406,12 +403,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._k_launch, merge = _launchers(self._spec, self._device)
         self._k_grid = (self._num_kv_heads * self._m_tiles, self._grid_work)
         # split requests are merged inside the decode kernel (last piece to finish) unless the
-        # _fuse_merge hook (benchmarks only) asks for the separate merge kernel
-        fuse = getattr(self, "_fuse_merge", True)
+        # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
+        fuse = self._tuned("fuse_merge")
         self._k_consts = (self._page_size, _page_shift(self._page_size), self._num_qo_heads, self._group,
                           self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0)
         self._m_launch = merge if self._has_merge and not fuse else None
         self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
+
+    def _tuned(self, key: str):
+        """The override in ``self._tuning`` for ``key``, else its default (plan()'s own choice)."""
+        unknown = set(self._tuning) - set(_TUNING_DEFAULTS)
+        if unknown:
+            raise KeyError(f"unknown decode tuning override(s) {sorted(unknown)}; "
+                           f"known: {sorted(_TUNING_DEFAULTS)}")
+        return self._tuning.get(key, _TUNING_DEFAULTS[key])
 
     # ------------------------------------------------------------------ run
 

@@ -1,14 +1,11 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
-//   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), LAZY_RESCALE (1: skip the O
-//   rescale when a warp's row maxima did not move),
-//   PREFETCH (tiles prefetched into L2 beyond the stages), IDX_SMEM (1: page ids staged in shared
-//   memory a window at a time by cp.async, 0: each thread loads its rows' page ids a tile ahead).
+//   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
 //   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 32 * NUM_WARPS.
 //   K/V rows stream through a STAGES-deep cp.async pipeline (16-byte copies, zero fill past the
-//   end), 16 * NUM_WARPS tokens per stage, 16 per warp (PREFETCH > 0 adds L2 prefetches further ahead).
+//   end), 16 * NUM_WARPS tokens per stage, 16 per warp.
 //   Each warp runs S = Q K^T and O += P V with mma.sync m16n8k16 (query heads are the M dimension, so K/V is read once per group) and keeps
 //   its own online-softmax state; the warps merge through shared memory at the end.
 //   page_shift = log2(page_size) for power-of-two pages (shift/mask addressing), else -1.
@@ -16,7 +13,7 @@
 //   partial LSE in the workspace, merged either by cuattn_decode_merge (counters == null) or by
 //   the last CTA of the request to finish (counters != null: one int per (merge row, grid x),
 //   zero before the launch; the merging CTA sets it back to zero, so graph replays work).
-//   IDX_SMEM: page ids of WIN_TOK tokens at a time land in one of two shared-memory windows; the
+//   Page ids of WIN_TOK tokens at a time land in one of two shared-memory windows; the
 //   next window is copied with the first tile of the current one, so no K/V copy waits on a
 //   dependent global load of kv_indices.
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
@@ -41,9 +38,6 @@ typedef f16 kv_t;
 #ifndef NUM_WARPS
 #define NUM_WARPS 4
 #endif
-#ifndef LAZY_RESCALE
-#define LAZY_RESCALE 0
-#endif
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_N = 16;                       // tokens per warp per stage
 constexpr int BLOCK_N = NUM_WARPS * WARP_N;      // tokens per stage
@@ -54,29 +48,14 @@ constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
 constexpr int PASSES = BLOCK_N / ROWS_PER_PASS;
 constexpr int Q_BYTES = M_TILE * SROW;
 constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
-// Tiles prefetched into L2 beyond the cp.async stages. Off: measured on H100 (2026-11-22) it
-// cost 3-5% at PREFETCH=2 and ~40% at 4 (bs 16-64 x 32k); kept as a compile-time experiment.
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
-#ifndef IDX_SMEM
-#define IDX_SMEM 1
-#endif
-#if IDX_SMEM && PREFETCH
-#error "IDX_SMEM and PREFETCH are exclusive experiments"
-#endif
-constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window (IDX_SMEM)
+constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
-constexpr int IDX_BYTES = IDX_SMEM ? 2 * WIN_CAP * 4 : 0;
+constexpr int IDX_BYTES = 2 * WIN_CAP * 4;       // two page-id windows after the stages (DecodeSpec.smem_bytes)
 static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
 static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * HEAD_DIM * 4 <= STAGES * STAGE_BYTES,
               "the warp merge reuses the pipeline buffers");
 constexpr float LN2 = 0.69314718055994531f;
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
@@ -143,7 +122,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
 
   const int c = tid % CHUNKS;
-#if IDX_SMEM
   // -- page-id windows: window wi holds the pages of tokens [kv_start + wi*WIN_TOK, +WIN_TOK)
   int* idx_s = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);   // [2][WIN_CAP]
   auto page_of = [&](int pos) { return page_shift >= 0 ? pos >> page_shift : pos / page_size; };
@@ -188,68 +166,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s, s);
-#else
-  // -- page ids of tile `tile` (one per pass), fetched one iteration before they are needed so
-  //    the kv_indices load latency is hidden behind a tile of compute; -1 past the end
-  auto fetch_pages = [&](int tile, int (&pages)[PASSES]) {
-#pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-      const int pos = kv_start + tile * BLOCK_N + p * ROWS_PER_PASS + tid / CHUNKS;
-      const int pg = page_shift >= 0 ? pos >> page_shift : pos / page_size;
-      pages[p] = (tile < n_tiles && pos < kv_end) ? kv_indices[page_base + pg] : -1;
-    }
-  };
-  // -- issue the copies of tile `tile` into stage `stage` (always commits a group)
-  auto issue_tile_pages = [&](int tile, int stage, const int (&pages)[PASSES]) {
-    if (tile < n_tiles) {
-      unsigned char* ks = kv_s + stage * STAGE_BYTES;
-      unsigned char* vs = ks + BLOCK_N * SROW;
-#pragma unroll
-      for (int p = 0; p < PASSES; ++p) {
-        const int r = p * ROWS_PER_PASS + tid / CHUNKS;
-        const int pos = kv_start + tile * BLOCK_N + r;
-        const bool valid = pages[p] >= 0;
-        int64_t off = 0;
-        const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
-        if (valid) off = int64_t(pages[p]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
-        cp_async_16(smem_u32(ks + r * SROW + c * 16), k_head + off, valid ? 16 : 0);
-        cp_async_16(smem_u32(vs + r * SROW + c * 16), v_head + off, valid ? 16 : 0);
-      }
-    }
-    cp_async_commit();
-  };
-
-  // -- L2 prefetch of tile `tile` (one thread per 128-byte line of each K and V row): PREFETCH
-  //    more tiles in flight than shared memory holds, which the long loaded-DRAM latency needs
-  auto prefetch_tile = [&](int tile, const int (&pf)[PASSES]) {
-    if (PREFETCH > 0 && tile < n_tiles && (c & 7) == 0) {
-#pragma unroll
-      for (int p = 0; p < PASSES; ++p) {
-        if (pf[p] >= 0) {
-          const int pos = kv_start + tile * BLOCK_N + p * ROWS_PER_PASS + tid / CHUNKS;
-          const int slot_in_page = page_shift >= 0 ? pos & (page_size - 1) : pos % page_size;
-          const int64_t off = int64_t(pf[p]) * s_page + int64_t(slot_in_page) * s_tok + c * 8;
-          prefetch_l2(k_head + off);
-          prefetch_l2(v_head + off);
-        }
-      }
-    }
-  };
-
-  int pages[PASSES], pf_pages[PASSES];
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    fetch_pages(s, pages);
-    issue_tile_pages(s, s, pages);
-  }
-#pragma unroll
-  for (int t = STAGES - 1; t < STAGES - 1 + PREFETCH; ++t) {
-    fetch_pages(t, pf_pages);
-    prefetch_tile(t, pf_pages);
-  }
-  fetch_pages(STAGES - 1, pages);
-  if (PREFETCH > 0) fetch_pages(STAGES - 1 + PREFETCH, pf_pages);
-#endif
 
   // -- query rows of this head tile -> smem (converted to the K/V type; rows >= `rows` zero)
   for (int i = tid; i < M_TILE * CHUNKS; i += THREADS) {
@@ -273,14 +189,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   for (int tile = 0; tile < n_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-#if IDX_SMEM
     issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
-#else
-    issue_tile_pages(tile + STAGES - 1, (tile + STAGES - 1) % STAGES, pages);
-    prefetch_tile(tile + STAGES - 1 + PREFETCH, pf_pages);
-    fetch_pages(tile + STAGES, pages);
-    if (PREFETCH > 0) fetch_pages(tile + STAGES + PREFETCH, pf_pages);
-#endif
 
     const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
     const unsigned char* vs = ks + BLOCK_N * SROW;
@@ -333,13 +242,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       }
     l_i[0] = l_i[0] * alpha[0] + rs[0];
     l_i[1] = l_i[1] * alpha[1] + rs[1];
-    // LAZY_RESCALE: skip the rescale when no row max of this warp moved (alpha == 1 exactly)
-    if (!LAZY_RESCALE || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int d = 0; d < HEAD_DIM / 8; ++d) {
-        acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];
-        acc[d][2] *= alpha[1]; acc[d][3] *= alpha[1];
-      }
+    for (int d = 0; d < HEAD_DIM / 8; ++d) {
+      acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];
+      acc[d][2] *= alpha[1]; acc[d][3] *= alpha[1];
     }
 
     // -- O += P V: P (C layout of two n8 tiles) is the A operand of one k16 step

@@ -188,6 +188,16 @@ def test_unsupported_features_raise_unsupported_error(small):
         planned(case, 8, 2, 64, 8, "float16", logits_soft_cap=30.0)
 
 
+def test_unknown_tuning_override_is_rejected():
+    """_tuning (benchmark/test overrides) takes num_stages / num_warps / fuse_merge only; the
+    removed experiments (prefetch, idx_smem, lazy_rescale) are not silently ignored."""
+    case = make_case(1, 10, 4, 4, 4, 64, "NHD", "float16")
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    w._tuning = {"lazy_rescale": 1}
+    with pytest.raises(KeyError, match="lazy_rescale"):
+        w.plan(case["indptr"], case["indices"], case["lpl"], 4, 4, 64, 4, q_data_type="float16")
+
+
 def test_bad_kv_layout_is_rejected():
     with pytest.raises(ValueError, match="kv_layout must be"):
         cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NDH")
@@ -294,19 +304,18 @@ def test_batch_decode_gpu_split_and_unsplit_plans_agree(case_args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(_fuse_merge=False), dict(_idx_smem=0), dict(_idx_smem=0, _fuse_merge=False),
-                                     dict(_num_warps=4), dict(_num_warps=8), dict(_num_warps=8, _fuse_merge=False)])
-def test_batch_decode_gpu_merge_and_index_variants_agree(variant):
-    """Fused merge (last piece merges, counters reset) vs the merge kernel; smem vs register page
-    ids; each run several times on one plan (a counter left non-zero would break the 2nd run)."""
+@pytest.mark.parametrize("variant", [dict(fuse_merge=False), dict(num_warps=4), dict(num_warps=8),
+                                     dict(num_warps=8, fuse_merge=False)])
+def test_batch_decode_gpu_merge_and_warp_variants_agree(variant):
+    """Fused merge (last piece merges, counters reset) vs the merge kernel; 4 vs 8 warps per CTA;
+    each run several times on one plan (a counter left non-zero would break the 2nd run)."""
     import cupy
     case = make_case(0, 0, 5, 32, 8, 128, "NHD", "float16", kv_lens=[3000, 1, 0, 700, 2049], seed=4)
     ref_o, ref_lse = oracle(case)
     outs = []
     for kw in ({}, variant):
         w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-        for k, v in kw.items():
-            setattr(w, k, v)
+        w._tuning = dict(kw)     # test overrides, not API
         w.plan(case["indptr"], case["indices"], case["lpl"], 32, 8, 128, 5, q_data_type="float16",
                fixed_split_size=300)
         assert w._work.split
