@@ -74,13 +74,9 @@ def merge_state(v_a, s_a, v_b, s_b, *, stream: Any = None):
     s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
     to, tso = arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn)
     if seq_len:
-        u64, i64, i32 = np.uint64, np.int64, np.int32
-        kernel = jit.get_function(spec, "cuattn_merge_state", ctx.device)
-        kernel((seq_len, heads, 1), (128, 1, 1),
-               (u64(ta.ptr), u64(tsa.ptr), u64(tb.ptr), u64(tsb.ptr), u64(to.ptr), u64(tso.ptr),
-                i32(heads), i32(head_dim), i64(ta.strides[0]), i64(ta.strides[1]), i64(tb.strides[0]),
-                i64(tb.strides[1]), i64(tsa.strides[0]), i64(tsa.strides[1]), i64(tsb.strides[0]),
-                i64(tsb.strides[1]), i64(to.strides[0]), i64(to.strides[1])), stream=ctx.stream)
+        launch = jit.get_launcher(spec, "cuattn_merge_state", ctx.device, "pppppp" "ii" "qqqqqqqqqq")
+        launch((seq_len, heads), 128, ctx.stream, ta.ptr, tsa.ptr, tb.ptr, tsb.ptr, to.ptr, tso.ptr,
+               heads, head_dim, *ta.strides[:2], *tb.strides[:2], *tsa.strides, *tsb.strides, *to.strides[:2])
     return arrays.export(ctx, out, logical), arrays.export(ctx, s_out)
 
 
@@ -115,13 +111,9 @@ def merge_states(v, s, *, stream: Any = None):
     s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
     to, tso = arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn)
     if seq_len:
-        u64, i64, i32 = np.uint64, np.int64, np.int32
-        kernel = jit.get_function(spec, "cuattn_merge_states", ctx.device)
-        kernel((seq_len, heads, 1), (128, 1, 1),
-               (u64(tv.ptr), u64(ts.ptr), u64(to.ptr), u64(tso.ptr), i32(num_states), i32(heads),
-                i32(head_dim), i64(tv.strides[0]), i64(tv.strides[1]), i64(tv.strides[2]),
-                i64(ts.strides[0]), i64(ts.strides[1]), i64(ts.strides[2]),
-                i64(to.strides[0]), i64(to.strides[1])), stream=ctx.stream)
+        launch = jit.get_launcher(spec, "cuattn_merge_states", ctx.device, "pppp" "iii" "qqqqqqqq")
+        launch((seq_len, heads), 128, ctx.stream, tv.ptr, ts.ptr, to.ptr, tso.ptr, num_states, heads, head_dim,
+               *tv.strides[:3], *ts.strides[:3], *to.strides[:2])
     return arrays.export(ctx, out, logical), arrays.export(ctx, s_out)
 
 

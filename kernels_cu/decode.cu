@@ -91,6 +91,33 @@ using namespace cuattn;
 //   [4] partial slot (-1: write the final output)
 //   split pieces only: [5] merge row of the request  [6] its first slot  [7] its number of pieces
 // A negative request marks padding (CUDA-graph grids are sized for capacity).
+// out[req, head, d..d+3] = sum_s exp(lse_s - lse) * part_o[s, head, d..d+3] over the partial
+// slots s0..s1 of a split request, lse = log(sum_s exp(lse_s)) (base e); lse written by d == 0.
+// Loads bypass L1 (__ldcg): the partials were written by other CTAs of the same launch.
+__device__ __forceinline__ void merge_partials(const float* part_o, const float* part_lse, int s0, int s1,
+                                               int req, int head, int d, int num_qo_heads, q_t* out,
+                                               int64_t o_s_b, int64_t o_s_h, float* lse) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  float m = neg_inf();
+  for (int s = s0; s < s1; ++s) m = fmaxf(m, __ldcg(part_lse + int64_t(s) * num_qo_heads + head));
+  const float m_use = m == neg_inf() ? 0.f : m;
+  float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  for (int s = s0; s < s1; ++s) {
+    const int64_t row = int64_t(s) * num_qo_heads + head;
+    const float c = exp2_approx((__ldcg(part_lse + row) - m_use) * LOG2E);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d));
+    l += c;
+    o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  uint2 packed;
+  packed.x = pack2<q_t>(o0 * inv, o1 * inv);
+  packed.y = pack2<q_t>(o2 * inv, o3 * inv);
+  *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
+  if (lse != nullptr && d == 0)
+    lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     const int32_t* __restrict__ work,      // [num_work, 8]
     const q_t* __restrict__ q,             // [batch, num_qo_heads, HEAD_DIM] via strides
@@ -339,30 +366,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int s0 = w[6], s1 = w[6] + w[7];
-  constexpr float LOG2E = 1.4426950408889634f;
-  for (int i = tid; i < rows * (HEAD_DIM / 4); i += THREADS) {
-    const int r = i / (HEAD_DIM / 4), d = (i % (HEAD_DIM / 4)) * 4;
-    const int head = head0 + r;
-    float m = neg_inf();
-    for (int s = s0; s < s1; ++s) m = fmaxf(m, __ldcg(part_lse + int64_t(s) * num_qo_heads + head));
-    const float m_use = m == neg_inf() ? 0.f : m;
-    float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-    for (int s = s0; s < s1; ++s) {
-      const int64_t row = int64_t(s) * num_qo_heads + head;
-      const float c = exp2_approx((__ldcg(part_lse + row) - m_use) * LOG2E);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d));
-      l += c;
-      o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    uint2 packed;
-    packed.x = pack2<q_t>(o0 * inv, o1 * inv);
-    packed.y = pack2<q_t>(o2 * inv, o3 * inv);
-    *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
-    if (lse != nullptr && d == 0)
-      lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
-  }
+  for (int i = tid; i < rows * (HEAD_DIM / 4); i += THREADS)
+    merge_partials(part_o, part_lse, w[6], w[6] + w[7], req, head0 + i / (HEAD_DIM / 4),
+                   (i % (HEAD_DIM / 4)) * 4, num_qo_heads, out, o_s_b, o_s_h, lse);
 }
 
 // Merge item: 4 int32: [0] request (-1: padding) [1] first slot [2] end slot [3] unused.
@@ -380,23 +386,5 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_decode_merge(
   const int head = blockIdx.y * HPB + threadIdx.x / TPH;
   const int d = (threadIdx.x % TPH) * 4;
   if (head >= num_qo_heads) return;
-  constexpr float LOG2E = 1.4426950408889634f;
-  float m = neg_inf();
-  for (int s = s0; s < s1; ++s) m = fmaxf(m, part_lse[int64_t(s) * num_qo_heads + head]);
-  const float m_use = m == neg_inf() ? 0.f : m;
-  float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-  for (int s = s0; s < s1; ++s) {
-    const int64_t row = int64_t(s) * num_qo_heads + head;
-    const float c = exp2_approx((part_lse[row] - m_use) * LOG2E);
-    const float4 v = *reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d);
-    l += c;
-    o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
-  }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  uint2 packed;
-  packed.x = pack2<q_t>(o0 * inv, o1 * inv);
-  packed.y = pack2<q_t>(o2 * inv, o3 * inv);
-  *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
-  if (lse != nullptr && d == 0)
-    lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
+  merge_partials(part_o, part_lse, s0, s1, req, head, d, num_qo_heads, out, o_s_b, o_s_h, lse);
 }

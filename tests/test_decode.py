@@ -340,7 +340,6 @@ def test_batch_decode_gpu_skewed_batch_and_empty_request():
 
 @pytest.mark.gpu
 def test_batch_decode_gpu_plan_reused_across_layers_and_replans():
-    import cupy
     for step, lens in enumerate(([100, 2000], [101, 2001, 5])):
         case = make_case(0, 0, 16, 32, 8, 128, "HND", "bfloat16", kv_lens=lens, seed=step)
         w = planned(case, 32, 8, 128, 16, "bfloat16", "HND") if step == 0 else w

@@ -1,6 +1,5 @@
 """Prefill attention: the NumPy path (CI) and the CUDA kernel (gpu marker) against tests/oracle.py."""
 import itertools
-import math
 import random
 
 import ml_dtypes
@@ -11,7 +10,6 @@ import cuattn
 from cuattn import jit, prefill
 from cuattn.errors import UnsupportedError
 
-from .conftest import gpu_cc
 from .oracle import dense_attention, rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
