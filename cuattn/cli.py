@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from . import __version__, arrays, jit
+from .errors import DeviceUnavailableError
 
 # Modules that ship kernels; each has shipped_specs().
 KERNEL_MODULES = ("page", "decode", "cascade", "prefill")
@@ -36,7 +37,7 @@ def _cupy_installed() -> bool:
     try:
         arrays.cupy_module()
         return True
-    except Exception:
+    except DeviceUnavailableError:
         return False
 
 
@@ -46,7 +47,7 @@ def cmd_info(args) -> int:
     print(f"cupy       {arrays.cupy_module().__version__ if _cupy_installed() else 'not installed'}")
     try:
         print("nvrtc      %d.%d" % jit.nvrtc_version() + f" ({jit._nvrtc().path})")
-    except Exception as e:   # report, don't fail: info is how users find what is missing
+    except (DeviceUnavailableError, RuntimeError) as e:   # report: info is how users find what is missing
         print(f"nvrtc      not available: {e}")
     print(f"gpu        {_gpu_line()}")
     n, size = jit.cache_usage()
