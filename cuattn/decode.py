@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays, jit, plan as _plan, reference
-from .errors import UnsupportedError
+from .errors import UnsupportedError, reject_unimplemented_variants
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "decode.cu"
@@ -215,15 +215,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             heuristic. ``disable_split_kv=True`` never splits.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        if pos_encoding_mode not in ("NONE", None):
-            raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} is not implemented; "
-                                   f"supported: 'NONE' (apply RoPE before appending to the cache)")
-        if window_left not in (-1, None):
-            raise UnsupportedError(f"{fn}: window_left={window_left} is not implemented; supported: -1")
-        if logits_soft_cap not in (None, 0, 0.0):
-            raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} is not implemented")
-        if rope_scale is not None or rope_theta is not None:
-            raise UnsupportedError(f"{fn}: rope_scale/rope_theta are not implemented (no fused RoPE)")
+        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap,
+                                      rope_scale=rope_scale, rope_theta=rope_theta)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(val, (int, np.integer)) or val < 1:

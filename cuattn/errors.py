@@ -46,3 +46,19 @@ class CompileError(CuattnError):
         file = file or sys.stderr
         for i, line in enumerate(self.source.splitlines(), 1):
             print(f"{i:5d} | {line}", file=file)
+
+
+def reject_unimplemented_variants(fn: str, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+                                  use_fp16_qk_reduction=False, rope_scale=None, rope_theta=None) -> None:
+    """Raise UnsupportedError for FlashInfer attention options that have no cuattn kernel yet."""
+    if pos_encoding_mode not in ("NONE", None):
+        raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} has no kernel; supported: 'NONE' "
+                               f"(apply RoPE before the call)")
+    if window_left not in (-1, None):
+        raise UnsupportedError(f"{fn}: window_left={window_left} (sliding window) has no kernel; supported: -1")
+    if logits_soft_cap not in (None, 0, 0.0):
+        raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} has no kernel; supported: None")
+    if use_fp16_qk_reduction:
+        raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel (QK accumulates in fp32)")
+    if rope_scale is not None or rope_theta is not None:
+        raise UnsupportedError(f"{fn}: rope_scale/rope_theta need pos_encoding_mode, which has no kernel")

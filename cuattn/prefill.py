@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays, jit, reference
-from .errors import UnsupportedError
+from .errors import UnsupportedError, reject_unimplemented_variants
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
@@ -106,21 +106,6 @@ def select_backend(backend: str, fn: str) -> str:
 
 
 # ---------------------------------------------------------------------------- validation
-
-
-def _check_unsupported(fn: str, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
-                       use_fp16_qk_reduction=False, rope_scale=None, rope_theta=None) -> None:
-    if pos_encoding_mode != "NONE":
-        raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} has no kernel; supported: 'NONE' "
-                               f"(apply RoPE before the call)")
-    if window_left not in (-1, None):
-        raise UnsupportedError(f"{fn}: window_left={window_left} (sliding window) has no kernel; supported: -1")
-    if logits_soft_cap not in (None, 0, 0.0):
-        raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} has no kernel; supported: None")
-    if use_fp16_qk_reduction:
-        raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel (QK accumulates in fp32)")
-    if rope_scale is not None or rope_theta is not None:
-        raise UnsupportedError(f"{fn}: rope_scale/rope_theta need pos_encoding_mode, which has no kernel")
 
 
 def _logical(dtype) -> np.dtype:
@@ -257,7 +242,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     lse : array, shape (qo_len, num_qo_heads), float32, natural log (only if ``return_lse``)
     """
     fn = "single_prefill_with_kv_cache"
-    _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+    reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
                        rope_scale, rope_theta)
     check_kv_layout(kv_layout, fn)
     select_backend(backend, fn)
@@ -499,7 +484,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         causal : bool (bottom-right aligned when qo_len < kv_len)
         """
         fn = f"{self._fn}.plan"
-        _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
                            rope_scale, rope_theta)
         kv = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
         if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
@@ -584,7 +569,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              kv_data_type=None, non_blocking: bool = True, **unused) -> None:
         """Build the work list for a batch over the page table (arrays int32, host or device)."""
         fn = f"{self._fn}.plan"
-        _check_unsupported(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
+        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
                            rope_scale, rope_theta)
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
