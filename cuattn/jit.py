@@ -55,7 +55,7 @@ class CompiledKernel:
     arch: str
     cubin: bytes
     # entry -> {"registers", "spill_stores", "spill_loads", "stack_frame"} from the ptxas log; empty
-    # when NVRTC prints no log (seen with NVRTC 13.0 on the device when it reuses its own results)
+    # when NVRTC prints no log (seen with NVRTC 13.0 on the test GPUs; cause not established)
     resources: dict
     seconds: float           # NVRTC wall time when it was compiled
     from_cache: bool
