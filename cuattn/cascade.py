@@ -69,10 +69,7 @@ def merge_state(v_a, s_a, v_b, s_b, *, stream: Any = None):
     _check_pair(fn, ta.shape, tsa.shape, tb.shape, tsb.shape, ta.dtype, tb.dtype, tsa.dtype, tsb.dtype)
     seq_len, heads, head_dim = ta.shape
     spec = _spec_for(ta.dtype, fn)
-    logical = arrays.bfloat16 if ta.dtype == np.uint16 else ta.dtype
-    out = arrays.empty(ctx, (seq_len, heads, head_dim), logical)
-    s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
-    to, tso = arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn)
+    out, s_out, to, tso, logical = _merged_outputs(ctx, ta.dtype, seq_len, heads, head_dim, fn)
     if seq_len:
         launch = jit.get_launcher(spec, "cuattn_merge_state", ctx.device, "pppppp" "ii" "qqqqqqqqqq")
         launch((seq_len, heads), 128, ctx.stream, ta.ptr, tsa.ptr, tb.ptr, tsb.ptr, to.ptr, tso.ptr,
@@ -106,15 +103,21 @@ def merge_states(v, s, *, stream: Any = None):
     _check_many(fn, tv.shape, ts.shape, ts.dtype)
     seq_len, num_states, heads, head_dim = tv.shape
     spec = _spec_for(tv.dtype, fn)
-    logical = arrays.bfloat16 if tv.dtype == np.uint16 else tv.dtype
-    out = arrays.empty(ctx, (seq_len, heads, head_dim), logical)
-    s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
-    to, tso = arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn)
+    out, s_out, to, tso, logical = _merged_outputs(ctx, tv.dtype, seq_len, heads, head_dim, fn)
     if seq_len:
         launch = jit.get_launcher(spec, "cuattn_merge_states", ctx.device, "pppp" "iii" "qqqqqqqq")
         launch((seq_len, heads), 128, ctx.stream, tv.ptr, ts.ptr, to.ptr, tso.ptr, num_states, heads, head_dim,
                *tv.strides[:3], *ts.strides[:3], *to.strides[:2])
     return arrays.export(ctx, out, logical), arrays.export(ctx, s_out)
+
+
+def _merged_outputs(ctx, dtype, seq_len: int, heads: int, head_dim: int, fn: str):
+    """Merged v (dtype of the inputs; bf16 from a uint16 view) and float32 LSE, with descriptors."""
+    logical = arrays.bfloat16 if dtype == np.uint16 else dtype
+    out = arrays.empty(ctx, (seq_len, heads, head_dim), logical)
+    s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
+    return (out, s_out, arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn),
+            logical)
 
 
 def _check_pair(fn, va, sa, vb, sb, dva, dvb, dsa, dsb):

@@ -340,7 +340,11 @@ class _BatchPrefillBase:
                  backend: str = "auto", **buffers):
         self._kv_layout = check_kv_layout(kv_layout, self._fn)
         self.backend = select_backend(backend, self._fn)     # the backend runs will use ("fa2")
-        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            # plan() reallocates the device metadata and the grid follows the work list, so a
+            # captured run() would replay stale pointers after the next plan(): refuse instead
+            raise UnsupportedError(f"{self._fn}: use_cuda_graph=True is not supported by the prefill wrappers "
+                                   f"yet (their plan buffers are not fixed); run them eagerly")
         self._plan = None
         self._dev: dict[int, dict] = {}
 

@@ -441,3 +441,10 @@ def test_single_prefill_gpu_jax_inputs():
                                               causal=True)
     assert isinstance(out, jax.Array)
     assert rel_err(np.asarray(out), dense_attention(q, k, v, causal=True)[0]) < TOL["float16"]
+
+
+@pytest.mark.parametrize("wrapper", [cuattn.BatchPrefillWithRaggedKVCacheWrapper,
+                                     cuattn.BatchPrefillWithPagedKVCacheWrapper])
+def test_batch_prefill_refuses_cuda_graph_mode_it_cannot_honour(wrapper):
+    with pytest.raises(UnsupportedError, match="use_cuda_graph=True is not supported"):
+        wrapper(use_cuda_graph=True)
