@@ -1,8 +1,11 @@
 """Batch decode on the paged KV cache: latency and achieved bandwidth.
 
 Timing: CUDA events around each run() (the decode kernel plus the split-KV merge when the plan
-splits), L2 flushed (a 256 MB buffer is rewritten) before every timed call, 5 warm-up + N timed
-calls (default 30), median reported. Ceilings are measured in the same process: read-only
+splits), L2 flushed before every timed call (default: 256 MB read, leaving L2 clean; --flush
+write rewrites it, PEERS.md's method, whose dirty lines the timed kernel then writes back:
+~9 µs of a 134 MB shape), 5 warm-up + N timed calls (default 30), median reported. FlashInfer,
+when importable, is timed the same way in the same process: its CUDA-core (default) and
+tensor-core decode kernels, the faster one compared. Ceilings are measured in the same process: read-only
 bandwidth (16-byte loads, 2 GiB) and device-to-device copy (1 GiB, bytes read + written).
 TB/s = 1e12 bytes/s over the K, V, q and o bytes. Host µs = wall time of eager run() calls with
 out= given, averaged over 200 back-to-back calls of the bs 1 x 512 shape (not synced per call).
@@ -157,12 +160,16 @@ def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, 
         return None
     tdt = torch.float16 if dtype == "float16" else torch.bfloat16
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    w.plan(torch.from_numpy(indptr).cuda(), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl).cuda(),
-           hq, hkv, d, page_size, q_data_type=tdt, kv_data_type=tdt)
     tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
     tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
-    return time_events(lambda: w.run(tq, tc), reps, flush)
+    best = None
+    for tensor_cores in (False, True):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+        w.plan(torch.from_numpy(indptr), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl),
+               hq, hkv, d, page_size, q_data_type=tdt, kv_data_type=tdt)
+        us = time_events(lambda: w.run(tq, tc), reps, flush)
+        best = us if best is None else min(best, us)
+    return best
 
 
 def main():
@@ -180,9 +187,11 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["shipped"],
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
-                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA); e.g. w8+s3+sepmerge. "
+                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA), bulk / cpasync (K/V load "
+                         "path, sm_90 bulk copies or cp.async), qreg (query fragments in registers); e.g. "
+                         "w8+s3+sepmerge. "
                          "(regidx, lazy and --prefetch were removed on 2026-11-22: decode_notes.md)")
-    ap.add_argument("--flush", default="write", choices=["write", "read"],
+    ap.add_argument("--flush", default="read", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
@@ -261,12 +270,14 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         else:
             continue
         tweaks.discard(t)
-    unknown = tweaks - {"sepmerge"}
+    unknown = tweaks - {"sepmerge", "bulk", "cpasync", "qreg"}
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w._tuning = dict(num_stages=spec_kw.get("s", args.stages), num_warps=spec_kw.get("w", 0),   # 0: plan's
-                     fuse_merge="sepmerge" not in tweaks)   # choice; benchmark overrides, not API
+                     fuse_merge="sepmerge" not in tweaks,   # choice; benchmark overrides, not API
+                     load="bulk" if "bulk" in tweaks else "cpasync" if "cpasync" in tweaks else "",
+                     q_regs="qreg" in tweaks)
     t0 = time.perf_counter()
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6
@@ -276,7 +287,7 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     nbytes = decode_bytes(batch, kv_len, hq, hkv, args.head_dim, 2)
     tbs = nbytes / (us * 1e-6) / 1e12
     err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
-    row = dict(variant=variant, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
+    row = dict(variant=variant, spec=w._spec.name, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
                tbs=tbs, of_read=tbs / read_tbs,
                of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
                plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err)
@@ -284,7 +295,7 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     print(f"{variant:>{vw}} {heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} "
           f"{100 * tbs / read_tbs:5.1f}% "
           f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
-          f"{f'  {err:.1e}' if err is not None else ''}", flush=True)
+          f"{f'  {err:.1e}' if err is not None else ''}  {w._spec.name}", flush=True)
     del out, w
     return row
 
@@ -317,6 +328,21 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
             w.run(tq, tc, out=tout)
         host["torch"] = (time.perf_counter() - t0) / 200 * 1e6
         torch.cuda.synchronize()
+        try:
+            import flashinfer
+            fw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+            fw.plan(torch.from_numpy(indptr), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl),
+                    32, 8, args.head_dim, args.page_size, q_data_type=tdt, kv_data_type=tdt)
+            fw.run(tq, tc, out=tout)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fw.run(tq, tc, out=tout)
+            host["flashinfer"] = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+        except ImportError:
+            pass
     except ImportError:
         pass
     plan_times = []

@@ -3,6 +3,13 @@
 # Usage (device tool): bash benchmarks/device_run.sh [quick]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
+# pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+#   -d .whl flashinfer-python==0.6.4 apache-tvm-ffi==0.1.15.post2) and the device tool's carry=[".whl"]
+if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=.:/tmp/site
+fi
 OUT=${OUT:-/tmp/cuattn-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
@@ -19,6 +26,7 @@ spills = [s.name for s in cli.shipped_specs() for r in jit.compile_kernel(s, arc
           if r.get("spill_stores", 0)]
 print(f"device NVRTC {jit.nvrtc_version()}: most registers {worst}; specs with spills: {spills or 'none'}")
 PY
+python3 benchmarks/host_probe.py --out "$OUT/host_probe.json" 2>&1 | tee "$OUT/host_probe.log" | tail -30
 if [ "${1:-}" = quick ]; then
   python3 benchmarks/bench_decode.py --batch 1 16 64 --kv-len 512 2048 32768 --heads 32:8 --reps 30 \
       --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -14

@@ -139,11 +139,16 @@ class Tensor(NamedTuple):
 
 
 _MODULE_FRAMEWORK = {"numpy": "numpy", "cupy": "cupy", "torch": "torch", "jax": "jax", "jaxlib": "jax"}
+_FRAMEWORK_OF_TYPE: dict[type, str] = {}     # filled by framework_of for types of those modules
 
 
 def framework_of(x: Any) -> str:
+    fw = _FRAMEWORK_OF_TYPE.get(type(x))      # run() calls this per argument: one dict lookup
+    if fw is not None:
+        return fw
     fw = _MODULE_FRAMEWORK.get(type(x).__module__.partition(".")[0])
     if fw is not None:
+        _FRAMEWORK_OF_TYPE[type(x)] = fw
         return fw
     if isinstance(x, np.ndarray) or np.isscalar(x):
         return "numpy"
@@ -181,9 +186,12 @@ def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     """Describe a GPU array without copying it."""
     fw = framework_of(x)
     if fw == "cupy":
-        itemsize = x.itemsize
-        t = Tensor(x.data.ptr, x.shape, tuple([s // itemsize for s in x.strides]), x.dtype, x.data.device_id, fw, x)
-    elif fw == "torch":
+        itemsize, data = x.itemsize, x.data
+        strides = tuple([s // itemsize for s in x.strides])
+        if strides and (strides[-1] != 1 or min(strides) < 0):     # else _check_strides passes
+            _check_strides(x.shape, strides, name, fn)
+        return Tensor(data.ptr, x.shape, strides, x.dtype, data.device_id, fw, x)
+    if fw == "torch":
         if not x.is_cuda:
             raise ValueError(f"{fn}: {name} is a CPU tensor where a CUDA tensor is needed")
         t = Tensor(x.data_ptr(), tuple(x.shape), x.stride(), _torch_to_numpy_dtype(x.dtype),
@@ -322,9 +330,16 @@ def resolve_stream(framework: str, device: int, stream: Any = None):
                             f"got {type(stream).__name__}")
         return _external_stream(handle, device)
     if framework == "torch":
-        import torch
-        return _external_stream(torch.cuda.current_stream(device).cuda_stream, device)
+        return _external_stream(_torch_stream_handle(device), device)
     return cp.cuda.get_current_stream(device)
+
+
+def _torch_stream_handle(device: int) -> int:
+    """PyTorch's current stream on ``device`` as a handle (its private raw getter when present:
+    0.1 µs against 2 µs for torch.cuda.current_stream, which builds a Stream object per call)."""
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 # ---------------------------------------------------------------------------- outputs

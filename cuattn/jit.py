@@ -341,14 +341,14 @@ class Launcher:
         self.smem_bytes = smem_bytes
         self._function = function                       # keeps the handle below valid
         self._func = ctypes.c_void_p(function.ptr)
-        self._format = "<" + "".join(_ARG_FORMATS[k] for k in arg_kinds)
+        self._pack = struct.Struct("<" + "".join(_ARG_FORMATS[k] for k in arg_kinds)).pack_into
         self._slots = (ctypes.c_uint64 * len(arg_kinds))()
         base = ctypes.addressof(self._slots)
         self._params = (ctypes.c_void_p * len(arg_kinds))(*[base + 8 * i for i in range(len(arg_kinds))])
 
     def __call__(self, grid: tuple, block: int, stream, *args) -> None:
         """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
-        struct.pack_into(self._format, self._slots, 0, *args)
+        self._pack(self._slots, 0, *args)
         if self._runtime.getDevice() != self.device_id:     # cuLaunchKernel uses the current context
             with self._device:
                 return self._launch(grid, block, stream.ptr)
