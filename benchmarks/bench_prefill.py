@@ -1,8 +1,11 @@
 """Prefill attention throughput (cuattn fa2 backend vs fp16 matmul, torch SDPA, FlashInfer).
 
-Timing: CUDA events around each call on one stream, 3 warm-up calls, median of --reps timed
-calls. Prefill is compute bound, so L2 is not flushed (inputs of 1x16k are far larger than L2
-anyway). TFLOP/s = 4 * qo * kv * num_qo_heads * head_dim / time; causal halves the work.
+Timing: CUDA events, warm-up calls, median of --reps timed calls; L2 not flushed (compute bound;
+1x16k inputs are far larger than L2 anyway). Three numbers per case: "gpu" (the kernel alone: a
+filler matmul keeps the stream busy while the host issues the call, so neither host time nor an
+idle GPU's wake-up lands between the events; the paged/contiguous ratio uses these), "b2b" (10
+calls back to back) and "us" (one eager call on an idle stream: host time before the launch plus
+the kernel, and slower again when the GPU idled ms before it; --diagnose splits it). TFLOP/s = 4 * qo * kv * num_qo_heads * head_dim / time; causal halves the work.
 The fp16 matmul ceiling (cuBLAS through CuPy, 8192^3) is measured in the same run. SDPA and
 FlashInfer are timed the same way when importable; otherwise the PEERS.md H100 numbers are
 printed, labelled as not from this run. JSON goes to benchmarks/results/ (or --out).
@@ -57,7 +60,7 @@ def gpu_us(fn, reps, warmup=3):
     """Median GPU time of one call alone: a ~1 ms matmul queued first keeps the stream busy
     while the host issues the events and the call, so neither host time nor launch latency
     lands between the events (the call's kernels start as soon as the matmul ends)."""
-    n = 4096
+    n = 6144     # ~0.6 ms on an H100: longer than a per-call host time (~90 us seen on one)
     a = cp.ones((n, n), cp.float16)
     for _ in range(warmup):
         fn()
@@ -115,7 +118,7 @@ def rand(shape, dtype):
     return x.astype(cp.float16)
 
 
-def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa):
+def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None):
     res = dict(batch=batch, qo_len=length, kv_len=length, causal=causal, num_qo_heads=hq, num_kv_heads=hkv,
                head_dim=d, dtype=dtype)
     f = flops(batch, length, length, hq, d, causal)
@@ -131,11 +134,11 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa):
         call = lambda: w.run(q, k, v, out=out)  # noqa: E731
     ms = time_cupy(call, reps)
     res.update(us=ms * 1e3, tflops=f / (ms * 1e-3) / 1e12)
+    g = gpu_us(call, reps)
+    res.update(gpu_us=g, gpu_tflops=f / (g * 1e-6) / 1e12)
     if length <= 4096:       # short calls: GPU time with launches back to back, and host time per call
         ms_b = time_cupy(call, reps, inner=10)
-        g = gpu_us(call, reps)
-        res.update(b2b_us=ms_b * 1e3, b2b_tflops=f / (ms_b * 1e-3) / 1e12, host_us=host_us(call),
-                   gpu_us=g, gpu_tflops=f / (g * 1e-6) / 1e12)
+        res.update(b2b_us=ms_b * 1e3, b2b_tflops=f / (ms_b * 1e-3) / 1e12, host_us=host_us(call))
     # -- paged K/V, random page order, same lengths
     pages_per = -(-length // page_size)
     total = batch * pages_per
@@ -147,7 +150,11 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa):
             causal=causal, q_data_type=dtype)
     out_p = cp.empty_like(q)
     ms_p = time_cupy(lambda: wp.run(q, cache, out=out_p), reps)
-    res.update(paged_us=ms_p * 1e3, paged_tflops=f / (ms_p * 1e-3) / 1e12, paged_ratio=ms_p / ms)
+    gp = gpu_us(lambda: wp.run(q, cache, out=out_p), reps)
+    res.update(paged_us=ms_p * 1e3, paged_tflops=f / (ms_p * 1e-3) / 1e12, paged_ratio=ms_p / ms,
+               paged_gpu_us=gp, paged_gpu_ratio=gp / g)
+    if flashinfer is not None:
+        res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
     del cache
     if sdpa is not None:
         res.update(sdpa(batch, length, causal, hq, hkv, d, dtype, reps, f))
@@ -180,6 +187,36 @@ def make_sdpa():
     return sdpa
 
 
+def make_flashinfer():
+    """FlashInfer's paged prefill (fa2 and, on Hopper, fa3) on our paged inputs, timed like ours
+    (GPU alone), or None when it is not importable."""
+    try:
+        import flashinfer
+        import torch
+    except ImportError:
+        return None
+
+    def fi(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f):
+        tdt = torch.float16 if dtype == "float16" else torch.bfloat16
+        tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
+        tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        out = {}
+        for backend in ("fa2", "fa3") if cp.cuda.Device().compute_capability == "90" else ("fa2",):
+            try:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(torch.from_numpy(indptr), torch.from_numpy(np.arange(len(indptr), dtype=np.int32) * pages_per),
+                       torch.from_numpy(perm).cuda(), torch.from_numpy(last), hq, hkv, d, page_size,
+                       causal=causal, q_data_type=tdt, kv_data_type=tdt)
+                g = gpu_us(lambda: w.run(tq, tc), reps)
+                out[f"flashinfer_{backend}_gpu_us"] = g
+                out[f"flashinfer_{backend}_gpu_tflops"] = f / (g * 1e-6) / 1e12
+            except Exception as e:    # a backend FlashInfer cannot build or run here: say so, go on
+                out[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return out
+    return fi
+
+
 def check(args):
     """Small correctness check against a float64 reference before timing."""
     from tests.oracle import dense_attention, rel_err
@@ -195,6 +232,171 @@ def check(args):
 VARIANTS = [(2, 32, 3), (2, 64, 2), (2, 64, 2, "QK_UNROLL=1"), (2, 64, 2, "QK_UNROLL=4")]
 # --variants paged: the paged page-id schemes (PAGE_CPASYNC=0: page id held in a register, QK unroll 1)
 VARIANTS_PAGED = [(2, 64, 2, "PAGE_CPASYNC=0"), (2, 64, 2, "PAGE_CPASYNC=1", "QK_UNROLL=1"), (2, 64, 2)]
+
+
+# --variants issue4: compile-time switches of prefill.cu, each against the shipped defaults in the same run
+# (PAGE_ADDR32, FULL_TILE_FAST, O_SMEM were tried on 2026-11-22 and dropped: prefill_notes.md)
+VARIANTS_ISSUE4 = [(), ("PAGE_CPASYNC=0",)]
+
+
+def _with_variant(var):
+    """Patch prefill.make_spec so every spec carries the -D defines ``var`` (tile config unchanged)."""
+    from cuattn import prefill
+    orig = prefill._ORIG_MAKE_SPEC = getattr(prefill, "_ORIG_MAKE_SPEC", prefill.make_spec)
+
+    def make(d, t, c, m, p):
+        s = orig(d, t, c, m, p)
+        return prefill.PrefillSpec(s.head_dim, s.dtype, s.causal, s.custom_mask, s.paged, s.num_mma_q,
+                                   s.block_n, s.stages, variant=tuple(var))
+    prefill.make_spec = make if var else orig
+
+
+def _ragged_calls(batch, length, causal, hq, hkv, d, page_size):
+    """(contiguous call, paged call) for batch x length, random page order."""
+    nnz = batch * length
+    q, k, v = rand((nnz, hq, d), "float16"), rand((nnz, hkv, d), "float16"), rand((nnz, hkv, d), "float16")
+    indptr = np.arange(batch + 1, dtype=np.int32) * length
+    if batch == 1:
+        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal)  # noqa: E731
+    else:
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal)
+        out = cp.empty_like(q)
+        call = lambda: w.run(q, k, v, out=out)  # noqa: E731
+    pages_per = -(-length // page_size)
+    perm = np.random.default_rng(0).permutation(batch * pages_per).astype(np.int32)
+    cache = rand((batch * pages_per, 2, page_size, hkv, d), "float16")
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    last = np.full(batch, length - (pages_per - 1) * page_size, np.int32)
+    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
+            causal=causal)
+    out_p = cp.empty_like(q)
+    return call, lambda: wp.run(q, cache, out=out_p)
+
+
+def sweep_issue4(args, hq, hkv):
+    """Each variant: oracle check (small ragged + paged batch, both masks), then GPU-alone time (gpu_us)
+    of 8x2048 full/causal and 1x4096, contiguous and paged, and per-call time of 1x16384 full; two
+    rounds, variants interleaved, so the spread between rounds shows the noise."""
+    from tests.test_prefill import _batch_case
+    cases = [(8, 2048, False), (8, 2048, True), (1, 4096, False)]
+    calls = {c: _ragged_calls(*c, hq, hkv, 128, args.page_size) for c in cases}
+    big = _ragged_calls(1, 16384, False, hq, hkv, 128, args.page_size)
+    res = {}
+    for rnd in range(2):
+        for var in VARIANTS_ISSUE4:
+            _with_variant(var)
+            key = "+".join(var) or "default"
+            r = res.setdefault(key, dict(variant=list(var), rounds=[]))
+            try:
+                if rnd == 0:
+                    for causal in (False, True):
+                        for paged in (False, True):
+                            _batch_case(5, 16, (32, 8), 128, causal, False, "float16", "NHD", paged=paged)
+                    r["check"] = "ok"
+                row = {}
+                for (b, n, c), (fc, fp) in calls.items():
+                    tag = f"{b}x{n}{'c' if c else ''}"
+                    row[tag] = gpu_us(fc, 15)
+                    row[tag + "_paged"] = gpu_us(fp, 15)
+                row["1x16384_percall"] = time_cupy(big[0], 5, warmup=2) * 1e3
+                row["1x16384_paged_percall"] = time_cupy(big[1], 5, warmup=2) * 1e3
+                r["rounds"].append(row)
+                print(f"round {rnd} {key}: " + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
+            except Exception as e:   # a variant that fails (check or launch) is reported, not fatal
+                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"round {rnd} {key}: failed: {r['error']}", flush=True)
+    _with_variant(())
+    for key, r in res.items():
+        if len(r["rounds"]) == 2:
+            r["mean"] = {k: (r["rounds"][0][k] + r["rounds"][1][k]) / 2 for k in r["rounds"][0]}
+    return res
+
+
+def diagnose_percall(args, hq, hkv):
+    """Why per-call time exceeds GPU-alone time (8x2048, contiguous, full): events recorded just
+    before and after the kernel launch split a per-call sample into host-before-launch (GPU idle),
+    kernel and after; per-call also after 2 ms / 20 ms host sleeps (clock ramp?); nvidia-smi
+    samples SM clock and power during each loop; launches per call counted."""
+    import subprocess
+    from cuattn import prefill
+    call, _ = _ragged_calls(8, 2048, False, hq, hkv, 128, args.page_size)
+    stream = cp.cuda.get_current_stream()
+    orig_launch = prefill._launch
+    marks, launches = [], [0]
+
+    def launch(*a, **kw):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        orig_launch(*a, **kw)
+        e1.record(stream)
+        marks.append((e0, e1))
+        launches[0] += 1
+    out = {}
+    for _ in range(5):
+        call()
+    prefill._launch = launch
+    try:
+        split, host = [], []
+        for _ in range(30):
+            marks.clear()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            t = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t) * 1e6)
+            b.record(stream)
+            b.synchronize()
+            e0, e1 = marks[0]
+            split.append((cp.cuda.get_elapsed_time(a, e0) * 1e3, cp.cuda.get_elapsed_time(e0, e1) * 1e3,
+                          cp.cuda.get_elapsed_time(e1, b) * 1e3, cp.cuda.get_elapsed_time(a, b) * 1e3))
+        out["launches_per_call"] = launches[0] / 30
+        sp = np.median(np.array(split), axis=0)
+        out.update(before_launch_us=sp[0], launch_to_end_us=sp[1], after_us=sp[2], total_us=sp[3],
+                   host_call_us_percall_mode=float(np.median(host)))
+    finally:
+        prefill._launch = orig_launch
+
+    def smi_during(fn, seconds=1.0):
+        p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                              "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        t0 = time.perf_counter()
+        val = []
+        while time.perf_counter() - t0 < seconds:
+            val.append(fn())
+        p.terminate()
+        txt = p.communicate()[0]
+        rows = [list(map(float, ln.split(","))) for ln in txt.strip().splitlines() if ln.count(",") == 1]
+        clk = np.array(rows) if rows else np.zeros((1, 2))
+        return float(np.median(val)), float(np.median(clk[:, 0])), float(np.median(clk[:, 1]))
+
+    def percall_once(sleep_s=0.0):
+        if sleep_s:
+            time.sleep(sleep_s)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        call()
+        b.record(stream)
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) * 1e3
+
+    def b2b_once():
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        for _ in range(10):
+            call()
+        b.record(stream)
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) * 1e3 / 10
+
+    def gpu_once():
+        return gpu_us(call, 1, warmup=0)
+    for name, fn in (("percall", percall_once), ("percall_sleep2ms", lambda: percall_once(0.002)),
+                     ("percall_sleep20ms", lambda: percall_once(0.02)), ("b2b", b2b_once), ("gpu_alone", gpu_once)):
+        us, clk, pw = smi_during(fn)
+        out[name] = dict(us=us, sm_mhz=clk, power_w=pw)
+    print("diagnose 8x2048 full:", json.dumps(out), flush=True)
+    return out
 
 
 def sweep_variants(args, hq, hkv, mm):
@@ -231,7 +433,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--variants", nargs="?", const="tiles", default=None, choices=("tiles", "paged"),
+    ap.add_argument("--diagnose", action="store_true", help="split 8x2048 per-call time (host, kernel, clocks)")
+    ap.add_argument("--variants", nargs="?", const="tiles", default=None, choices=("tiles", "paged", "issue4"),
                     help="sweep tile configurations (or the paged variants: --variants paged) first (hd128)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
@@ -248,12 +451,14 @@ def main():
     mm = matmul_tflops(args.reps)
     print(f"fp16 matmul 8192^3 (cuBLAS via CuPy): {mm:.0f} TFLOP/s")
     sdpa = None if args.no_sdpa else make_sdpa()
-    try:
-        import flashinfer  # noqa: F401
-        print("flashinfer importable: not yet wired into this script (TODO)")
-    except ImportError:
+    flashinfer = make_flashinfer()
+    if flashinfer is None:
         print("flashinfer: not importable here; PEERS.md H100 numbers shown (not from this run)")
-    sweep = sweep_variants(args, hq, hkv, mm) if args.variants else None
+    diag = diagnose_percall(args, hq, hkv) if args.diagnose else None
+    if args.variants == "issue4":
+        sweep = sweep_issue4(args, hq, hkv)
+    else:
+        sweep = sweep_variants(args, hq, hkv, mm) if args.variants else None
     if args.profile_host:
         import cProfile
         import pstats
@@ -273,7 +478,7 @@ def main():
             for shp in args.shapes:
                 b, n = map(int, shp.split("x"))
                 for causal in (False, True):
-                    r = run_case(b, n, causal, hq, hkv, d, dtype, args.reps, args.page_size, sdpa)
+                    r = run_case(b, n, causal, hq, hkv, d, dtype, args.reps, args.page_size, sdpa, flashinfer)
                     r["matmul_tflops"] = mm
                     peer = PEERS_H100.get((b, n, causal)) if (d == 128 and (hq, hkv) == (32, 8)) else None
                     if peer:
@@ -283,9 +488,9 @@ def main():
     out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                            f"prefill_{name.replace(' ', '_')}_{int(time.time())}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep), indent=1))
-    print(f"\n{'case':<22}{'us':>9}{'TF/s':>7}{'/mm':>6}{'b2b us':>8}{'host':>6}{'paged us':>10}{'pg/ct':>7}"
-          f"{'sdpa us':>9}{'sdpa/us':>8}{'FI-fa2*':>8}")
+    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep, diagnose=diag), indent=1))
+    print(f"\n{'case':<22}{'gpu us':>9}{'TF/s':>7}{'/mm':>6}{'call us':>9}{'b2b us':>8}{'host':>6}{'pg gpu us':>10}"
+          f"{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}{'FI2/pg':>8}{'FI3/pg':>8}")
     for r in rows:
         case = f"{r['dtype'][:4]} hd{r['head_dim']} {r['batch']}x{r['qo_len']}{' c' if r['causal'] else ''}"
         sd = r.get("sdpa_cudnn_us", r.get("sdpa_us"))
@@ -293,13 +498,18 @@ def main():
         us = r["us"]
         sd_s = "-" if sd is None else f"{sd:.1f}"
         sd_r = "-" if sd is None else f"{sd / us:.2f}"
-        pr = "-" if peer is None else f"{peer / us:.2f}"
+        fi2, fi3 = r.get("flashinfer_fa2_gpu_us"), r.get("flashinfer_fa3_gpu_us")
+        pr = (f"{fi2 / r['paged_gpu_us']:.2f}" if fi2 else "-" if peer is None else f"{peer / r['paged_gpu_us']:.2f}*")
+        pr3 = f"{fi3 / r['paged_gpu_us']:.2f}" if fi3 else "-"
         b2b = f"{r['b2b_us']:.1f}" if "b2b_us" in r else "-"
         hu = f"{r['host_us']:.0f}" if "host_us" in r else "-"
-        print(f"{case:<22}{us:9.1f}{r['tflops']:7.0f}{r['tflops'] / mm:6.2f}{b2b:>8}{hu:>6}{r['paged_us']:10.1f}"
-              f"{r['paged_us'] / us:7.2f}{sd_s:>9}{sd_r:>8}{pr:>8}")
-    print("sdpa = torch SDPA (cuDNN backend where it accepts the shape), same run; sdpa/us > 1: cuattn faster. "
-          "FI-fa2* = PEERS.md FlashInfer fa2 H100 time / ours (not this run).")
+        g = r["gpu_us"]
+        print(f"{case:<22}{g:9.1f}{r['gpu_tflops']:7.0f}{r['gpu_tflops'] / mm:6.2f}{us:9.1f}{b2b:>8}{hu:>6}"
+              f"{r['paged_gpu_us']:10.1f}{r['paged_gpu_ratio']:7.2f}{sd_s:>9}{sd_r:>8}{pr:>8}{pr3:>8}")
+    print("gpu = kernel alone (TF/s, /mm and pg/ct from it); call = one eager call on an idle stream. "
+          "sdpa = torch SDPA (cuDNN backend where it accepts the shape), same run, per call; sdpa/us > 1: cuattn "
+          "faster. FI2/pg, FI3/pg = FlashInfer fa2 / fa3 paged prefill (page 16, same random page order) GPU time "
+          "over ours, paged, same run (> 1: cuattn faster); * = PEERS.md H100 time, not this run.")
 
 
 if __name__ == "__main__":
