@@ -187,10 +187,9 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["shipped"],
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
-                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA), bulk / cpasync (K/V load "
-                         "path, sm_90 bulk copies or cp.async), qreg (query fragments in registers); e.g. "
-                         "w8+s3+sepmerge. "
-                         "(regidx, lazy and --prefetch were removed on 2026-11-22: decode_notes.md)")
+                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA); e.g. w8+s3+sepmerge. "
+                         "(regidx, lazy, --prefetch and the bulk / warpbulk / qreg load-path variants were "
+                         "removed on 2026-11-22: decode_notes.md)")
     ap.add_argument("--flush", default="read", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
@@ -270,14 +269,12 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         else:
             continue
         tweaks.discard(t)
-    unknown = tweaks - {"sepmerge", "bulk", "cpasync", "qreg"}
+    unknown = tweaks - {"sepmerge"}
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w._tuning = dict(num_stages=spec_kw.get("s", args.stages), num_warps=spec_kw.get("w", 0),   # 0: plan's
-                     fuse_merge="sepmerge" not in tweaks,   # choice; benchmark overrides, not API
-                     load="bulk" if "bulk" in tweaks else "cpasync" if "cpasync" in tweaks else "",
-                     q_regs="qreg" in tweaks)
+                     fuse_merge="sepmerge" not in tweaks)   # choice; benchmark overrides, not API
     t0 = time.perf_counter()
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6

@@ -108,7 +108,8 @@ def _page_shift(page_size: int) -> int:
 
 
 def _short(dtype: np.dtype) -> str:
-    return arrays.SHORT_NAME.get(np.dtype(dtype), str(dtype))
+    dtype = np.dtype(dtype)
+    return arrays.SHORT_NAME.get(dtype) or str(dtype)     # str(dtype) costs ~10 µs: only when needed
 
 
 # ---------------------------------------------------------------------------- plan buffers
@@ -122,15 +123,28 @@ class _DeviceBuffers:
         self.plan = None          # int32 cupy
         self.partial = None       # float32 cupy (when no workspace buffer was given)
         self._pinned = None       # (pinned memory, int32 NumPy view): plan() staging
+        self._copied = None       # event after the last upload from the staging buffer
 
     def staging(self, size: int) -> np.ndarray:
-        """Pinned int32 host buffer of >= size elements (grown by doubling, kept)."""
+        """Pinned int32 host buffer of >= size elements (grown by doubling, kept), free to write:
+        the previous plan's upload from it has finished."""
+        if self._copied is not None:
+            self._copied.synchronize()
         if self._pinned is None or self._pinned[1].size < size:
             cp = arrays.cupy_module()
             n = max(size, 1024, 0 if self._pinned is None else 2 * self._pinned[1].size)
             mem = cp.cuda.alloc_pinned_memory(n * 4)
             self._pinned = (mem, np.frombuffer(mem, np.int32, n))
         return self._pinned[1]
+
+    def upload(self, dst_ptr: int, host: np.ndarray, count: int, stream) -> None:
+        """Copy ``count`` int32 from the staging buffer to ``dst_ptr``, asynchronously on ``stream``
+        (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
+        cp = arrays.cupy_module()
+        cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, count * 4, 1, stream.ptr)
+        if self._copied is None:
+            self._copied = cp.cuda.Event(block=False, disable_timing=True)
+        self._copied.record(stream)
 
     def _ensure(self, name: str, size: int, dtype, what: str):
         cp = arrays.cupy_module()
@@ -195,6 +209,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
              rope_theta: float | None = None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
              disable_split_kv: bool = False, check_page_indices: bool = False) -> None:
         """Build the work list for one decode step (reused by every layer's ``run()``).
+
+        The work list goes to the GPU asynchronously on the current stream of the caller's
+        framework (that of ``indices``; CuPy's for NumPy input), as FlashInfer's does: runs on
+        another stream must not overlap this plan() (or still run the previous plan).
 
         Parameters
         ----------
@@ -360,9 +378,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             host[head:n_host] = indices_h
         with cp.cuda.Device(self._device):
             plan_dev = bufs._ensure("plan", head + idx_cap, np.int32, "the work list and indices")
-            # cudaMemcpy from pinned memory: synchronous for the host (the staging buffer is free
-            # again on return) and ordered like the pageable copy it replaces
-            cp.cuda.runtime.memcpy(plan_dev.data.ptr, host.ctypes.data, n_host * 4, 1)
+            # asynchronous on the caller's current stream: ordered after the runs of the previous
+            # plan queued there and before the runs of this one
+            bufs.upload(plan_dev.data.ptr, host, n_host,
+                        arrays.resolve_stream(arrays.framework_of(self._indices_src), self._device))
             self._grid_work, self._grid_merge = n_work_c, n_merge_c
             self._work_ptr = plan_dev.data.ptr
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4

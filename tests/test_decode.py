@@ -352,6 +352,26 @@ def test_batch_decode_gpu_plan_reused_across_layers_and_replans():
 
 
 @pytest.mark.gpu
+def test_batch_decode_gpu_replan_while_previous_run_is_in_flight():
+    # plan() uploads asynchronously on the current stream: a re-plan issued while the previous
+    # plan's run() is still executing must neither change that run's answer nor its own
+    import cupy
+    big = make_case(4, 16384, 16, 32, 8, 128, "NHD", "float16", seed=31)      # ~0.1 ms of kernel
+    small = make_case(3, 777, 16, 32, 8, 128, "NHD", "float16", seed=32)
+    w = planned(big, 32, 8, 128, 16, "float16")
+    q_big, kv_big = to_cupy(big["q"]), cache_arg(big, "one", to_cupy)
+    q_small, kv_small = to_cupy(small["q"]), cache_arg(small, "one", to_cupy)
+    cupy.cuda.Device().synchronize()
+    o_big = w.run(q_big, kv_big)                  # no sync: still running during the next plan
+    w.plan(small["indptr"], small["indices"], small["lpl"], 32, 8, 128, 16, q_data_type="float16")
+    o_small = w.run(q_small, kv_small)
+    w.plan(big["indptr"], big["indices"], big["lpl"], 32, 8, 128, 16, q_data_type="float16")
+    o_big2 = w.run(q_big, kv_big)
+    for o, case in ((o_big, big), (o_small, small), (o_big2, big)):
+        assert rel_err(cupy.asnumpy(o), oracle(case)[0]) < TOL
+
+
+@pytest.mark.gpu
 def test_batch_decode_gpu_torch_tensors_and_workspace():
     torch = pytest.importorskip("torch")
     case = make_case(5, 1234, 16, 32, 8, 128, "NHD", "bfloat16", seed=21)
