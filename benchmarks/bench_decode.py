@@ -187,7 +187,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["shipped"],
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
-                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA); e.g. w8+s3+sepmerge. "
+                         "of N tokens), sN (N cp.async stages), wN (N warps per CTA), pfN (cp.async L2 prefetch hint of "
+                         "N bytes); e.g. w8+s3+sepmerge. "
                          "(regidx, lazy, --prefetch and the bulk / warpbulk / qreg load-path variants were "
                          "removed on 2026-11-22: decode_notes.md)")
     ap.add_argument("--flush", default="read", choices=["write", "read"],
@@ -264,6 +265,8 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
             plan_kw["disable_split_kv"] = True
         elif t.startswith("chunk") and t[5:].isdigit():
             plan_kw["fixed_split_size"] = int(t[5:])
+        elif t.startswith("pf") and t[2:].isdigit():
+            spec_kw["pf"] = int(t[2:])
         elif t[:1] in "sw" and t[1:].isdigit():
             spec_kw[t[0]] = int(t[1:])
         else:
@@ -274,7 +277,8 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w._tuning = dict(num_stages=spec_kw.get("s", args.stages), num_warps=spec_kw.get("w", 0),   # 0: plan's
-                     fuse_merge="sepmerge" not in tweaks)   # choice; benchmark overrides, not API
+                     fuse_merge="sepmerge" not in tweaks,   # choice; benchmark overrides, not API
+                     l2_prefetch=spec_kw.get("pf", 128))
     t0 = time.perf_counter()
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6

@@ -18,10 +18,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return a;
 }
 
-// -- 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: all zeros, src unread)
+// -- 16-byte global -> shared copy; src_bytes < 16 zero-fills the rest (0: all zeros, src unread).
+//    L2_PREFETCH (0 | 128 | 256): the L2 fetches that many bytes around the copy's line at once
+#ifndef L2_PREFETCH
+#define L2_PREFETCH 0
+#endif
+#if L2_PREFETCH == 256
+#define CP_ASYNC_16_PTX "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+#elif L2_PREFETCH == 128
+#define CP_ASYNC_16_PTX "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+#else
+#define CP_ASYNC_16_PTX "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#endif
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
+  asm volatile(CP_ASYNC_16_PTX ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // -- wait until at most N of this thread's committed groups are still in flight
