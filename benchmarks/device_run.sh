@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call: every GPU test, then the benchmarks; logs under $OUT, short table last.
-# Usage (device tool): bash benchmarks/device_run.sh [quick]
+# Device calls (device tool, carry=[".whl"] for FlashInfer): logs under $OUT, short tables last.
+# Usage: bash benchmarks/device_run.sh tests   every GPU test (+ the slow decode grid), precompile
+#        bash benchmarks/device_run.sh bench   host probe, full decode and prefill benchmarks
+#        bash benchmarks/device_run.sh quick   GPU tests, then a subset of both benchmarks
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
@@ -12,12 +14,19 @@ if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then
 fi
 OUT=${OUT:-/tmp/cuattn-out}
 mkdir -p "$OUT"
+mode=${1:-quick}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pytest -m gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-# the boundary's PyTorch/JAX CPU round trips need those frameworks, which the device image has
-python3 -m pytest tests/test_arrays.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -2
-python3 -m cuattn.cli precompile 2>/dev/null | tee -a "$OUT/gpu_tests.log"
-python3 - <<'PY' | tee -a "$OUT/gpu_tests.log"
+
+if [ "$mode" = tests ] || [ "$mode" = quick ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  if [ "$mode" = tests ]; then
+    python3 -m pytest -m gpu -q -p no:cacheprovider --runslow tests/test_decode.py -k full_grid 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" | tail -2
+  fi
+  # the boundary's PyTorch/JAX CPU round trips need those frameworks, which the device image has
+  python3 -m pytest tests/test_arrays.py -q -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -2
+  python3 -m cuattn.cli precompile 2>/dev/null | tee -a "$OUT/gpu_tests.log"
+  python3 - <<'PY' | tee -a "$OUT/gpu_tests.log"
 from cuattn import cli, jit
 arch = jit.device_arch(0)
 worst = max(((r.get("registers", 0), s.name) for s in cli.shipped_specs()
@@ -26,13 +35,15 @@ spills = [s.name for s in cli.shipped_specs() for r in jit.compile_kernel(s, arc
           if r.get("spill_stores", 0)]
 print(f"device NVRTC {jit.nvrtc_version()}: most registers {worst}; specs with spills: {spills or 'none'}")
 PY
-python3 benchmarks/host_probe.py --out "$OUT/host_probe.json" 2>&1 | tee "$OUT/host_probe.log" | tail -30
-if [ "${1:-}" = quick ]; then
+fi
+if [ "$mode" = bench ]; then
+  python3 benchmarks/host_probe.py --out "$OUT/host_probe.json" 2>&1 | tee "$OUT/host_probe.log" | tail -30
+  python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -40
+  python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log" | tail -20
+fi
+if [ "$mode" = quick ]; then
   python3 benchmarks/bench_decode.py --batch 1 16 64 --kv-len 512 2048 32768 --heads 32:8 --reps 30 \
       --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -14
   python3 benchmarks/bench_prefill.py --shapes 1x1024 1x16384 8x2048 --out "$OUT/prefill.json" 2>&1 \
       | tee "$OUT/prefill.log" | tail -12
-else
-  python3 benchmarks/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -40
-  python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log" | tail -20
 fi
