@@ -235,7 +235,8 @@ VARIANTS_PAGED = [(2, 64, 2, "PAGE_CPASYNC=0"), (2, 64, 2, "PAGE_CPASYNC=1", "QK
 
 
 # --variants issue4: compile-time switches of prefill.cu, each against the shipped defaults in the same run
-# (PAGE_ADDR32, FULL_TILE_FAST, O_SMEM were tried on 2026-11-22 and dropped: prefill_notes.md)
+# (PAGE_ADDR32, FULL_TILE_FAST, O_SMEM, and in round 2 a persistent grid and LOADS_LATE, were tried on
+# 2026-11-22 and dropped: prefill_notes.md)
 VARIANTS_ISSUE4 = [(), ("PAGE_CPASYNC=0",)]
 
 
@@ -251,8 +252,10 @@ def _with_variant(var):
     prefill.make_spec = make if var else orig
 
 
-def _ragged_calls(batch, length, causal, hq, hkv, d, page_size):
-    """(contiguous call, paged call) for batch x length, random page order."""
+def _ragged_calls(batch, length, causal, hq, hkv, d, page_size, order="random"):
+    """(contiguous call, paged call) for batch x length; page order "random" (a permutation of the
+    whole cache), "sequential" (request b's pages are b * pages_per ...) or "local" (a permutation
+    within each run of 2 MiB of pages, so TLB reach matches the contiguous case)."""
     nnz = batch * length
     q, k, v = rand((nnz, hq, d), "float16"), rand((nnz, hkv, d), "float16"), rand((nnz, hkv, d), "float16")
     indptr = np.arange(batch + 1, dtype=np.int32) * length
@@ -264,8 +267,16 @@ def _ragged_calls(batch, length, causal, hq, hkv, d, page_size):
         out = cp.empty_like(q)
         call = lambda: w.run(q, k, v, out=out)  # noqa: E731
     pages_per = -(-length // page_size)
-    perm = np.random.default_rng(0).permutation(batch * pages_per).astype(np.int32)
-    cache = rand((batch * pages_per, 2, page_size, hkv, d), "float16")
+    total = batch * pages_per
+    if order == "random":
+        perm = np.random.default_rng(0).permutation(total).astype(np.int32)
+    elif order == "sequential":
+        perm = np.arange(total, dtype=np.int32)
+    else:   # local: permuted within windows of 2 MiB of cache
+        win = max(1, (2 << 20) // (2 * page_size * hkv * d * 2))
+        rng = np.random.default_rng(0)
+        perm = np.concatenate([i + rng.permutation(min(win, total - i)) for i in range(0, total, win)]).astype(np.int32)
+    cache = rand((total, 2, page_size, hkv, d), "float16")
     wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
     last = np.full(batch, length - (pages_per - 1) * page_size, np.int32)
     wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
@@ -276,16 +287,19 @@ def _ragged_calls(batch, length, causal, hq, hkv, d, page_size):
 
 def sweep_issue4(args, hq, hkv):
     """Each variant: oracle check (small ragged + paged batch, both masks), then GPU-alone time (gpu_us)
-    of 8x2048 full/causal and 1x4096, contiguous and paged, and per-call time of 1x16384 full; two
+    of 8x2048 full/causal, 1x4096 and 1x16384 full, contiguous and paged; two
     rounds, variants interleaved, so the spread between rounds shows the noise."""
-    from tests.test_prefill import _batch_case
+    from tests.test_prefill import _batch_case, _single_case
     cases = [(8, 2048, False), (8, 2048, True), (1, 4096, False)]
-    calls = {c: _ragged_calls(*c, hq, hkv, 128, args.page_size) for c in cases}
-    big = _ragged_calls(1, 16384, False, hq, hkv, 128, args.page_size)
     res = {}
     for rnd in range(2):
         for var in VARIANTS_ISSUE4:
             _with_variant(var)
+            # plans choose their spec in plan(): build them after patching make_spec, per variant
+            # (until 2026-11-22 round 2 they were built once, so batch and paged rows ran the
+            # default spec for every variant; only the single-request rows compared variants)
+            calls = {c: _ragged_calls(*c, hq, hkv, 128, args.page_size) for c in cases}
+            big = _ragged_calls(1, 16384, False, hq, hkv, 128, args.page_size)
             key = "+".join(var) or "default"
             r = res.setdefault(key, dict(variant=list(var), rounds=[]))
             try:
@@ -293,14 +307,19 @@ def sweep_issue4(args, hq, hkv):
                     for causal in (False, True):
                         for paged in (False, True):
                             _batch_case(5, 16, (32, 8), 128, causal, False, "float16", "NHD", paged=paged)
+                    for case in ((1000, 1000, (32, 8), 128, False, "float16", "NHD"),
+                                 (77, 4097, (32, 8), 128, False, "bfloat16", "HND"),
+                                 (3000, 65, (32, 4), 128, False, "float16", "NHD")):
+                        _single_case(*case)
+                    _batch_case(9, 16, (32, 8), 128, False, False, "bfloat16", "HND", paged=False)
                     r["check"] = "ok"
                 row = {}
                 for (b, n, c), (fc, fp) in calls.items():
                     tag = f"{b}x{n}{'c' if c else ''}"
                     row[tag] = gpu_us(fc, 15)
                     row[tag + "_paged"] = gpu_us(fp, 15)
-                row["1x16384_percall"] = time_cupy(big[0], 5, warmup=2) * 1e3
-                row["1x16384_paged_percall"] = time_cupy(big[1], 5, warmup=2) * 1e3
+                row["1x16384"] = gpu_us(big[0], 7, warmup=2)
+                row["1x16384_paged"] = gpu_us(big[1], 7, warmup=2)
                 r["rounds"].append(row)
                 print(f"round {rnd} {key}: " + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
             except Exception as e:   # a variant that fails (check or launch) is reported, not fatal
@@ -311,6 +330,28 @@ def sweep_issue4(args, hq, hkv):
         if len(r["rounds"]) == 2:
             r["mean"] = {k: (r["rounds"][0][k] + r["rounds"][1][k]) / 2 for k in r["rounds"][0]}
     return res
+
+
+def paged_order_diag(args, hq, hkv):
+    """Why the paged gather costs 4-23 % depending on the machine: 8x2048 full, GPU-alone time of
+    the contiguous kernel and of the paged one with page 16 / 64 in random, sequential and local
+    (random within 2 MiB) page order, two rounds interleaved (ratios to the same round's contiguous)."""
+    setups = [(16, "random"), (16, "sequential"), (16, "local"), (64, "random"), (64, "sequential")]
+    calls = {}
+    for ps, order in setups:
+        c, p = _ragged_calls(8, 2048, False, hq, hkv, 128, ps, order)
+        calls[(ps, order)] = p
+        calls["contig"] = c
+    out = {}
+    for rnd in range(2):
+        base = gpu_us(calls["contig"], 15)
+        row = {"contig": base}
+        for key in setups:
+            row[f"p{key[0]}_{key[1]}"] = gpu_us(calls[key], 15)
+        out[f"round{rnd}"] = row
+        print(f"paged diag round {rnd}: " + " ".join(f"{k}={v:.0f}({v / base:.3f})" for k, v in row.items()),
+              flush=True)
+    return out
 
 
 def diagnose_percall(args, hq, hkv):
@@ -436,6 +477,7 @@ def main():
     ap.add_argument("--diagnose", action="store_true", help="split 8x2048 per-call time (host, kernel, clocks)")
     ap.add_argument("--variants", nargs="?", const="tiles", default=None, choices=("tiles", "paged", "issue4"),
                     help="sweep tile configurations (or the paged variants: --variants paged) first (hd128)")
+    ap.add_argument("--paged-diag", action="store_true", help="8x2048 paged: page size and page order")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
@@ -455,6 +497,7 @@ def main():
     if flashinfer is None:
         print("flashinfer: not importable here; PEERS.md H100 numbers shown (not from this run)")
     diag = diagnose_percall(args, hq, hkv) if args.diagnose else None
+    pdiag = paged_order_diag(args, hq, hkv) if args.paged_diag else None
     if args.variants == "issue4":
         sweep = sweep_issue4(args, hq, hkv)
     else:
@@ -488,7 +531,8 @@ def main():
     out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                            f"prefill_{name.replace(' ', '_')}_{int(time.time())}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep, diagnose=diag), indent=1))
+    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep, diagnose=diag,
+                                   paged_diag=pdiag), indent=1))
     print(f"\n{'case':<22}{'gpu us':>9}{'TF/s':>7}{'/mm':>6}{'call us':>9}{'b2b us':>8}{'host':>6}{'pg gpu us':>10}"
           f"{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}{'FI2/pg':>8}{'FI3/pg':>8}")
     for r in rows:
