@@ -617,10 +617,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
                                        "mask_indptr", "work"))
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
-        if kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31:
+        if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
+                or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):
             raise UnsupportedError(f"{fn}: the paged kernel addresses rows as page * (page stride / slot stride) + "
-                                   f"slot in int32; page stride {kv.stride_page} must be a multiple of slot stride "
-                                   f"{kv.stride_slot} and num_pages * ratio < 2**31")
+                                   f"slot in int32 and the slot stride in bytes in int32; page stride "
+                                   f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
+                                   f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
         _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,

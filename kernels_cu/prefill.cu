@@ -49,6 +49,12 @@ constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass 
 #ifndef PAGE_PREFETCH   // PAGE_CPASYNC=0 only: the next tile's page ids loaded an iteration ahead into a register
 #define PAGE_PREFETCH 1
 #endif
+#ifndef PAGE_ADDR32     // paged: row address = base + int32 row offset * int32 byte stride (one IMAD.WIDE per row,
+                        // no select: rows past kv_len have offset 0) instead of 64-bit multiply, shift, add, select;
+                        // H100 same run: paged 8x2048 1929 -> 1777 us, 1x16k 14328 -> 13075 (paged/contiguous
+                        // 1.16 -> 1.07). sm_80 keeps the 64-bit form (this one spills 8 bytes there, hd128 full)
+#define PAGE_ADDR32 (CUATTN_ARCH >= 90)
+#endif
 
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
@@ -63,6 +69,7 @@ __device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t((r * CHU
 struct KvRows {
   const dtype_t* base;   // contiguous: row kv_base + tid / CHUNKS of head kvh, chunk; paged: head + chunk
   int64_t s_tok;
+  int s_tok_bytes;       // paged, PAGE_ADDR32: token stride in bytes (the host checks it fits in int32)
 };
 
 // -- paged K/V: the row offset of every key of a tile (in units of s_tok: page * (s_page / s_tok)
@@ -76,6 +83,16 @@ struct KvRows {
 //    second barrier of that iteration makes it visible to the K load, the V load follows later.
 constexpr int ROWS_PT = BLOCK_N / ROW_STEP;
 static_assert(!PAGED || BLOCK_N <= NUM_THREADS, "one thread per key of a tile");
+// slot of key k in a tile's offset array: PAGE_ADDR32 stores the ROWS_PT keys one thread copies
+// (k = row + j * ROW_STEP) next to each other, so it reads them with ROWS_PT / 4 16-byte loads
+__device__ __forceinline__ int off_slot(int k) {
+#if PAGE_ADDR32
+  return (k % ROW_STEP) * ROWS_PT + k / ROW_STEP;
+#else
+  return k;
+#endif
+}
+static_assert(!(PAGED && PAGE_ADDR32) || ROWS_PT % 4 == 0, "offsets are read 4 at a time");
 
 // page id of key pos (>= 0), or -1 past kv_len (page_shift >= 0: page_size = 1 << shift)
 __device__ __forceinline__ int page_of(int pos, int kv_len, const int32_t* __restrict__ pages, int page_size,
@@ -108,18 +125,37 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int 
 #if !PAGED
   const dtype_t* tile_src = t.base + int64_t(kv0) * t.s_tok;
 #endif
+#if PAGED && PAGE_ADDR32
+  // this thread's ROWS_PT row offsets, 4 per 16-byte load, each load just before its 4 copies
+  int off[4];
+#define LOAD_OFFS(j)                                                                                  \
+  if ((j) % 4 == 0) {                                                                                 \
+    const int4 o4 = *reinterpret_cast<const int4*>(offs + (int(threadIdx.x) / CHUNKS) * ROWS_PT + (j)); \
+    off[0] = o4.x; off[1] = o4.y; off[2] = o4.z; off[3] = o4.w;                                        \
+  }
+#else
+#define LOAD_OFFS(j)
+#endif
 #pragma unroll
   for (int j = 0; j < ROWS_PT; ++j) {
+    LOAD_OFFS(j)
     const bool ok = j * ROW_STEP < rows_left;
     // row r = tid / CHUNKS + j * ROW_STEP: the swizzle depends on r % 8 alone
     const int r = int(threadIdx.x) / CHUNKS + j * ROW_STEP;
+#if PAGED && PAGE_ADDR32
+    // rows past kv_len have offset 0 (row_offset), so src is always a valid address
+    const void* src = reinterpret_cast<const char*>(t.base) + int64_t(off[j % 4]) * t.s_tok_bytes;
+    cp_async_16(dst + swz(r, int(threadIdx.x) % CHUNKS), src, ok ? 16 : 0);
+#else
 #if PAGED
     const dtype_t* src = t.base + int64_t(offs[r]) * t.s_tok;
 #else
     const dtype_t* src = tile_src + int64_t(j * ROW_STEP) * t.s_tok;
 #endif
     cp_async_16(dst + swz(r, int(threadIdx.x) % CHUNKS), ok ? src : t.base, ok ? 16 : 0);
+#endif
   }
+#undef LOAD_OFFS
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
@@ -179,11 +215,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const int thr_row = tid / CHUNKS, thr_chunk = tid % CHUNKS;
   const int row_lim = kv_len - thr_row;               // rows_left of a tile = row_lim - kv0
 #if PAGED
-  const KvRows kt{k + kvh * k_s_head + thr_chunk * 8, k_s_tok}, vt{v + kvh * v_s_head + thr_chunk * 8, v_s_tok};
+  const KvRows kt{k + kvh * k_s_head + thr_chunk * 8, k_s_tok, int(k_s_tok) * int(sizeof(dtype_t))},
+      vt{v + kvh * v_s_head + thr_chunk * 8, v_s_tok, int(v_s_tok) * int(sizeof(dtype_t))};
   (void)k_s_page; (void)v_s_page;
 #else
-  const KvRows kt{k + (kv_base + thr_row) * k_s_tok + kvh * k_s_head + thr_chunk * 8, k_s_tok},
-      vt{v + (kv_base + thr_row) * v_s_tok + kvh * v_s_head + thr_chunk * 8, v_s_tok};
+  const KvRows kt{k + (kv_base + thr_row) * k_s_tok + kvh * k_s_head + thr_chunk * 8, k_s_tok, 0},
+      vt{v + (kv_base + thr_row) * v_s_tok + kvh * v_s_head + thr_chunk * 8, v_s_tok, 0};
 #endif
 
   // -- stage the Q tile (rows past the request are zeros)
@@ -225,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #pragma unroll
     for (int st = 0; st < STAGES; ++st) {
       const int pos = st * BLOCK_N + tid;
-      s_off[st * BLOCK_N + tid] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
+      s_off[st * BLOCK_N + off_slot(tid)] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
                                              page_shift, page_rows);
     }
 #if PAGE_CPASYNC   // page ids of tiles STAGES .. 2 STAGES - 1 (group 0: complete before iteration 0)
@@ -288,15 +325,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       // which the wait above has completed; then those of tile it + 2 STAGES, into the slot of
       // tile it + STAGES - 1 (read by this thread last iteration)
       const int pid = s_off[(STAGES + (it + STAGES) % (STAGES + 1)) * BLOCK_N + tid];
-      s_off[stage * BLOCK_N + tid] = row_offset(pos < kv_len ? pid : -1, pos, page_size, page_shift, page_rows);
+      s_off[stage * BLOCK_N + off_slot(tid)] = row_offset(pos < kv_len ? pid : -1, pos, page_size, page_shift, page_rows);
       if (it + 2 * STAGES < num_tiles)
         page_id_async(s_pid + (((it + 2 * STAGES) % (STAGES + 1)) * BLOCK_N + tid) * 4, pos + STAGES * BLOCK_N,
                       kv_len, pages, page_size, page_shift);
 #elif PAGE_PREFETCH
-      s_off[stage * BLOCK_N + tid] = row_offset(page_id, pos, page_size, page_shift, page_rows);
+      s_off[stage * BLOCK_N + off_slot(tid)] = row_offset(page_id, pos, page_size, page_shift, page_rows);
       page_id = page_of(pos + BLOCK_N, kv_len, pages, page_size, page_shift);
 #else
-      s_off[stage * BLOCK_N + tid] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
+      s_off[stage * BLOCK_N + off_slot(tid)] = row_offset(page_of(pos, kv_len, pages, page_size, page_shift), pos, page_size,
                                                 page_shift, page_rows);
 #endif
     }
