@@ -1,4 +1,4 @@
-"""Prefill attention throughput (cuattn fa2 backend vs fp16 matmul, torch SDPA, FlashInfer).
+"""Prefill attention throughput (cuattn fa2 and, on Hopper, fa3 backends vs fp16 matmul, torch SDPA, FlashInfer).
 
 Timing: CUDA events, warm-up calls, median of --reps timed calls; L2 not flushed (compute bound;
 1x16k inputs are far larger than L2 anyway). Three numbers per case: "gpu" (the kernel alone: a
@@ -118,6 +118,9 @@ def rand(shape, dtype):
     return x.astype(cp.float16)
 
 
+FA3 = cp.cuda.Device().compute_capability == "90"     # cuattn's wgmma + TMA backend runs here
+
+
 def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None):
     res = dict(batch=batch, qo_len=length, kv_len=length, causal=causal, num_qo_heads=hq, num_kv_heads=hkv,
                head_dim=d, dtype=dtype)
@@ -126,9 +129,9 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
     q, k, v = rand((nnz, hq, d), dtype), rand((nnz, hkv, d), dtype), rand((nnz, hkv, d), dtype)
     indptr = np.arange(batch + 1, dtype=np.int32) * length
     if batch == 1:
-        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal)  # noqa: E731
+        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa2")  # noqa: E731
     else:
-        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa2")
         w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=dtype)
         out = cp.empty_like(q)
         call = lambda: w.run(q, k, v, out=out)  # noqa: E731
@@ -136,6 +139,16 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
     res.update(us=ms * 1e3, tflops=f / (ms * 1e-3) / 1e12)
     g = gpu_us(call, reps)
     res.update(gpu_us=g, gpu_tflops=f / (g * 1e-6) / 1e12)
+    if FA3 and d == 128:     # the Hopper backend (contiguous K/V), GPU alone
+        if batch == 1:
+            call3 = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa3")  # noqa: E731
+        else:
+            w3 = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+            w3.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=dtype)
+            out3 = cp.empty_like(q)
+            call3 = lambda: w3.run(q, k, v, out=out3)  # noqa: E731
+        g3 = gpu_us(call3, reps)
+        res.update(fa3_gpu_us=g3, fa3_gpu_tflops=f / (g3 * 1e-6) / 1e12)
     if length <= 4096:       # short calls: GPU time with launches back to back, and host time per call
         ms_b = time_cupy(call, reps, inner=10)
         res.update(b2b_us=ms_b * 1e3, b2b_tflops=f / (ms_b * 1e-3) / 1e12, host_us=host_us(call))
@@ -223,7 +236,7 @@ def check(args):
     q = rand((300, 32, args.head_dim[0]), "float16")
     k = rand((700, 8, args.head_dim[0]), "float16")
     v = rand((700, 8, args.head_dim[0]), "float16")
-    out = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True)
+    out = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa2")
     err = rel_err(cp.asnumpy(out), dense_attention(cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), causal=True)[0])
     print(f"check: rel_err {err:.2e}")
     assert err < 5e-3
@@ -235,9 +248,9 @@ VARIANTS_PAGED = [(2, 64, 2, "PAGE_CPASYNC=0"), (2, 64, 2, "PAGE_CPASYNC=1", "QK
 
 
 # --variants issue4: compile-time switches of prefill.cu, each against the shipped defaults in the same run
-# (PAGE_ADDR32, FULL_TILE_FAST, O_SMEM, and in round 2 a persistent grid and LOADS_LATE, were tried on
-# 2026-11-22 and dropped: prefill_notes.md)
-VARIANTS_ISSUE4 = [(), ("PAGE_CPASYNC=0",)]
+# (FULL_TILE_FAST, O_SMEM, a persistent grid and LOADS_LATE were tried on 2026-11-22 and dropped;
+# PAGE_ADDR32 shipped on sm_90: prefill_notes.md)
+VARIANTS_ISSUE4 = [(), ("PAGE_ADDR32=0",), ("L2_PREFETCH=128",)]
 
 
 def _with_variant(var):
@@ -260,9 +273,9 @@ def _ragged_calls(batch, length, causal, hq, hkv, d, page_size, order="random"):
     q, k, v = rand((nnz, hq, d), "float16"), rand((nnz, hkv, d), "float16"), rand((nnz, hkv, d), "float16")
     indptr = np.arange(batch + 1, dtype=np.int32) * length
     if batch == 1:
-        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal)  # noqa: E731
+        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa2")  # noqa: E731
     else:
-        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa2")
         w.plan(indptr, indptr, hq, hkv, d, causal=causal)
         out = cp.empty_like(q)
         call = lambda: w.run(q, k, v, out=out)  # noqa: E731
@@ -507,11 +520,11 @@ def main():
         import pstats
         q, k, v = rand((1024, hq, 128), "float16"), rand((1024, hkv, 128), "float16"), rand((1024, hkv, 128), "float16")
         for _ in range(5):
-            cuattn.single_prefill_with_kv_cache(q, k, v)
+            cuattn.single_prefill_with_kv_cache(q, k, v, backend="fa2")
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(200):
-            cuattn.single_prefill_with_kv_cache(q, k, v)
+            cuattn.single_prefill_with_kv_cache(q, k, v, backend="fa2")
         pr.disable()
         cp.cuda.Device().synchronize()
         pstats.Stats(pr).sort_stats("tottime").print_stats(12)
@@ -534,7 +547,7 @@ def main():
     out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep, diagnose=diag,
                                    paged_diag=pdiag), indent=1))
     print(f"\n{'case':<22}{'gpu us':>9}{'TF/s':>7}{'/mm':>6}{'call us':>9}{'b2b us':>8}{'host':>6}{'pg gpu us':>10}"
-          f"{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}{'FI2/pg':>8}{'FI3/pg':>8}")
+          f"{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}{'FI2/pg':>8}{'FI3/pg':>8}{'fa3 us':>9}{'TF/s':>6}{'FI3/fa3':>8}")
     for r in rows:
         case = f"{r['dtype'][:4]} hd{r['head_dim']} {r['batch']}x{r['qo_len']}{' c' if r['causal'] else ''}"
         sd = r.get("sdpa_cudnn_us", r.get("sdpa_us"))
@@ -545,15 +558,20 @@ def main():
         fi2, fi3 = r.get("flashinfer_fa2_gpu_us"), r.get("flashinfer_fa3_gpu_us")
         pr = (f"{fi2 / r['paged_gpu_us']:.2f}" if fi2 else "-" if peer is None else f"{peer / r['paged_gpu_us']:.2f}*")
         pr3 = f"{fi3 / r['paged_gpu_us']:.2f}" if fi3 else "-"
+        g3 = r.get("fa3_gpu_us")
+        fa3_s = (f"{g3:9.1f}{r['fa3_gpu_tflops']:6.0f}" + (f"{fi3 / g3:8.2f}" if fi3 else f"{'-':>8}")
+                 if g3 else f"{'-':>9}{'-':>6}{'-':>8}")
         b2b = f"{r['b2b_us']:.1f}" if "b2b_us" in r else "-"
         hu = f"{r['host_us']:.0f}" if "host_us" in r else "-"
         g = r["gpu_us"]
         print(f"{case:<22}{g:9.1f}{r['gpu_tflops']:7.0f}{r['gpu_tflops'] / mm:6.2f}{us:9.1f}{b2b:>8}{hu:>6}"
-              f"{r['paged_gpu_us']:10.1f}{r['paged_gpu_ratio']:7.2f}{sd_s:>9}{sd_r:>8}{pr:>8}{pr3:>8}")
+              f"{r['paged_gpu_us']:10.1f}{r['paged_gpu_ratio']:7.2f}{sd_s:>9}{sd_r:>8}{pr:>8}{pr3:>8}{fa3_s}")
     print("gpu = kernel alone (TF/s, /mm and pg/ct from it); call = one eager call on an idle stream. "
           "sdpa = torch SDPA (cuDNN backend where it accepts the shape), same run, per call; sdpa/us > 1: cuattn "
           "faster. FI2/pg, FI3/pg = FlashInfer fa2 / fa3 paged prefill (page 16, same random page order) GPU time "
-          "over ours, paged, same run (> 1: cuattn faster); * = PEERS.md H100 time, not this run.")
+          "over ours, paged, same run (> 1: cuattn faster); * = PEERS.md H100 time, not this run. The columns "
+          "before fa3 are cuattn's fa2 backend (mma.sync); fa3 = cuattn's Hopper backend (wgmma + TMA, "
+          "contiguous K/V, what backend='auto' runs there), GPU alone; FI3/fa3 = FlashInfer fa3 (paged) over it.")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ if [ "$mode" = tests ] || [ "$mode" = quick ]; then
   python3 - <<'PY' | tee -a "$OUT/gpu_tests.log"
 from cuattn import cli, jit
 arch = jit.device_arch(0)
-worst = max(((r.get("registers", 0), s.name) for s in cli.shipped_specs()
+worst = max(((r.get("registers", 0), s.name) for s in cli.shipped_specs(arch)
              for r in jit.compile_kernel(s, arch).resources.values()), default=None)
-spills = [s.name for s in cli.shipped_specs() for r in jit.compile_kernel(s, arch).resources.values()
+spills = [s.name for s in cli.shipped_specs(arch) for r in jit.compile_kernel(s, arch).resources.values()
           if r.get("spill_stores", 0)]
 print(f"device NVRTC {jit.nvrtc_version()}: most registers {worst}; specs with spills: {spills or 'none'}")
 PY

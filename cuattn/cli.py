@@ -12,15 +12,16 @@ from . import __version__, arrays, jit
 from .errors import DeviceUnavailableError
 
 # Modules that ship kernels; each has shipped_specs().
-KERNEL_MODULES = ("page", "decode", "cascade", "prefill")
+KERNEL_MODULES = ("page", "decode", "cascade", "prefill", "prefill_sm90")
 
 
-def shipped_specs() -> list:
-    """Every specialization cuattn ships, across all kernel families."""
+def shipped_specs(arch: str | None = None) -> list:
+    """Every specialization cuattn ships, across all kernel families; with ``arch``, those built for
+    it (a spec with an ``archs`` tuple, e.g. the sm_90a-only fa3 prefill, is built for those alone)."""
     specs = []
     for name in KERNEL_MODULES:
         specs.extend(importlib.import_module(f"cuattn.{name}").shipped_specs())
-    return specs
+    return [s for s in specs if arch is None or arch in getattr(s, "archs", (arch,))]
 
 
 def _gpu_line() -> str:
@@ -57,7 +58,7 @@ def cmd_info(args) -> int:
 
 def cmd_precompile(args) -> int:
     archs = args.arch or ([jit.device_arch(0)] if arrays.gpu_available() else list(jit.SHIPPED_ARCHS))
-    jobs = [(spec, arch) for arch in archs for spec in shipped_specs()]
+    jobs = [(spec, arch) for arch in archs for spec in shipped_specs(arch)]
     start, compiled = time.perf_counter(), 0
     for i, (spec, arch) in enumerate(jobs, 1):
         result = jit.compile_kernel(spec, arch)

@@ -307,7 +307,8 @@ def get_function(spec: KernelSpec, entry: str, device_id: int):
     return _module(spec, device_id).get_function(entry)
 
 
-_ARG_FORMATS = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x"}   # each argument in an 8-byte slot
+_ARG_FORMATS = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "t": "128s"}   # 8-byte slots; "t" 128 bytes
+_ARG_SIZES = {"t": 128}     # a CUtensorMap (__grid_constant__), 64-byte aligned; every other kind 8
 
 
 class Launcher:
@@ -316,7 +317,8 @@ class Launcher:
     1-2 µs per NumPy scalar argument, which a decode step's ~10 µs kernels cannot hide.
 
     ``arg_kinds`` has one letter per kernel parameter: p (pointer), q (int64), i (int32),
-    f (float32); ``smem_bytes`` above 48 KB raises the function's dynamic shared-memory limit.
+    f (float32), t (a 128-byte CUtensorMap passed by value: ``bytes``); ``smem_bytes`` above 48 KB
+    raises the function's dynamic shared-memory limit.
     """
 
     _libcuda = None
@@ -341,14 +343,23 @@ class Launcher:
         self.smem_bytes = smem_bytes
         self._function = function                       # keeps the handle below valid
         self._func = ctypes.c_void_p(function.ptr)
-        self._pack = struct.Struct("<" + "".join(_ARG_FORMATS[k] for k in arg_kinds)).pack_into
-        self._slots = (ctypes.c_uint64 * len(arg_kinds))()
+        offsets, fmt, end = [], "<", 0
+        for k in arg_kinds:          # 8-byte slots; a tensor map starts 64-byte aligned
+            size = _ARG_SIZES.get(k, 8)
+            pad = -end % min(size, 64)
+            fmt += f"{pad}x" * bool(pad) + _ARG_FORMATS[k]
+            offsets.append(end + pad)
+            end += pad + size
+        self._pack = struct.Struct(fmt).pack_into
+        self._slots = (ctypes.c_uint64 * (end // 8 + 8))()
         base = ctypes.addressof(self._slots)
-        self._params = (ctypes.c_void_p * len(arg_kinds))(*[base + 8 * i for i in range(len(arg_kinds))])
+        lead = -base % 64            # the packed arguments start at a 64-byte boundary of the slots
+        self._pack_offset = lead
+        self._params = (ctypes.c_void_p * len(arg_kinds))(*[base + lead + o for o in offsets])
 
     def __call__(self, grid: tuple, block: int, stream, *args) -> None:
         """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
-        self._pack(self._slots, 0, *args)
+        self._pack(self._slots, self._pack_offset, *args)
         if self._runtime.getDevice() != self.device_id:     # cuLaunchKernel uses the current context
             with self._device:
                 return self._launch(grid, block, stream.ptr)

@@ -1,10 +1,11 @@
 """Prefill / append attention on tensor cores: single request, ragged batch, paged batch.
 
 Launches ``kernels_cu/prefill.cu`` (the portable "fa2" backend: mma.sync m16n8k16, ldmatrix,
-cp.async; sm_80+). NumPy inputs run ``reference.attention`` with the same API. Names and
-semantics follow FlashInfer: causal masks align bottom-right when qo_len < kv_len; custom masks
-are flattened per-request ``qo_len x kv_len`` booleans or their little-bit-order packing; a
-fully masked row gives zeros and LSE -inf (natural log).
+cp.async; sm_80+), or on sm_90 ``kernels_cu/prefill_sm90.cu`` (backend "fa3": prefill_sm90.py).
+NumPy inputs run ``reference.attention`` with the same API. Names and semantics follow FlashInfer:
+causal masks align bottom-right when qo_len < kv_len; custom masks are flattened per-request
+``qo_len x kv_len`` booleans or their little-bit-order packing; a fully masked row gives zeros
+and LSE -inf (natural log).
 
 Scheduling lives here (not in plan.py): ``plan()`` builds a flat work list of (request, query
 tile) pairs on the host, longest causal tiles first, and the kernel's grid is
@@ -13,12 +14,13 @@ each K/V tile once for the whole group.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, reference
+from . import arrays, jit, prefill_sm90, reference
 from .errors import UnsupportedError, reject_unimplemented_variants
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
@@ -96,13 +98,54 @@ def shipped_specs() -> list[PrefillSpec]:
 
 
 def select_backend(backend: str, fn: str) -> str:
-    """The backend a call uses. "auto" is "fa2" on every arch until the Hopper kernel exists."""
+    """Checks the name; the backend as far as it is known before a call: "fa2" for "auto" (a GPU
+    call may resolve it to "fa3": ``resolve_backend``)."""
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    return "fa2" if backend == "auto" else backend
+
+
+# ---------------------------------------------------------------------------- backend "fa3" (sm_90a)
+# "auto" picks fa3 for the cases below, measured faster than fa2 in the same run (see
+# benchmarks/results/prefill_sm90_notes.md); every other case, and every other arch, runs fa2.
+AUTO_FA3 = {"full": True, "causal": True}
+
+
+def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
+                    custom_mask: bool, paged: bool, causal: bool) -> str:
+    """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
+    the case; ``arch`` None checks everything but the device."""
+    if backend == "fa2":
+        return "fa2"
+    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged)
     if backend == "fa3":
-        raise UnsupportedError(f"{fn}: backend='fa3' (Hopper wgmma + TMA) is not implemented yet; "
-                               f"use backend='fa2' (mma.sync, sm_80+)")
-    return "fa2"
+        if reason is not None:
+            raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
+        return "fa3"
+    return "fa3" if reason is None and arch is not None and AUTO_FA3["causal" if causal else "full"] else "fa2"
+
+
+@functools.cache
+def _device_arch(device_id: int) -> str:
+    return jit.device_arch(device_id)
+
+
+def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, return_lse):
+    """single_prefill_with_kv_cache on the fa3 kernel (contiguous K/V, no mask)."""
+    qo_len, hq, d = qt.shape
+    kv_len, hkv, _ = _kv_dims(kt.shape, kv_layout, "k", fn)
+    spec = prefill_sm90.make_spec(dt, causal)
+    out, ot, _, _ = _check_out(ctx, None, None, qo_len, hq, d, qt.dtype, fn)
+    lse = arrays.empty(ctx, (qo_len, hq), np.float32) if return_lse else None
+    lse_ptr = arrays.device_tensor(lse, "lse", fn).ptr if lse is not None else 0
+    group = hq // hkv
+    tok, head = (0, 1) if kv_layout == "NHD" else (1, 0)
+    prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
+                        v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kv_len, out=ot, lse_ptr=lse_ptr,
+                        num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
+                        sm_scale=sm_scale, fn=fn, single=(qo_len, kv_len))
+    o = arrays.export(ctx, out, _logical(qt.dtype))
+    return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
 # ---------------------------------------------------------------------------- validation
@@ -234,7 +277,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     sm_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     backend : "auto" | "fa2" | "fa3"
-        "auto" is "fa2" (mma.sync); "fa3" raises UnsupportedError until the Hopper kernel exists.
+        "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128, no custom mask;
+        UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90 (``AUTO_FA3``), else fa2.
 
     Returns
     -------
@@ -250,6 +294,9 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     if not ctx.on_gpu:
         qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
+        resolve_backend(backend, fn, arch=None, head_dim=d, dtype=arrays.SHORT_NAME.get(_logical(qa.dtype)),
+                        custom_mask=custom_mask is not None or packed_custom_mask is not None, paged=False,
+                        causal=causal)
         if kv_layout == "HND":
             ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
         mask = _host_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn)
@@ -265,6 +312,12 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     dt = _check_dtypes(qt, kt, vt, fn)
     _check_head_dim(d, fn)
     has_mask = custom_mask is not None or packed_custom_mask is not None
+    if resolve_backend(backend, fn, arch=_device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
+                       paged=False, causal=causal) == "fa3":
+        cp = arrays.cupy_module()
+        with cp.cuda.Device(ctx.device), ctx.stream:
+            return _run_single_fa3(ctx, fn, qt, kt, vt, kv_layout=kv_layout, causal=causal, dt=dt,
+                                   sm_scale=sm_scale or 1 / math.sqrt(d), return_lse=return_lse)
     spec = make_spec(d, dt, causal, has_mask, False)
     cp = arrays.cupy_module()
     with cp.cuda.Device(ctx.device), ctx.stream:
@@ -339,7 +392,8 @@ class _BatchPrefillBase:
     def __init__(self, float_workspace_buffer=None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  backend: str = "auto", **buffers):
         self._kv_layout = check_kv_layout(kv_layout, self._fn)
-        self.backend = select_backend(backend, self._fn)     # the backend runs will use ("fa2")
+        self.backend = select_backend(backend, self._fn)     # the backend the last run used (or will use)
+        self._backend_req = backend
         if use_cuda_graph:
             # plan() reallocates the device metadata and the grid follows the work list, so a
             # captured run() would replay stale pointers after the next plan(): refuse instead
@@ -384,11 +438,20 @@ class _BatchPrefillBase:
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged)
         work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
+        resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
+                        custom_mask=has_mask, paged=paged, causal=causal)      # fa3 asked where it has no kernel
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
                     kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, work=work,
                     group=group)
+
+    def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
+        """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
+        self.backend = resolve_backend(self._backend_req, fn, arch=_device_arch(ctx.device), head_dim=plan["head_dim"],
+                                       dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
+                                       paged=paged, causal=plan["causal"])
+        return self.backend
 
     def _require_plan(self, fn):
         if self._plan is None:
@@ -528,6 +591,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._check_kv(kt.shape, vt.shape, plan, fn)
         _check_dtypes(qt, kt, vt, fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        if self._run_backend(ctx, fn, plan, paged=False) == "fa3":
+            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr)
+            o = arrays.export(ctx, out, _logical(qt.dtype))
+            return (o, arrays.export(ctx, lse)) if return_lse else o
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
                                        "mask_indptr", "work"))
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
@@ -539,6 +606,25 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
+
+    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr):
+        """The planned batch on the fa3 kernel: its own work list (128-row tiles), uploaded once per plan."""
+        spec = prefill_sm90.make_spec(arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"])
+        cached = getattr(self, "_fa3_dev", None)
+        if cached is None or cached[0] is not plan or cached[1] != ctx.device:
+            cp = arrays.cupy_module()
+            work = prefill_sm90.work_list(plan["qo_lens"], plan["kv_lens"], plan["group"], spec.block_n, plan["causal"])
+            with cp.cuda.Device(ctx.device), ctx.stream:
+                dev = [cp.asarray(np.ascontiguousarray(a)) for a in (plan["qo_indptr"], plan["kv_indptr"], work)]
+            cached = self._fa3_dev = (plan, ctx.device, dev, len(work))
+        dev, num_work = cached[2], cached[3]
+        tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
+        with arrays.cupy_module().cuda.Device(ctx.device):
+            prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
+                                v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
+                                lse_ptr=lse_ptr, num_work=num_work, num_kv_heads=plan["num_kv_heads"],
+                                group=plan["group"], sm_scale=plan["sm_scale"], fn=fn,
+                                meta=tuple(a.data.ptr for a in dev))
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)

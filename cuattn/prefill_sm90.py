@@ -1,0 +1,157 @@
+"""The Hopper prefill kernel (backend "fa3"): ``kernels_cu/prefill_sm90.cu`` (wgmma, TMA, sm_90a only).
+
+Used by ``prefill.py`` for ``single_prefill_with_kv_cache`` and ``BatchPrefillWithRaggedKVCacheWrapper``
+when the backend resolves to "fa3" (``prefill.resolve_backend``). Kept in its own module, beside the
+portable launcher, because it pairs with its own CUDA file and launches with tensor maps
+(``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
+
+Cases with a kernel: head_dim 128, fp16 / bf16, causal or not, any GQA group, contiguous K/V (NHD
+or HND: the tensor map takes both strides), no custom mask, device sm_90. ``unsupported_reason``
+names the first limit a call hits; callers raise UnsupportedError with it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import jit
+
+_SOURCE = "prefill_sm90.cu"
+_ENTRY = "cuattn_prefill_sm90"
+ARCH = "sm_90a"
+HEAD_DIM = 128
+BLOCK_M = 128
+NUM_THREADS = 384
+# kernel parameters: 2 tensor maps, 6 pointers, 4 int32, 4 int64, 1 float32 (see prefill_sm90.cu)
+_ARG_KINDS = "tt" + "p" * 6 + "i" * 4 + "q" * 4 + "f"
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Sm90PrefillSpec:
+    dtype: str                 # "f16" | "bf16"
+    causal: bool
+    head_dim: int = HEAD_DIM
+    block_n: int = 128         # keys per K/V tile
+    stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
+    overlap: bool = True       # softmax of tile t overlaps the P.V product of tile t-1
+    variant: tuple = ()        # extra -D defines for experiments; () in shipped specs
+    backend = "fa3"
+    archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
+    source = _SOURCE
+
+    block_m = BLOCK_M
+
+    @property
+    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2_ov"
+        return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_ov' if self.overlap else ''}"
+                + "".join("_" + v.replace("=", "").lower() for v in self.variant))
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
+                f"-DOVERLAP={int(self.overlap)}") + tuple(f"-D{v}" for v in self.variant)
+
+    @property
+    def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
+        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+
+
+def make_spec(dtype: str, causal: bool) -> Sm90PrefillSpec:
+    return Sm90PrefillSpec(dtype, bool(causal))
+
+
+def shipped_specs() -> list[Sm90PrefillSpec]:
+    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
+    return [make_spec(t, c) for t in ("f16", "bf16") for c in (False, True)]
+
+
+def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
+                       paged: bool) -> str | None:
+    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
+    if arch is not None and arch != ARCH:
+        return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
+    if head_dim != HEAD_DIM:
+        return f"fa3 has a kernel for head_dim 128 only, got head_dim={head_dim}"
+    if dtype not in ("f16", "bf16"):
+        return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
+    if custom_mask:
+        return "fa3 has no custom-mask kernel"
+    if paged:
+        return "fa3 has no paged-KV kernel (BatchPrefillWithPagedKVCacheWrapper)"
+    return None
+
+
+# ---------------------------------------------------------------------------- tensor maps
+
+_TMAP_SWIZZLE_128B = 3
+_TMAP_UINT16 = 1          # 16-bit elements (fp16 / bf16: the copy moves bits)
+_TMAP_L2_256B = 3
+
+
+@functools.cache
+def _encode_fn():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+@functools.lru_cache(maxsize=256)      # serving loops reuse each layer's K/V buffers
+def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str) -> bytes:
+    """The 128-byte CUtensorMap of a K or V array: dims (HEAD_DIM, tokens, heads), element strides
+    s_tok / s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's descriptors expect."""
+    if ptr % 16 or (s_tok * 2) % 16 or (s_head * 2) % 16:
+        raise ValueError(f"{fn}: the fa3 kernel loads K/V with TMA, which needs 16-byte aligned base and strides; "
+                         f"got base {ptr:#x}, token stride {s_tok} and head stride {s_head} elements")
+    buf = (ctypes.c_uint64 * 24)()        # 128 bytes, plus room to align them to 64
+    addr = (ctypes.addressof(buf) + 63) & ~63
+    dims = (ctypes.c_uint64 * 3)(HEAD_DIM, max(tokens, 1), max(heads, 1))
+    strides = (ctypes.c_uint64 * 2)(s_tok * 2, s_head * 2)
+    box = (ctypes.c_uint32 * 3)(64, block_n, 1)
+    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
+    status = _encode_fn()(addr, _TMAP_UINT16, 3, ptr, dims, strides, box, elem, 0, _TMAP_SWIZZLE_128B,
+                          _TMAP_L2_256B, 0)
+    if status != 0:
+        raise RuntimeError(f"{fn}: cuTensorMapEncodeTiled failed with CUresult {status} (dims {list(dims)}, "
+                           f"byte strides {list(strides)})")
+    return ctypes.string_at(addr, 128)
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
+           num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, single=(0, 0),
+           meta=(0, 0, 0)) -> None:
+    """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
+    ``meta`` = device pointers (qo_indptr, kv_indptr, work) in batch mode, zeros for a single request."""
+    if num_work == 0 or num_kv_heads == 0:
+        return
+    tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
+    tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
+    launcher = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS, spec.smem_bytes)
+    launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, tk, tv, q.ptr, out.ptr, lse_ptr, *meta,
+             single[0], single[1], group, q.shape[1], q.strides[0], q.strides[1], out.strides[0], out.strides[1],
+             sm_scale * _LOG2E)
+
+
+def work_list(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_n: int, causal: bool) -> np.ndarray:
+    """(request, tile) pairs of BLOCK_M packed rows, the most key tiles first."""
+    bm = BLOCK_M
+    tiles = -(-qo_lens * group // bm)
+    req = np.repeat(np.arange(len(qo_lens)), tiles)
+    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    kv = kv_lens[req]
+    if causal:
+        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * bm - 1) // group)
+        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
+    order = np.argsort(-((kv + block_n - 1) // block_n), kind="stable")
+    return np.stack([req[order], tile[order]], axis=1).astype(np.int32)

@@ -1,0 +1,127 @@
+// wgmma.cuh — Hopper (sm_90a) building blocks as inline PTX: wgmma with shared-memory
+// descriptors, mbarriers, TMA tile loads (cp.async.bulk.tensor), setmaxnreg, named barriers.
+// Generic pieces only (no attention logic); used by prefill_sm90.cu.
+//
+// Shared-memory operand layout (the "128-byte swizzle" that TMA's CU_TENSOR_MAP_SWIZZLE_128B
+// writes and wgmma descriptors with layout type 1 read): a tile is stored as column blocks of
+// 64 16-bit elements (128 bytes per row), each block [rows][64]; inside a block, 16-byte chunk c
+// of row r sits at r * 128 + ((c ^ (r % 8)) * 16). Blocks start 1024-byte aligned (the XOR takes
+// address bits 7..9).
+//   K-major operand (A = Q, B = K for S = Q K^T): SBO = 1024 (next 8 rows), LBO unused; the k-step
+//     kk (16 elements) starts at block kk / 4, byte (kk % 4) * 32 of the row.
+//   MN-major operand (B = V for O += P V, transposed by the instruction's imm-trans-b = 1):
+//     LBO = the stride between 64-wide column blocks, SBO = 1024 (next 8 k rows); k-step kk
+//     (16 keys) starts at row 16 kk.
+// Accumulator layout of m64nNk16 (per warp w of the warpgroup, g = lane / 4, t = lane % 4):
+//   d[4 n + 0, 1] = row 16 w + g, cols 8 n + 2 t, + 1; d[4 n + 2, 3] = row 16 w + g + 8, same cols.
+// A from registers (m64nNk16, 16-bit): a0 (row g, k 2t..2t+1), a1 (row g+8, k 2t..), a2 (row g,
+//   k 8+2t..), a3 (row g+8, k 8+2t..): the mma.sync m16n8k16 A fragment, per warp.
+#pragma once
+#include "common/dtypes.cuh"
+
+namespace cuattn {
+
+// -- wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62..63)
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// -- keep the compiler from moving accumulator registers across an asynchronous wgmma
+template <int R>
+__device__ __forceinline__ void wgmma_fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define CUATTN_WGMMA_ACC64 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// -- d (64 x 128, fp32) (+)= A (64 x 16, smem, K-major) * B (16 x 128, smem, K-major); scale_d = 0 overwrites d
+template <class T>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d);
+// -- d (64 x 128, fp32) += A (64 x 16, registers) * B (16 x 128, smem, N-major: imm-trans-b = 1)
+template <class T>
+__device__ __forceinline__ void wgmma_m64n128k16_rs_tb(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b);
+
+#define CUATTN_WGMMA_DEFS(T, PT)                                                                                 \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma_m64n128k16_ss<T>(float (&d)[64], uint64_t desc_a, uint64_t desc_b,        \
+                                                         int scale_d) {                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                    \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PT "." PT " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                 : CUATTN_WGMMA_ACC64                                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                                        \
+  }                                                                                                               \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma_m64n128k16_rs_tb<T>(float (&d)[64], const uint32_t (&a)[4],               \
+                                                            uint64_t desc_b) {                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                    \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PT "." PT " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, " \
+                 "p, 1, 1, 1;\n}\n"                                                                           \
+                 : CUATTN_WGMMA_ACC64                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                                       \
+  }
+
+CUATTN_WGMMA_DEFS(f16, "f16")
+CUATTN_WGMMA_DEFS(bf16, "bf16")
+#undef CUATTN_WGMMA_DEFS
+
+// ---------------------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// -- make the initialised barriers visible to the async proxy (TMA) and the other threads
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// -- wait until the phase with parity `parity` has completed (a fresh barrier: parity 1 passes)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// ---------------------------------------------------------------------------- TMA
+// A CUtensorMap (cuTensorMapEncodeTiled) passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) TmaDesc { uint64_t bits[16]; };
+
+// -- 3-d tile load: box at coordinates (c0, c1, c2) of the tensor map into smem dst, completing
+//    `bytes` of transaction count on mbarrier bar
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// ---------------------------------------------------------------------------- misc
+// -- ordinary (generic-proxy) smem writes, e.g. cp.async, made visible to wgmma / TMA (async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// -- barrier among `count` threads (a multiple of 32) under id (1..15; 0 is __syncthreads)
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R)); }
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
+
+}  // namespace cuattn

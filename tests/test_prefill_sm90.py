@@ -1,0 +1,166 @@
+"""The Hopper prefill backend "fa3" (kernels_cu/prefill_sm90.cu): compile checks (CI) and the kernel
+against tests/oracle.py on an sm_90 GPU (gpu marker)."""
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import jit, prefill, prefill_sm90
+from cuattn.errors import UnsupportedError
+
+from .conftest import gpu_cc
+from .oracle import dense_attention, rel_err
+from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poison_pool, _to_dev, oracle_batch,
+                           rand)
+
+# ============================================================================ CPU (CI)
+
+
+def test_sm90_specs_compile_without_spills():
+    specs = prefill_sm90.shipped_specs()
+    assert len({s.name for s in specs}) == len(specs) == 4
+    for spec in specs:
+        assert spec.archs == ("sm_90a",)
+        compiled = jit.compile_kernel(spec, "sm_90a")
+        res = compiled.resources["cuattn_prefill_sm90"]
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack_frame"] == 0, (spec.name, res)
+
+
+def test_sm90_specs_are_shipped_for_sm90a_only():
+    from cuattn import cli
+    names = {s.name for s in prefill_sm90.shipped_specs()}
+    assert names <= {s.name for s in cli.shipped_specs("sm_90a")}
+    assert not names & {s.name for s in cli.shipped_specs("sm_80")}
+
+
+def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
+    q = np.zeros((4, 4, 64), np.float16)
+    with pytest.raises(UnsupportedError, match="head_dim 128 only, got head_dim=64"):
+        cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
+    q = np.zeros((4, 4, 128), np.float16)
+    with pytest.raises(UnsupportedError, match="custom-mask"):
+        cuattn.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones((4, 4), bool), backend="fa3")
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    with pytest.raises(UnsupportedError, match="paged-KV"):
+        w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+               np.array([4], np.int32), 4, 4, 128, 16)
+    with pytest.raises(UnsupportedError, match="sm_90"):
+        prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False,
+                                causal=False)
+    # auto never picks fa3 off sm_90, with a mask or paged K/V
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True)):
+        args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False, causal=False) | kw
+        assert prefill.resolve_backend("auto", "f", **args) == "fa2"
+
+
+def test_fa3_numpy_inputs_run_the_reference():
+    rng = np.random.default_rng(0)
+    q, k = rand(rng, (5, 4, 128), np.float16), rand(rng, (9, 2, 128), np.float16)
+    out = cuattn.single_prefill_with_kv_cache(q, k, k, backend="fa3")
+    assert rel_err(out, dense_attention(q, k, k)[0]) < 5e-3
+
+
+def test_sm90_work_list_puts_longest_causal_tiles_first():
+    w = prefill_sm90.work_list(np.array([300, 5]), np.array([300, 100]), 4, 128, True)
+    assert w.shape == (-(-1200 // 128) + 1, 2)
+    assert w[0][0] == 0 and w[0][1] >= 8 and tuple(w[-1]) == (1, 0)   # 3 key tiles first, request 1's 1 last
+
+
+# ============================================================================ GPU (sm_90)
+
+sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 GPU")
+
+QO_LENS = [1, 17, 127, 577, 1024]
+KV_LENS = [54, 97, 2048, 4932]
+HEADS = [(8, 8), (32, 8), (28, 4)]          # GQA groups 1, 4, 7
+GRID = (QO_LENS, KV_LENS, HEADS, [False, True], list(DTYPES))
+SINGLE = sorted(random.Random(11).sample(list(itertools.product(*GRID)), 24), key=str) + [
+    (1024, 4932, (32, 8), True, "float16"), (577, 54, (28, 4), True, "bfloat16"),   # fully masked rows
+    (1024, 1024, (32, 8), False, "bfloat16"), (127, 2048, (8, 8), True, "float16")]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts fa3 kernel launches (so a test knows which backend ran)."""
+    calls = []
+    orig = prefill_sm90.launch
+
+    def spy(*a, **kw):
+        calls.append(kw["num_work"])
+        return orig(*a, **kw)
+    monkeypatch.setattr(prefill_sm90, "launch", spy)
+    return calls
+
+
+def _single(qo_len, kv_len, heads, causal, dtype, layout="NHD", backend="fa3"):
+    rng = np.random.default_rng()
+    hq, hkv = heads
+    dt = DTYPES[dtype]
+    q, k, v = rand(rng, (qo_len, hq, 128), dt), rand(rng, (kv_len, hkv, 128), dt), rand(rng, (kv_len, hkv, 128), dt)
+    kd, vd = (k, v) if layout == "NHD" else (k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy())
+    _poison_pool(q.size * 4)
+    out, lse = cuattn.single_prefill_with_kv_cache(_to_dev(q), _to_dev(kd), _to_dev(vd), causal=causal,
+                                                   kv_layout=layout, return_lse=True, backend=backend)
+    ref_o, ref_s = dense_attention(q, k, v, causal=causal)
+    o = _from_dev(out, dt)
+    assert np.isfinite(o.astype(np.float32)).all()
+    assert rel_err(o, ref_o) < TOL[dtype]
+    assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", SINGLE, ids=["-".join(str(x).replace(" ", "") for x in c) for c in SINGLE])
+def test_fa3_single_matches_oracle(case, launches):
+    _single(*case)
+    assert launches, "fa3 did not run"
+
+
+@pytest.mark.gpu
+@sm90
+def test_fa3_single_hnd_layout(launches):
+    _single(577, 2048, (32, 8), True, "bfloat16", layout="HND")
+    assert launches
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fa3_ragged_batch_matches_oracle(causal, dtype, launches):
+    rng = np.random.default_rng()
+    hq, hkv = 28, 4
+    dt = DTYPES[dtype]
+    qo_lens = [1, 17, 577, 127, 0, 1024]
+    kv_lens = [54, 97, 4932, 127, 33, 2048]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, 128), dt)
+    k, v = rand(rng, (kv_indptr[-1], hkv, 128), dt), rand(rng, (kv_indptr[-1], hkv, 128), dt)
+    out = _nan_like((qo_indptr[-1], hq, 128), dt)
+    lse = _cp().full((qo_indptr[-1], hq), np.nan, np.float32)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, 128, causal=causal, q_data_type=dtype)
+    w.run(_to_dev(q), _to_dev(k), _to_dev(v), out=out, lse=lse)
+    assert w.backend == "fa3" and launches
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(qo_lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(qo_lens))]
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, causal)
+    assert rel_err(_from_dev(out, dt), ref_o) < TOL[dtype]
+    assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+@sm90
+def test_fa3_close_to_fa2_and_auto_reports_its_choice():
+    rng = np.random.default_rng()
+    q, k, v = (_to_dev(rand(rng, s, np.float16)) for s in ((300, 32, 128), (700, 8, 128), (700, 8, 128)))
+    a = _cp().asnumpy(cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa2")).astype(np.float32)
+    b = _cp().asnumpy(cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3")).astype(np.float32)
+    assert rel_err(b, a) < 2e-3
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(np.array([0, 300], np.int32), np.array([0, 700], np.int32), 32, 8, 128, causal=True)
+    w.run(q, k, v)
+    assert w.backend == ("fa3" if prefill.AUTO_FA3["causal"] else "fa2")
