@@ -317,14 +317,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
         heads_work = self._num_kv_heads * self._m_tiles
         # -- 8 warps x 3 stages (one 217 KB CTA per SM) when the batch gives at most one CTA per
         #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
-        #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9).
+        #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9),
+        #    except for many waves of long requests, where 8 warps win again (H100, same run:
+        #    bs256x8192 2984 -> 2897 us, bs256x32k 12014 -> 11662; bs64x32k 2901 -> 2938, so >= 8 waves).
         #    With use_cuda_graph the choice of the first plan is kept (the captured kernel).
         warps = self._tuned("num_warps")
         if not warps:
             warps = self._graph_warps if self._use_cuda_graph else 0
             if not warps:
+                ctas, sms = self._batch * heads_work, _num_sms(device)
+                long_waves = ctas >= 8 * sms and kv_lens.mean() >= 2048
                 warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
-                         and self._batch * heads_work <= _num_sms(device) else 4)
+                         and (ctas <= sms or long_waves) else 4)
             if self._use_cuda_graph:
                 self._graph_warps = warps
         if warps != self._spec.num_warps:
