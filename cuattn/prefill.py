@@ -509,8 +509,9 @@ class _BatchPrefillBase:
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
-def _work_list(qo_lens, kv_lens, group: int, spec: PrefillSpec, causal: bool) -> np.ndarray:
-    """(request, tile) pairs, the most key tiles first (long causal tiles start early)."""
+def _work_list(qo_lens, kv_lens, group: int, spec, causal: bool) -> np.ndarray:
+    """(request, tile) pairs, the most key tiles first (long causal tiles start early); tiles of
+    ``spec.block_m`` packed query rows and ``spec.block_n`` keys (either backend's spec)."""
     bm, bn = spec.block_m, spec.block_n
     tiles = -(-qo_lens * group // bm)
     req = np.repeat(np.arange(len(qo_lens)), tiles)
@@ -613,7 +614,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         cached = getattr(self, "_fa3_dev", None)
         if cached is None or cached[0] is not plan or cached[1] != ctx.device:
             cp = arrays.cupy_module()
-            work = prefill_sm90.work_list(plan["qo_lens"], plan["kv_lens"], plan["group"], spec.block_n, plan["causal"])
+            work = _work_list(plan["qo_lens"], plan["kv_lens"], plan["group"], spec, plan["causal"])
             with cp.cuda.Device(ctx.device), ctx.stream:
                 dev = [cp.asarray(np.ascontiguousarray(a)) for a in (plan["qo_indptr"], plan["kv_indptr"], work)]
             cached = self._fa3_dev = (plan, ctx.device, dev, len(work))

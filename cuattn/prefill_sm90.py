@@ -15,7 +15,6 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 
 from . import jit
 
@@ -141,17 +140,3 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, tk, tv, q.ptr, out.ptr, lse_ptr, *meta,
              single[0], single[1], group, q.shape[1], q.strides[0], q.strides[1], out.strides[0], out.strides[1],
              sm_scale * _LOG2E)
-
-
-def work_list(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_n: int, causal: bool) -> np.ndarray:
-    """(request, tile) pairs of BLOCK_M packed rows, the most key tiles first."""
-    bm = BLOCK_M
-    tiles = -(-qo_lens * group // bm)
-    req = np.repeat(np.arange(len(qo_lens)), tiles)
-    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    kv = kv_lens[req]
-    if causal:
-        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * bm - 1) // group)
-        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
-    order = np.argsort(-((kv + block_n - 1) // block_n), kind="stable")
-    return np.stack([req[order], tile[order]], axis=1).astype(np.int32)

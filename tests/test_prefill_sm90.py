@@ -63,7 +63,7 @@ def test_fa3_numpy_inputs_run_the_reference():
 
 
 def test_sm90_work_list_puts_longest_causal_tiles_first():
-    w = prefill_sm90.work_list(np.array([300, 5]), np.array([300, 100]), 4, 128, True)
+    w = prefill._work_list(np.array([300, 5]), np.array([300, 100]), 4, prefill_sm90.make_spec("f16", True), True)
     assert w.shape == (-(-1200 // 128) + 1, 2)
     assert w[0][0] == 0 and w[0][1] >= 8 and tuple(w[-1]) == (1, 0)   # 3 key tiles first, request 1's 1 last
 
