@@ -301,6 +301,18 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     return row
 
 
+def host_us_per_call(call, synchronize, n_calls=200):
+    """Host µs per call over n_calls back-to-back calls (not synced per call; the GPU queue absorbs them)."""
+    call()
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        call()
+    us = (time.perf_counter() - t0) / n_calls * 1e6
+    synchronize()
+    return us
+
+
 def finish(args, env, read_tbs, copy_tbs, rows, reps):
     # -- host cost: eager run() with out= given (bs 1 x 512, 32:8), plan() for batch 256
     indptr, indices, lpl, cache, q = setup_case(1, 512, 32, 8, args.head_dim, args.page_size, args.dtype, 1)
@@ -308,40 +320,21 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
     w.plan(indptr, indices, lpl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
     out = cp.empty_like(q)
     host = {}
-    for n_calls in (50, 200):
-        w.run(q, cache, out=out)
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n_calls):
-            w.run(q, cache, out=out)
-        host["cupy"] = (time.perf_counter() - t0) / n_calls * 1e6
-        cp.cuda.Device().synchronize()
+    host["cupy"] = host_us_per_call(lambda: w.run(q, cache, out=out), cp.cuda.Device().synchronize)
     try:
         import torch
         tdt = torch.float16 if args.dtype == "float16" else torch.bfloat16
         tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
         tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
         tout = torch.empty_like(tq)
-        w.run(tq, tc, out=tout)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            w.run(tq, tc, out=tout)
-        host["torch"] = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
+        host["torch"] = host_us_per_call(lambda: w.run(tq, tc, out=tout), torch.cuda.synchronize)
         try:
             import flashinfer
             fw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
             fw.plan(torch.from_numpy(indptr), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl),
                     32, 8, args.head_dim, args.page_size, q_data_type=tdt, kv_data_type=tdt)
-            fw.run(tq, tc, out=tout)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(200):
-                fw.run(tq, tc, out=tout)
-            host["flashinfer"] = (time.perf_counter() - t0) / 200 * 1e6
-            torch.cuda.synchronize()
+            host["flashinfer"] = host_us_per_call(lambda: fw.run(tq, tc, out=tout), torch.cuda.synchronize)
         except ImportError:
             pass
     except ImportError:

@@ -121,6 +121,41 @@ def rand(shape, dtype):
 FA3 = cp.cuda.Device().compute_capability == "90"     # cuattn's wgmma + TMA backend runs here
 
 
+def contiguous_call(q, k, v, indptr, causal, hq, hkv, d, dtype, backend):
+    """One prefill call on contiguous K/V: single_prefill for one request, else a planned ragged batch."""
+    if len(indptr) == 2:
+        return lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend=backend)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+    w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=dtype)
+    out = cp.empty_like(q)
+    return lambda: w.run(q, k, v, out=out)
+
+
+def paged_call(q, indptr, length, causal, hq, hkv, d, page_size, dtype, order="random"):
+    """(call, cache, page ids, last_page_len, pages per request): the batch of ``indptr`` (qo = kv =
+    ``length`` each) over a paged cache; page order "random" (a permutation of the whole cache),
+    "sequential" (request b's pages are b * pages_per ...) or "local" (a permutation within each run
+    of 2 MiB of pages, so TLB reach matches the contiguous case)."""
+    batch = len(indptr) - 1
+    pages_per = -(-length // page_size)
+    total = batch * pages_per
+    if order == "random":
+        perm = np.random.default_rng(0).permutation(total).astype(np.int32)
+    elif order == "sequential":
+        perm = np.arange(total, dtype=np.int32)
+    else:   # local: permuted within windows of 2 MiB of cache
+        win = max(1, (2 << 20) // (2 * page_size * hkv * d * 2))
+        rng = np.random.default_rng(0)
+        perm = np.concatenate([i + rng.permutation(min(win, total - i)) for i in range(0, total, win)]).astype(np.int32)
+    cache = rand((total, 2, page_size, hkv, d), dtype)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    last = np.full(batch, length - (pages_per - 1) * page_size, np.int32)
+    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
+            causal=causal, q_data_type=dtype)
+    out = cp.empty_like(q)
+    return (lambda: wp.run(q, cache, out=out)), cache, perm, last, pages_per
+
+
 def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None):
     res = dict(batch=batch, qo_len=length, kv_len=length, causal=causal, num_qo_heads=hq, num_kv_heads=hkv,
                head_dim=d, dtype=dtype)
@@ -128,47 +163,26 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
     nnz = batch * length
     q, k, v = rand((nnz, hq, d), dtype), rand((nnz, hkv, d), dtype), rand((nnz, hkv, d), dtype)
     indptr = np.arange(batch + 1, dtype=np.int32) * length
-    if batch == 1:
-        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa2")  # noqa: E731
-    else:
-        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa2")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=dtype)
-        out = cp.empty_like(q)
-        call = lambda: w.run(q, k, v, out=out)  # noqa: E731
+    call = contiguous_call(q, k, v, indptr, causal, hq, hkv, d, dtype, "fa2")
     ms = time_cupy(call, reps)
     res.update(us=ms * 1e3, tflops=f / (ms * 1e-3) / 1e12)
     g = gpu_us(call, reps)
     res.update(gpu_us=g, gpu_tflops=f / (g * 1e-6) / 1e12)
     if FA3 and d == 128:     # the Hopper backend (contiguous K/V), GPU alone
-        if batch == 1:
-            call3 = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa3")  # noqa: E731
-        else:
-            w3 = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
-            w3.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=dtype)
-            out3 = cp.empty_like(q)
-            call3 = lambda: w3.run(q, k, v, out=out3)  # noqa: E731
-        g3 = gpu_us(call3, reps)
+        g3 = gpu_us(contiguous_call(q, k, v, indptr, causal, hq, hkv, d, dtype, "fa3"), reps)
         res.update(fa3_gpu_us=g3, fa3_gpu_tflops=f / (g3 * 1e-6) / 1e12)
     if length <= 4096:       # short calls: GPU time with launches back to back, and host time per call
         ms_b = time_cupy(call, reps, inner=10)
         res.update(b2b_us=ms_b * 1e3, b2b_tflops=f / (ms_b * 1e-3) / 1e12, host_us=host_us(call))
     # -- paged K/V, random page order, same lengths
-    pages_per = -(-length // page_size)
-    total = batch * pages_per
-    perm = np.random.default_rng(0).permutation(total).astype(np.int32)
-    cache = rand((total, 2, page_size, hkv, d), dtype)
-    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
-    last = np.full(batch, length - (pages_per - 1) * page_size, np.int32)
-    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
-            causal=causal, q_data_type=dtype)
-    out_p = cp.empty_like(q)
-    ms_p = time_cupy(lambda: wp.run(q, cache, out=out_p), reps)
-    gp = gpu_us(lambda: wp.run(q, cache, out=out_p), reps)
+    paged, cache, perm, last, pages_per = paged_call(q, indptr, length, causal, hq, hkv, d, page_size, dtype)
+    ms_p = time_cupy(paged, reps)
+    gp = gpu_us(paged, reps)
     res.update(paged_us=ms_p * 1e3, paged_tflops=f / (ms_p * 1e-3) / 1e12, paged_ratio=ms_p / ms,
                paged_gpu_us=gp, paged_gpu_ratio=gp / g)
     if flashinfer is not None:
         res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
-    del cache
+    del cache, paged
     if sdpa is not None:
         res.update(sdpa(batch, length, causal, hq, hkv, d, dtype, reps, f))
     return res
@@ -266,36 +280,12 @@ def _with_variant(var):
 
 
 def _ragged_calls(batch, length, causal, hq, hkv, d, page_size, order="random"):
-    """(contiguous call, paged call) for batch x length; page order "random" (a permutation of the
-    whole cache), "sequential" (request b's pages are b * pages_per ...) or "local" (a permutation
-    within each run of 2 MiB of pages, so TLB reach matches the contiguous case)."""
+    """(contiguous call, paged call) for batch x length, fa2, fp16 (page orders: paged_call)."""
     nnz = batch * length
     q, k, v = rand((nnz, hq, d), "float16"), rand((nnz, hkv, d), "float16"), rand((nnz, hkv, d), "float16")
     indptr = np.arange(batch + 1, dtype=np.int32) * length
-    if batch == 1:
-        call = lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="fa2")  # noqa: E731
-    else:
-        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa2")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal)
-        out = cp.empty_like(q)
-        call = lambda: w.run(q, k, v, out=out)  # noqa: E731
-    pages_per = -(-length // page_size)
-    total = batch * pages_per
-    if order == "random":
-        perm = np.random.default_rng(0).permutation(total).astype(np.int32)
-    elif order == "sequential":
-        perm = np.arange(total, dtype=np.int32)
-    else:   # local: permuted within windows of 2 MiB of cache
-        win = max(1, (2 << 20) // (2 * page_size * hkv * d * 2))
-        rng = np.random.default_rng(0)
-        perm = np.concatenate([i + rng.permutation(min(win, total - i)) for i in range(0, total, win)]).astype(np.int32)
-    cache = rand((total, 2, page_size, hkv, d), "float16")
-    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
-    last = np.full(batch, length - (pages_per - 1) * page_size, np.int32)
-    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
-            causal=causal)
-    out_p = cp.empty_like(q)
-    return call, lambda: wp.run(q, cache, out=out_p)
+    paged = paged_call(q, indptr, length, causal, hq, hkv, d, page_size, "float16", order)[0]
+    return contiguous_call(q, k, v, indptr, causal, hq, hkv, d, "float16", "fa2"), paged
 
 
 def sweep_issue4(args, hq, hkv):

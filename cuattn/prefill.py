@@ -106,13 +106,12 @@ def select_backend(backend: str, fn: str) -> str:
 
 
 # ---------------------------------------------------------------------------- backend "fa3" (sm_90a)
-# "auto" picks fa3 for the cases below, measured faster than fa2 in the same run (see
-# benchmarks/results/prefill_sm90_notes.md); every other case, and every other arch, runs fa2.
-AUTO_FA3 = {"full": True, "causal": True}
+# "auto" picks fa3 wherever it has a kernel: faster than fa2 in every measured case, causal or not
+# (1.5-2.1x; benchmarks/results/prefill_sm90_notes.md); every other case, and every other arch, runs fa2.
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool, causal: bool) -> str:
+                    custom_mask: bool, paged: bool) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device."""
     if backend == "fa2":
@@ -122,7 +121,7 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
         return "fa3"
-    return "fa3" if reason is None and arch is not None and AUTO_FA3["causal" if causal else "full"] else "fa2"
+    return "fa3" if reason is None and arch is not None else "fa2"
 
 
 @functools.cache
@@ -278,7 +277,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         Defaults to ``1 / sqrt(head_dim)``.
     backend : "auto" | "fa2" | "fa3"
         "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128, no custom mask;
-        UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90 (``AUTO_FA3``), else fa2.
+        UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90, else fa2.
 
     Returns
     -------
@@ -295,8 +294,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
         resolve_backend(backend, fn, arch=None, head_dim=d, dtype=arrays.SHORT_NAME.get(_logical(qa.dtype)),
-                        custom_mask=custom_mask is not None or packed_custom_mask is not None, paged=False,
-                        causal=causal)
+                        custom_mask=custom_mask is not None or packed_custom_mask is not None, paged=False)
         if kv_layout == "HND":
             ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
         mask = _host_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn)
@@ -313,7 +311,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     _check_head_dim(d, fn)
     has_mask = custom_mask is not None or packed_custom_mask is not None
     if resolve_backend(backend, fn, arch=_device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
-                       paged=False, causal=causal) == "fa3":
+                       paged=False) == "fa3":
         cp = arrays.cupy_module()
         with cp.cuda.Device(ctx.device), ctx.stream:
             return _run_single_fa3(ctx, fn, qt, kt, vt, kv_layout=kv_layout, causal=causal, dt=dt,
@@ -439,7 +437,7 @@ class _BatchPrefillBase:
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged)
         work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
-                        custom_mask=has_mask, paged=paged, causal=causal)      # fa3 asked where it has no kernel
+                        custom_mask=has_mask, paged=paged)      # fa3 asked where it has no kernel
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
@@ -450,7 +448,7 @@ class _BatchPrefillBase:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=_device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
-                                       paged=paged, causal=plan["causal"])
+                                       paged=paged)
         return self.backend
 
     def _require_plan(self, fn):

@@ -47,12 +47,13 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 128, 16)
     with pytest.raises(UnsupportedError, match="sm_90"):
-        prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False,
-                                causal=False)
+        prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
     # auto never picks fa3 off sm_90, with a mask or paged K/V
     for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True)):
-        args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False, causal=False) | kw
+        args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
+    assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
+                                   paged=False) == "fa3"
 
 
 def test_fa3_numpy_inputs_run_the_reference():
@@ -163,4 +164,4 @@ def test_fa3_close_to_fa2_and_auto_reports_its_choice():
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
     w.plan(np.array([0, 300], np.int32), np.array([0, 700], np.int32), 32, 8, 128, causal=True)
     w.run(q, k, v)
-    assert w.backend == ("fa3" if prefill.AUTO_FA3["causal"] else "fa2")
+    assert w.backend == "fa3"
