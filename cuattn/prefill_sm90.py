@@ -36,7 +36,6 @@ class Sm90PrefillSpec:
     head_dim: int = HEAD_DIM
     block_n: int = 128         # keys per K/V tile
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
-    overlap: bool = True       # softmax of tile t overlaps the P.V product of tile t-1
     variant: tuple = ()        # extra -D defines for experiments; () in shipped specs
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
@@ -45,15 +44,14 @@ class Sm90PrefillSpec:
     block_m = BLOCK_M
 
     @property
-    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2_ov"
+    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2"
         return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{'_ov' if self.overlap else ''}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.variant))
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}",
-                f"-DOVERLAP={int(self.overlap)}") + tuple(f"-D{v}" for v in self.variant)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.variant)
 
     @property
     def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers

@@ -1,7 +1,7 @@
 // prefill_sm90.cu — launched by cuattn/prefill_sm90.py (Sm90PrefillSpec); the Hopper "fa3" backend
 // (sm_90a only: wgmma, TMA, setmaxnreg).
 // Compile-time: HEAD_DIM (128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (128),
-//   STAGES (K/V tiles in flight, >= 2), OVERLAP (0 | 1: see below).
+//   STAGES (K/V tiles in flight, >= 2).
 // Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem
 //   1024 (alignment) + (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2 + 64 (mbarriers).
 //
@@ -15,9 +15,10 @@
 // (base 2, log2 e folded into the scale), P converted to 16-bit in registers as the A operand of
 // O += P V (wgmma, V from smem read N-major through the descriptor). setmaxnreg moves registers
 // from the producer (40) to the consumers (232).
-// OVERLAP = 1: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
+// Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup
-// pipelining); O is rescaled once that product has landed.
+// pipelining); O is rescaled once that product has landed. (+4-16% over the plain loop, which was
+// removed after that measurement: benchmarks/results/prefill_sm90_notes.md.)
 //
 // Work: `work` == nullptr is the single-request case (lengths from arguments, tiles in reverse so
 // the longest causal tiles start first); otherwise work[2 * blockIdx.x + {0, 1}] = (request, tile)
@@ -32,9 +33,6 @@ using namespace cuattn;
 typedef DTYPE dtype_t;
 #define NEG_INF __int_as_float(0xff800000)
 
-#ifndef OVERLAP
-#define OVERLAP 1
-#endif
 static_assert(HEAD_DIM == 128, "prefill_sm90: head_dim 128 only");
 static_assert(BLOCK_N == 128, "prefill_sm90: wgmma m64n128 for S and O");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
@@ -253,7 +251,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     if (lane == 0) mbar_arrive(bar);
   };
 
-#if OVERLAP
   if (num_tiles > 0) {
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
       float s[64], corr[2];
@@ -291,27 +288,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     wgmma_fence_regs(acc);
     release(EMPTY_V(lt % STAGES));
   }
-#else
-  for (int t = 0; t < num_tiles; ++t) {
-    const int st = t % STAGES;
-    const uint32_t ph = (t / STAGES) & 1;
-    float s[64], corr[2];
-    mbar_wait(FULL_K(st), ph);
-    issue_qk(s, t);
-    wgmma_wait<0>();
-    wgmma_fence_regs(s);
-    release(EMPTY_K(st));
-    mask_tile(s, t);
-    softmax(s, corr);
-    rescale_o(corr);
-    pack_p(s);
-    mbar_wait(FULL_V(st), ph);
-    issue_pv(t);
-    wgmma_wait<0>();
-    wgmma_fence_regs(acc);
-    release(EMPTY_V(st));
-  }
-#endif
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
 #pragma unroll
