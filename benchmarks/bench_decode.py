@@ -188,7 +188,7 @@ def main():
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
                          "of N tokens), sN (N cp.async stages), wN (N warps per CTA), pfN (cp.async L2 prefetch hint of "
-                         "N bytes); e.g. w8+s3+sepmerge. "
+                         "N bytes), tma / notma (force the TMA kernel on or off); e.g. w8+s3+sepmerge. "
                          "(regidx, lazy, --prefetch and the bulk / warpbulk / qreg load-path variants were "
                          "removed on 2026-11-22: decode_notes.md)")
     ap.add_argument("--flush", default="read", choices=["write", "read"],
@@ -272,13 +272,14 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         else:
             continue
         tweaks.discard(t)
-    unknown = tweaks - {"sepmerge"}
+    unknown = tweaks - {"sepmerge", "tma", "notma"}
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w._tuning = dict(num_stages=spec_kw.get("s", args.stages), num_warps=spec_kw.get("w", 0),   # 0: plan's
                      fuse_merge="sepmerge" not in tweaks,   # choice; benchmark overrides, not API
-                     l2_prefetch=spec_kw.get("pf", 128))
+                     l2_prefetch=spec_kw.get("pf", 128),
+                     tma=True if "tma" in tweaks else False if "notma" in tweaks else None)
     t0 = time.perf_counter()
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6

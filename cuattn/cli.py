@@ -17,11 +17,11 @@ KERNEL_MODULES = ("page", "decode", "cascade", "prefill", "prefill_sm90")
 
 def shipped_specs(arch: str | None = None) -> list:
     """Every specialization cuattn ships, across all kernel families; with ``arch``, those built for
-    it (a spec with an ``archs`` tuple, e.g. the sm_90a-only fa3 prefill, is built for those alone)."""
+    it (a spec whose ``archs`` is a tuple, e.g. the sm_90a-only fa3 prefill, is built for those alone)."""
     specs = []
     for name in KERNEL_MODULES:
         specs.extend(importlib.import_module(f"cuattn.{name}").shipped_specs())
-    return [s for s in specs if arch is None or arch in getattr(s, "archs", (arch,))]
+    return [s for s in specs if arch is None or getattr(s, "archs", None) is None or arch in s.archs]
 
 
 def _gpu_line() -> str:

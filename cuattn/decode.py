@@ -29,6 +29,8 @@ _M_TILE = 16                  # query heads per CTA (mma M)
 _THREADS = 128
 _LOG2E = 1.4426950408889634
 _SMEM_PER_SM = 227 * 1024     # sm_80 / sm_90 per-block opt-in limit; per-SM capacity is ~228 KB
+_TMA_ARCH = "sm_90a"
+_TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and pieces are multiples of it
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class DecodeSpec:
     # cp.async L2 prefetch size hint in bytes (0 | 128 | 256). 128 on H100 (same run, read flush):
     # bs16x32k 742 -> 729 us (96.2 -> 98.0% of read BW), bs64x32k 2974 -> 2919, bs16x2048 54.5 -> 53.5
     l2_prefetch: int = 128
+    # K/V by TMA (sm_90 only: page_size % 16 == 0 and work items starting at multiples of 16)
+    tma: bool = False
     source = _SOURCE
 
     @property
@@ -48,7 +52,12 @@ class DecodeSpec:
         extra = f"_s{self.num_stages}" if self.num_stages else ""
         extra += f"_w{self.num_warps}" if self.num_warps != 4 else ""
         extra += f"_pf{self.l2_prefetch}" if self.l2_prefetch != 128 else ""
+        extra += "_tma" if self.tma else ""
         return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
+
+    @property
+    def archs(self) -> tuple[str, ...] | None:   # cli.shipped_specs: TMA kernels for Hopper alone
+        return (_TMA_ARCH,) if self.tma else None
 
     @property
     def stages(self) -> int:   # cp.async depth: ~70-135 KB of K/V in flight per CTA
@@ -57,7 +66,7 @@ class DecodeSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
-                f"-DNUM_WARPS={self.num_warps}", f"-DL2_PREFETCH={self.l2_prefetch}")
+                f"-DNUM_WARPS={self.num_warps}", f"-DL2_PREFETCH={self.l2_prefetch}", f"-DTMA={int(self.tma)}")
 
     @property
     def threads(self) -> int:
@@ -69,8 +78,11 @@ class DecodeSpec:
 
     @property
     def smem_bytes(self) -> int:
+        q_rows = _M_TILE * (self.head_dim * 2 + 16)
+        if self.tma:     # 1024-byte alignment, unpadded stages, query rows, an mbarrier per (warp, stage)
+            return 1024 + self.stages * 2 * self.block_n * self.head_dim * 2 + q_rows + 8 * self.num_warps * self.stages
         row = self.head_dim * 2 + 16
-        return _M_TILE * row + self.stages * 2 * self.block_n * row + 2 * 512 * 4   # + page-id windows
+        return self.stages * 2 * self.block_n * row + q_rows + 2 * 512 * 4   # + page-id windows
 
     @property
     def ctas_per_sm(self) -> int:
@@ -79,15 +91,15 @@ class DecodeSpec:
 
 def shipped_specs() -> list[DecodeSpec]:
     dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16")]
-    return ([DecodeSpec(d, q, kv) for d in HEAD_DIMS for q, kv in dts] +
-            [DecodeSpec(128, q, kv, num_warps=8) for q, kv in dts])   # low-occupancy plans
+    return [DecodeSpec(d, q, kv, tma=tma) for tma in (False, True) for d in HEAD_DIMS for q, kv in dts] + \
+        [DecodeSpec(128, q, kv, num_warps=8, tma=tma) for tma in (False, True) for q, kv in dts]
 
 
 @functools.cache
 def _make_spec(head_dim: int, dtype_q: str, dtype_kv: str, num_stages: int, num_warps: int,
-               l2_prefetch: int) -> DecodeSpec:
+               l2_prefetch: int, tma: bool) -> DecodeSpec:
     """plan()'s specs, memoized (dataclasses.replace cost ~5 µs per plan)."""
-    return DecodeSpec(head_dim, dtype_q, dtype_kv, num_stages, num_warps, l2_prefetch)
+    return DecodeSpec(head_dim, dtype_q, dtype_kv, num_stages, num_warps, l2_prefetch, tma)
 
 
 @functools.cache
@@ -99,18 +111,29 @@ def _num_sms(device: int) -> int:
 # Benchmark/test overrides (BatchDecodeWithPagedKVCacheWrapper._tuning), not API; 0: plan() chooses.
 #   num_stages: cp.async depth (DecodeSpec.num_stages); num_warps: 4 | 8 warps per CTA;
 #   fuse_merge: False launches the separate merge kernel for split requests;
-#   l2_prefetch: the cp.async L2 prefetch hint (DecodeSpec.l2_prefetch).
-_TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128}
+#   l2_prefetch: the cp.async L2 prefetch hint (DecodeSpec.l2_prefetch);
+#   tma: True / False forces the TMA kernel on or off (None: wherever it has a kernel).
+_TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
 # kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters
 _KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p"
+_KERNEL_ARGS_TMA = _KERNEL_ARGS + "tt"      # + the K and V tensor maps
 _MERGE_ARGS = "ppppp" "qq" "i"
 
 
 def _launchers(spec: DecodeSpec, device: int):
     """(decode kernel, merge kernel) launchers; the kernel's shared memory set at first use."""
-    return (jit.get_launcher(spec, _ENTRY, device, _KERNEL_ARGS, spec.smem_bytes),
+    return (jit.get_launcher(spec, _ENTRY, device, _KERNEL_ARGS_TMA if spec.tma else _KERNEL_ARGS, spec.smem_bytes),
             jit.get_launcher(spec, _MERGE_ENTRY, device, _MERGE_ARGS))
+
+
+@functools.lru_cache(maxsize=512)      # every layer's cache, K and V: hit after the first step
+def _paged_tensor_map(ptr: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                      s_page: int, s_tok: int, s_head: int) -> bytes:
+    """The TMA kernel's view of a K or V cache: dims (head_dim, page_size, num_kv_heads, num_pages),
+    box 64 dims x 16 slots of one page and head."""
+    return jit.tensor_map_16bit(ptr, (head_dim, page_size, num_kv_heads, num_pages), (s_tok, s_head, s_page),
+                                (64, _TMA_ALIGN, 1, 1), "the TMA decode kernel", "BatchDecodeWithPagedKVCacheWrapper.run")
 
 
 def _page_shift(page_size: int) -> int:
@@ -301,7 +324,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                f"supported: float16, bfloat16")
         self._spec = None if self._gpu_error else _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype),
                                                              self._tuned("num_stages"), 4,
-                                                             self._tuned("l2_prefetch"))
+                                                             self._tuned("l2_prefetch"), False)
         self._planned = True
 
         device = self._device
@@ -331,9 +354,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                          and (ctas <= sms or long_waves) else 4)
             if self._use_cuda_graph:
                 self._graph_warps = warps
-        if warps != self._spec.num_warps:
+        # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
+        tma = self._tuned("tma")
+        if tma is None:
+            tma = jit.device_arch(device) == _TMA_ARCH and self._page_size % _TMA_ALIGN == 0
+        elif tma and (jit.device_arch(device) != _TMA_ARCH or self._page_size % _TMA_ALIGN):
+            raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU and page_size % {_TMA_ALIGN} "
+                                   f"== 0, got {jit.device_arch(device)} and page_size={self._page_size}")
+        if warps != self._spec.num_warps or tma:
             s = self._spec
-            self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch)
+            self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma)
         if disable_split_kv:
             chunk = 0
         elif fixed_split_size is not None:
@@ -343,7 +373,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm,
                                        self._spec.block_n)
-        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, self._spec.block_n)
+        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, self._spec.block_n, _TMA_ALIGN if tma else 1)
         if len(wl.work) > 65535:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
                                    f"pass a larger fixed_split_size")
@@ -539,10 +569,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return lse, lt.ptr
 
     def _launch(self, qt, kv, ot, lse_ptr, stream):
+        maps = ()
+        if self._spec.tma:
+            geometry = (kv.num_pages, self._page_size, self._num_kv_heads, self._head_dim, kv.stride_page,
+                        kv.stride_slot, kv.stride_head)
+            maps = (_paged_tensor_map(kv.k.ptr, *geometry), _paged_tensor_map(kv.v.ptr, *geometry))
         self._k_launch(self._k_grid, self._spec.threads, stream,
                        self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
                        self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
-                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts)
+                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts, *maps)
         if self._m_launch is not None:
             self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
                            ot.ptr, lse_ptr, ot.strides[0], ot.strides[1], self._num_qo_heads)

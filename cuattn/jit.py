@@ -283,6 +283,7 @@ def cache_usage() -> tuple[int, int]:
 # ---------------------------------------------------------------------------- loading
 
 
+@functools.cache
 def device_arch(device_id: int) -> str:
     """The NVRTC target for a device: sm_90a on Hopper (wgmma, setmaxnreg), else sm_XY."""
     from .arrays import cupy_module
@@ -305,6 +306,48 @@ def _module(spec: KernelSpec, device_id: int):
 def get_function(spec: KernelSpec, entry: str, device_id: int):
     """A launchable ``cupy.cuda.function.Function`` for ``entry`` of ``spec`` on ``device_id``."""
     return _module(spec, device_id).get_function(entry)
+
+
+# ---------------------------------------------------------------------------- tensor maps (TMA)
+
+_TMAP_UINT16 = 1          # 16-bit elements (fp16 / bf16: the copy moves bits)
+_TMAP_SWIZZLE_128B = 3
+_TMAP_L2_256B = 3
+
+
+@functools.cache
+def _encode_tiled():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple, user: str, fn: str) -> bytes:
+    """A 128-byte CUtensorMap (``cuTensorMapEncodeTiled``) of 16-bit elements, for a kernel's
+    ``__grid_constant__`` parameter (launcher kind "t"): ``dims`` innermost first (dimension 0
+    contiguous), ``strides`` in elements of dimensions 1.., ``box`` the tile one TMA load copies,
+    written with the 128-byte swizzle (box[0] = 64 elements), the L2 fetching 256 bytes at once.
+    ``user`` names the kernel in the error for misaligned inputs."""
+    if ptr % 16 or any((s * 2) % 16 for s in strides):
+        raise ValueError(f"{fn}: {user} loads K/V with TMA, which needs a 16-byte aligned base and strides; "
+                         f"got base {ptr:#x} and strides {tuple(strides)} elements")
+    rank = len(dims)
+    buf = (ctypes.c_uint64 * 24)()        # 128 bytes, plus room to align them to 64
+    addr = (ctypes.addressof(buf) + 63) & ~63
+    c_dims = (ctypes.c_uint64 * rank)(*dims)
+    c_strides = (ctypes.c_uint64 * (rank - 1))(*(s * 2 for s in strides))
+    c_box = (ctypes.c_uint32 * rank)(*box)
+    c_elem = (ctypes.c_uint32 * rank)(*([1] * rank))
+    status = _encode_tiled()(addr, _TMAP_UINT16, rank, ptr, c_dims, c_strides, c_box, c_elem, 0, _TMAP_SWIZZLE_128B,
+                             _TMAP_L2_256B, 0)
+    if status != 0:
+        raise RuntimeError(f"{fn}: cuTensorMapEncodeTiled failed with CUresult {status} (dims {list(dims)}, "
+                           f"element strides {list(strides)}, box {list(box)})")
+    return ctypes.string_at(addr, 128)
 
 
 _ARG_FORMATS = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "t": "128s"}   # 8-byte slots; "t" 128 bytes

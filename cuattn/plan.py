@@ -68,8 +68,9 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
 
 
 def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
-                     block_n: int = BLOCK_N) -> DecodeWorkList:
-    """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first."""
+                     block_n: int = BLOCK_N, align: int = 1) -> DecodeWorkList:
+    """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first; pieces start
+    at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed."""
     batch = len(kv_lens)
     kv_lens = kv_lens.astype(np.int64)
     if chunk <= 0 or (batch and kv_lens.max() <= chunk):     # nothing split: one row per request
@@ -84,7 +85,7 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
     # -- even pieces, each a multiple of the tile where possible (vectorized: ~25 NumPy calls)
     n_pieces = np.maximum(1, -(-kv_lens // chunk))
     piece = -(-kv_lens // n_pieces)
-    piece = np.maximum(np.where(piece > block_n, -(-piece // block_n) * block_n, piece), 1)
+    piece = np.maximum(np.where(piece > block_n, -(-piece // block_n) * block_n, -(-piece // align) * align), 1)
     n_pieces = np.maximum(1, -(-kv_lens // piece))
     ends = np.cumsum(n_pieces)
     total = int(ends[-1])

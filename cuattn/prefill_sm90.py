@@ -11,7 +11,6 @@ names the first limit a call hits; callers raise UnsupportedError with it.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -85,41 +84,13 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
 
 # ---------------------------------------------------------------------------- tensor maps
 
-_TMAP_SWIZZLE_128B = 3
-_TMAP_UINT16 = 1          # 16-bit elements (fp16 / bf16: the copy moves bits)
-_TMAP_L2_256B = 3
-
-
-@functools.cache
-def _encode_fn():
-    lib = ctypes.CDLL("libcuda.so.1")
-    f = lib.cuTensorMapEncodeTiled
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
-                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
-
 
 @functools.lru_cache(maxsize=256)      # serving loops reuse each layer's K/V buffers
 def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str) -> bytes:
-    """The 128-byte CUtensorMap of a K or V array: dims (HEAD_DIM, tokens, heads), element strides
-    s_tok / s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's descriptors expect."""
-    if ptr % 16 or (s_tok * 2) % 16 or (s_head * 2) % 16:
-        raise ValueError(f"{fn}: the fa3 kernel loads K/V with TMA, which needs 16-byte aligned base and strides; "
-                         f"got base {ptr:#x}, token stride {s_tok} and head stride {s_head} elements")
-    buf = (ctypes.c_uint64 * 24)()        # 128 bytes, plus room to align them to 64
-    addr = (ctypes.addressof(buf) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(HEAD_DIM, max(tokens, 1), max(heads, 1))
-    strides = (ctypes.c_uint64 * 2)(s_tok * 2, s_head * 2)
-    box = (ctypes.c_uint32 * 3)(64, block_n, 1)
-    elem = (ctypes.c_uint32 * 3)(1, 1, 1)
-    status = _encode_fn()(addr, _TMAP_UINT16, 3, ptr, dims, strides, box, elem, 0, _TMAP_SWIZZLE_128B,
-                          _TMAP_L2_256B, 0)
-    if status != 0:
-        raise RuntimeError(f"{fn}: cuTensorMapEncodeTiled failed with CUresult {status} (dims {list(dims)}, "
-                           f"byte strides {list(strides)})")
-    return ctypes.string_at(addr, 128)
+    """The tensor map of a K or V array: dims (HEAD_DIM, tokens, heads), element strides s_tok /
+    s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's descriptors expect."""
+    return jit.tensor_map_16bit(ptr, (HEAD_DIM, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (64, block_n, 1),
+                                "the fa3 kernel", fn)
 
 
 # ---------------------------------------------------------------------------- launch

@@ -1,6 +1,6 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
-//   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage).
+//   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), TMA (0 | 1, sm_90 only: see below).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
 //   heads of one GQA group. Grid (num_kv_heads * m_tiles, num_work); block 32 * NUM_WARPS.
@@ -16,11 +16,26 @@
 //   Page ids of WIN_TOK tokens at a time land in one of two shared-memory windows; the
 //   next window is copied with the first tile of the current one, so no K/V copy waits on a
 //   dependent global load of kv_indices.
+// TMA = 1 (sm_90, page_size % 16 == 0, every work item's kv_start % 16 == 0): K/V arrive by TMA
+//   instead: each warp owns its 16 rows of every stage and runs its own pipeline (lane 0 loads a
+//   box of 16 slots x 64 dims per page, head and 64 columns, onto the warp's mbarrier of that
+//   stage), so the loop has no CTA barrier and no per-thread address math. Boxes land with the
+//   128-byte swizzle (conflict-free ldmatrix); a box reads whole pages, so V rows past the end
+//   are zeroed before P V (P is 0 there, but the slots past last_page_len may hold non-finite
+//   bits). The page ids of the warp's next 32 tiles sit one per lane in a register, loaded 32
+//   tiles ahead. tmap_k / tmap_v: 4-d tensor maps (dims HEAD_DIM, page_size, num_kv_heads,
+//   num_pages; box 64 x 16 x 1 x 1), encoded by decode.py.
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
 //
 // Softmax runs in base 2 (log2(e) folded into the scale); every LSE that leaves a kernel is in
 // natural-log units (base e), as everywhere in cuattn.
 #include "common/mma.cuh"
+#ifndef TMA
+#define TMA 0
+#endif
+#if TMA
+#include "common/tma.cuh"
+#endif
 
 namespace cuattn {
 
@@ -47,11 +62,27 @@ constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per row
 constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
 constexpr int PASSES = BLOCK_N / ROWS_PER_PASS;
 constexpr int Q_BYTES = M_TILE * SROW;
-constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;  // K rows then V rows
+// A stage's K/V bytes; a row's 16-byte chunk c (of HEAD_DIM / 8) sits at
+//   row * ROW_PITCH + (c / 8) * BLOCK_STRIDE + ((c % 8) ^ swizzle(row)) * 16
+// from its warp's K (or V) base, the warps' bases WARP_OFFSET apart and V KV_OFFSET after K.
+#if TMA
+constexpr int NH = HEAD_DIM / 64;                // 64-column blocks per row: one TMA box each
+constexpr int BOX_BYTES = WARP_N * 128;          // 16 rows x 128 bytes
+constexpr int ROW_PITCH = 128;
+constexpr int BLOCK_STRIDE = BOX_BYTES;
+constexpr int KV_OFFSET = NH * BOX_BYTES;        // a warp's K boxes, then its V boxes
+constexpr int WARP_OFFSET = 2 * NH * BOX_BYTES;  // bytes of one warp's stage = its TMA transaction
+constexpr int STAGE_BYTES = NUM_WARPS * WARP_OFFSET;
+#else
+constexpr int ROW_PITCH = SROW;
+constexpr int BLOCK_STRIDE = 128;                // padded rows: 64 columns = 128 bytes further
+constexpr int KV_OFFSET = BLOCK_N * SROW;        // K rows then V rows
+constexpr int WARP_OFFSET = WARP_N * SROW;
+constexpr int STAGE_BYTES = 2 * BLOCK_N * SROW;
+#endif
 constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
-constexpr int IDX_BYTES = 2 * WIN_CAP * 4;       // two page-id windows after the stages (DecodeSpec.smem_bytes)
 static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
 static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * HEAD_DIM * 4 <= STAGES * STAGE_BYTES,
               "the warp merge reuses the pipeline buffers");
@@ -59,6 +90,11 @@ constexpr float LN2 = 0.69314718055994531f;
 
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// byte offset of 16-byte chunk c8 (0..7) of a 64-column block's row
+__device__ __forceinline__ int chunk_offset(int row, int c8) {
+  return row * ROW_PITCH + ((TMA ? c8 ^ (row & 7) : c8) * 16);
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -131,7 +167,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
     int64_t s_page, int64_t s_tok, int64_t s_head,
     int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2,
-    int* __restrict__ counters) {           // null: cuattn_decode_merge merges split requests
+    int* __restrict__ counters              // null: cuattn_decode_merge merges split requests
+#if TMA
+    , const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v
+#endif
+    ) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t* w = work + int64_t(blockIdx.y) * 8;
@@ -142,16 +182,56 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   const int head0 = kv_head * group + (blockIdx.x % m_tiles) * M_TILE;
   const int rows = min(M_TILE, group - (blockIdx.x % m_tiles) * M_TILE);
 
-  unsigned char* q_s = smem;
-  unsigned char* kv_s = smem + Q_BYTES;
+  // stages (1024-byte aligned for the TMA swizzle), query rows, then page-id windows or mbarriers
+  unsigned char* kv_s = smem + (TMA ? (1024 - (smem_u32(smem) & 1023)) & 1023 : 0);
+  unsigned char* q_s = kv_s + STAGES * STAGE_BYTES;
   const kv_t* k_head = k_cache + kv_head * s_head;
   const kv_t* v_head = v_cache + kv_head * s_head;
   const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
 
+  auto page_of = [&](int pos) { return page_shift >= 0 ? pos >> page_shift : pos / page_size; };
+#if TMA
+  // -- page ids: lane l holds that of the warp's tile ids_t0 + l; the next 32 load 32 tiles ahead
+  auto load_ids = [&](int t0) {
+    const int pos = kv_start + (t0 + lane) * BLOCK_N + warp * WARP_N;
+    return pos < kv_end ? __ldg(kv_indices + page_base + page_of(pos)) : 0;
+  };
+  int ids_t0 = 0, ids_cur = load_ids(0), ids_next = load_ids(32);
+  auto page_id = [&](int t) {            // every lane, t increasing
+    if (t >= ids_t0 + 32) {
+      ids_t0 += 32;
+      ids_cur = ids_next;
+      ids_next = load_ids(ids_t0 + 32);
+    }
+    return __shfl_sync(0xffffffffu, ids_cur, t - ids_t0);
+  };
+  const uint32_t bars = smem_u32(q_s + Q_BYTES);          // [NUM_WARPS][STAGES] mbarriers
+  auto bar_of = [&](int stage) { return bars + (warp * STAGES + stage) * 8; };
+  // -- lane 0 loads the warp's 16 K and V rows of tile `tile` into stage `stage`
+  auto issue_tile = [&](int tile, int stage) {
+    const int tok0 = kv_start + tile * BLOCK_N + warp * WARP_N;
+    if (tile >= n_tiles || tok0 >= kv_end) return;       // warp-uniform
+    const int id = page_id(tile);
+    if (lane == 0) {
+      const int slot_in_page = tok0 - page_of(tok0) * page_size;
+      const uint32_t dst = smem_u32(kv_s + stage * STAGE_BYTES + warp * WARP_OFFSET), bar = bar_of(stage);
+      mbar_arrive_expect_tx(bar, WARP_OFFSET);
+#pragma unroll
+      for (int h = 0; h < NH; ++h) {
+        tma_load_4d(dst + h * BOX_BYTES, &tmap_k, h * 64, slot_in_page, kv_head, id, bar);
+        tma_load_4d(dst + KV_OFFSET + h * BOX_BYTES, &tmap_v, h * 64, slot_in_page, kv_head, id, bar);
+      }
+    }
+  };
+  if (tid == 0) {
+    for (int i = 0; i < NUM_WARPS * STAGES; ++i) mbar_init(bars + i * 8, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+#else
   const int c = tid % CHUNKS;
   // -- page-id windows: window wi holds the pages of tokens [kv_start + wi*WIN_TOK, +WIN_TOK)
-  int* idx_s = reinterpret_cast<int*>(smem + Q_BYTES + STAGES * STAGE_BYTES);   // [2][WIN_CAP]
-  auto page_of = [&](int pos) { return page_shift >= 0 ? pos >> page_shift : pos / page_size; };
+  int* idx_s = reinterpret_cast<int*>(q_s + Q_BYTES);     // [2][WIN_CAP]
   auto copy_window = [&](int wi) {      // cp.async of window wi's page ids (no commit)
     const int t0 = kv_start + wi * WIN_TOK;
     if (t0 >= kv_end) return;
@@ -191,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
+#endif
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_tile(s, s);
 
@@ -204,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     }
     *reinterpret_cast<uint4*>(q_s + r * SROW + c * 16) = val;
   }
+  if (TMA) __syncthreads();   // the cp.async loop's first barrier publishes q_s otherwise
 
   float acc[HEAD_DIM / 8][4];
 #pragma unroll
@@ -212,27 +294,49 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   float l_i[2] = {0.f, 0.f};               // this thread's partial row sums
 
   const uint32_t q_addr = smem_u32(q_s + (lane % 16) * SROW + (lane / 16) * 16);
+  // ldmatrix row offsets of k-step kk % 4 in a 64-column block (lane j = lane / 8 picks the matrix):
+  // K (S = Q K^T) rows (lane % 8) + (j >> 1) * 8, chunk 2 kk + (j & 1); V (P V, transposed)
+  // rows (lane % 8) + (j & 1) * 8, chunk 2 kk + (j >> 1)
+  int k_off[4], v_off[4];
+#pragma unroll
+  for (int k4 = 0; k4 < 4; ++k4) {
+    const int j = lane / 8;
+    k_off[k4] = chunk_offset((lane % 8) + (j >> 1) * 8, 2 * k4 + (j & 1));
+    v_off[k4] = chunk_offset((lane % 8) + (j & 1) * 8, 2 * k4 + (j >> 1));
+  }
 
   for (int tile = 0; tile < n_tiles; ++tile) {
+#if !TMA
     cp_async_wait<STAGES - 2>();
     __syncthreads();
+#endif
     issue_tile(tile + STAGES - 1, (tile + STAGES - 1) % STAGES);
 
-    const unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_N * SROW;
-    const unsigned char* vs = ks + BLOCK_N * SROW;
+    unsigned char* ks = kv_s + (tile % STAGES) * STAGE_BYTES + warp * WARP_OFFSET;
+    unsigned char* vs = ks + KV_OFFSET;
     const int tok0 = kv_start + tile * BLOCK_N + warp * WARP_N;
     if (tok0 >= kv_end) continue;   // this warp's rows are all past the end
+#if TMA
+    mbar_wait(bar_of(tile % STAGES), (tile / STAGES) & 1);
+    if (kv_end - tok0 < WARP_N) {   // V rows past the end -> 0 (whole rows: the swizzle does not matter)
+      const int r0 = kv_end - tok0;
+      for (int i = lane; i < (WARP_N - r0) * NH * 8; i += 32) {
+        const int r = r0 + i / (NH * 8), h = (i / 8) % NH;
+        *reinterpret_cast<uint4*>(vs + h * BOX_BYTES + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+      }
+      __syncwarp();
+    }
+#endif
 
     // -- S = Q K^T for 16 heads x 16 tokens (two n8 tiles)
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     {
-      const int j = lane / 8;
-      const uint32_t k_addr = smem_u32(ks + ((lane % 8) + (j >> 1) * 8) * SROW + (j & 1) * 16);
+      const uint32_t k_base = smem_u32(ks);
 #pragma unroll
       for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         uint32_t a[4], b[4];
         ldmatrix_x4(a, q_addr + kk * 32);
-        ldmatrix_x4(b, k_addr + kk * 32);
+        ldmatrix_x4(b, k_base + (kk / 4) * BLOCK_STRIDE + k_off[kk % 4]);
         mma_m16n8k16<kv_t>(s[0], a, b[0], b[1]);
         mma_m16n8k16<kv_t>(s[1], a, b[2], b[3]);
       }
@@ -282,18 +386,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     pa[2] = pack2<kv_t>(s[1][0], s[1][1]);
     pa[3] = pack2<kv_t>(s[1][2], s[1][3]);
     {
-      const int j = lane / 8;
-      const uint32_t v_addr = smem_u32(vs + ((lane % 8) + (j & 1) * 8) * SROW + (j >> 1) * 16);
+      const uint32_t v_base = smem_u32(vs);
 #pragma unroll
       for (int dn = 0; dn < HEAD_DIM / 16; ++dn) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, v_addr + dn * 32);
+        ldmatrix_x4_trans(b, v_base + (dn / 4) * BLOCK_STRIDE + v_off[dn % 4]);
         mma_m16n8k16<kv_t>(acc[2 * dn], pa, b[0], b[1]);
         mma_m16n8k16<kv_t>(acc[2 * dn + 1], pa, b[2], b[3]);
       }
     }
+#if TMA
+    __syncwarp();   // every lane's ldmatrix of this stage is done before lane 0 refills it
+#endif
   }
+#if !TMA
   cp_async_wait<0>();
+#endif
 
   // -- merge the warps' states through smem (pipeline buffers are free now)
 #pragma unroll

@@ -27,6 +27,7 @@
 // masked in S (the TMA zero-fills rows past the tensor's end).
 #include "common/dtypes.cuh"
 #include "common/mma.cuh"
+#include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
 using namespace cuattn;

@@ -208,7 +208,9 @@ def test_bad_kv_layout_is_rejected():
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
 def test_shipped_decode_kernels_compile_without_spills(arch):
-    for spec in decode.shipped_specs():
+    specs = [s for s in decode.shipped_specs() if s.archs is None or arch in s.archs]
+    assert any(s.tma for s in specs) == (arch == "sm_90a")
+    for spec in specs:
         res = jit.compile_kernel(spec, arch).resources
         for entry in (decode._ENTRY, decode._MERGE_ENTRY):
             r = res[entry]
@@ -325,6 +327,57 @@ def test_batch_decode_gpu_merge_and_warp_variants_agree(variant):
             assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
         outs.append(cupy.asnumpy(out).astype(np.float64))
     assert rel_err(outs[1], outs[0]) < 2e-3
+
+
+def _poison_past_the_end(case, page_size, layout):
+    """NaN / inf in every cache slot no request owns (past last_page_len, and the spare pages):
+    the TMA kernel reads whole pages, so it must not let them reach the output."""
+    owned = np.zeros((case["k"].shape[0], page_size), bool)
+    for b, n in enumerate(case["lens"]):
+        for j, page in enumerate(case["indices"][case["indptr"][b]:case["indptr"][b + 1]]):
+            owned[page, :min(page_size, n - j * page_size)] = True
+    for name, bad in (("k", np.nan), ("v", np.inf)):
+        arr = case[name] if layout == "NHD" else case[name].transpose(0, 2, 1, 3)   # view: [P, slot, H, D]
+        arr[~owned] = bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,form,page_size,split,warps", [("NHD", "one", 16, 300, 4), ("HND", "pair", 32, 0, 4),
+                                                               ("NHD", "pair", 64, 37, 8), ("HND", "one", 16, 0, 8)])
+def test_batch_decode_gpu_tma_and_cp_async_kernels_agree(layout, form, page_size, split, warps):
+    """The TMA kernel (sm_90, page_size % 16 == 0) against the oracle and the cp.async kernel, with
+    NaN / inf in the slots past each request's end, split (pieces cut to 16-token multiples) or not."""
+    import cupy
+    if jit.device_arch(0) != decode._TMA_ARCH:
+        pytest.skip("the TMA decode kernel is built for sm_90 alone")
+    case = make_case(0, 0, page_size, 32, 8, 128, layout, "float16", kv_lens=[3000, 1, 0, 700, 2049, 33, 16], seed=11)
+    _poison_past_the_end(case, page_size, layout)
+    ref_o, ref_lse = oracle(case)
+    outs = []
+    for tma in (True, False):
+        w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout=layout)
+        w._tuning = dict(tma=tma, num_warps=warps)     # test overrides, not API
+        w.plan(case["indptr"], case["indices"], case["lpl"], 32, 8, 128, page_size, q_data_type="float16",
+               fixed_split_size=split or None, disable_split_kv=not split)
+        assert w._spec.tma == tma and w._work.split == bool(split)
+        assert not tma or (w._work.work[:, 2] % 16 == 0).all()
+        for _rep in range(2):
+            out, lse = w.run(to_cupy(case["q"]), cache_arg(case, form, to_cupy), return_lse=True)
+            assert rel_err(cupy.asnumpy(out), ref_o) < TOL
+            assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
+        outs.append(cupy.asnumpy(out).astype(np.float64))
+    assert rel_err(outs[0], outs[1]) < 2e-3
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_tma_override_needs_whole_boxes():
+    if jit.device_arch(0) != decode._TMA_ARCH:
+        pytest.skip("the TMA decode kernel is built for sm_90 alone")
+    case = make_case(2, 40, 5, 8, 8, 64, "NHD", "float16")
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    w._tuning = dict(tma=True)
+    with pytest.raises(UnsupportedError, match="page_size % 16"):
+        w.plan(case["indptr"], case["indices"], case["lpl"], 8, 8, 64, 5, q_data_type="float16")
 
 
 @pytest.mark.gpu

@@ -28,17 +28,19 @@ def _covered(wl, indptr, indices, page_size, num_heads_work):
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=6), page_size=st.integers(1, 64),
        heads=st.integers(1, 4), sms=st.integers(1, 200), fixed=st.one_of(st.none(), st.integers(1, 3000)),
-       seed=st.integers(0, 2**31))
-def test_decode_work_list_covers_every_request_head_token_exactly_once(lens, page_size, heads, sms, fixed, seed):
+       align=st.sampled_from([1, 16]), seed=st.integers(0, 2**31))
+def test_decode_work_list_covers_every_request_head_token_exactly_once(lens, page_size, heads, sms, fixed, align,
+                                                                       seed):
     rng = np.random.default_rng(seed)
     indptr, indices, lpl = _page_table(lens, page_size, rng)
     kv_lens = validate_page_table("t", indptr, lpl, page_size, len(indices))
     assert kv_lens.tolist() == lens
     chunk = fixed if fixed is not None else plan.choose_chunk(kv_lens, heads, sms, 2)
-    wl = plan.decode_work_list(indptr, kv_lens, chunk)
-    # every piece lies inside its request and respects the chunk size
+    wl = plan.decode_work_list(indptr, kv_lens, chunk, align=align)
+    # every piece lies inside its request, starts at a multiple of align (the TMA kernel's
+    # 16-slot boxes) and respects the chunk size
     for req, base, start, end, slot, *_ in wl.work:
-        assert base == indptr[req] and 0 <= start <= end <= kv_lens[req]
+        assert base == indptr[req] and 0 <= start <= end <= kv_lens[req] and start % align == 0
         if chunk:
             assert end - start <= max(chunk + plan.BLOCK_N, chunk * 2)
     seen = _covered(wl, indptr, indices, page_size, heads)
