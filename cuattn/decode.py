@@ -127,13 +127,14 @@ def _launchers(spec: DecodeSpec, device: int):
             jit.get_launcher(spec, _MERGE_ENTRY, device, _MERGE_ARGS))
 
 
-@functools.lru_cache(maxsize=512)      # every layer's cache, K and V: hit after the first step
-def _paged_tensor_map(ptr: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                      s_page: int, s_tok: int, s_head: int) -> bytes:
-    """The TMA kernel's view of a K or V cache: dims (head_dim, page_size, num_kv_heads, num_pages),
-    box 64 dims x 16 slots of one page and head."""
-    return jit.tensor_map_16bit(ptr, (head_dim, page_size, num_kv_heads, num_pages), (s_tok, s_head, s_page),
-                                (64, _TMA_ALIGN, 1, 1), "the TMA decode kernel", "BatchDecodeWithPagedKVCacheWrapper.run")
+@functools.lru_cache(maxsize=256)      # every layer's cache: hit after the first step
+def _paged_tensor_maps(k_ptr: int, v_ptr: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       s_page: int, s_tok: int, s_head: int) -> tuple[bytes, bytes]:
+    """The TMA kernel's views of the K and V caches: dims (head_dim, page_size, num_kv_heads,
+    num_pages), box 64 dims x 16 slots of one page and head."""
+    return tuple(jit.tensor_map_16bit(ptr, (head_dim, page_size, num_kv_heads, num_pages), (s_tok, s_head, s_page),
+                                      (64, _TMA_ALIGN, 1, 1), "the TMA decode kernel",
+                                      "BatchDecodeWithPagedKVCacheWrapper.run") for ptr in (k_ptr, v_ptr))
 
 
 def _page_shift(page_size: int) -> int:
@@ -156,29 +157,34 @@ class _DeviceBuffers:
         self.device, self.fixed = device, fixed
         self.plan = None          # int32 cupy
         self.partial = None       # float32 cupy (when no workspace buffer was given)
-        self._pinned = None       # (pinned memory, int32 NumPy view): plan() staging
-        self._copied = None       # event after the last upload from the staging buffer
+        # plan() staging: two pinned int32 host buffers used in turn, each with the event after
+        # its last upload, so a plan() right after another one does not wait for that upload
+        self._pinned = [None, None]   # (pinned memory, int32 NumPy view)
+        self._copied = [None, None]
+        self._turn = 0
 
     def staging(self, size: int) -> np.ndarray:
         """Pinned int32 host buffer of >= size elements (grown by doubling, kept), free to write:
-        the previous plan's upload from it has finished."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._pinned is None or self._pinned[1].size < size:
+        its previous upload (two plans ago) has finished."""
+        self._turn ^= 1
+        pinned, copied = self._pinned[self._turn], self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        if pinned is None or pinned[1].size < size:
             cp = arrays.cupy_module()
-            n = max(size, 1024, 0 if self._pinned is None else 2 * self._pinned[1].size)
+            n = max(size, 1024, 0 if pinned is None else 2 * pinned[1].size)
             mem = cp.cuda.alloc_pinned_memory(n * 4)
-            self._pinned = (mem, np.frombuffer(mem, np.int32, n))
-        return self._pinned[1]
+            self._pinned[self._turn] = pinned = (mem, np.frombuffer(mem, np.int32, n))
+        return pinned[1]
 
     def upload(self, dst_ptr: int, host: np.ndarray, count: int, stream) -> None:
-        """Copy ``count`` int32 from the staging buffer to ``dst_ptr``, asynchronously on ``stream``
-        (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
+        """Copy ``count`` int32 from the current staging buffer to ``dst_ptr``, asynchronously on
+        ``stream`` (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
         cp = arrays.cupy_module()
         cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, count * 4, 1, stream.ptr)
-        if self._copied is None:
-            self._copied = cp.cuda.Event(block=False, disable_timing=True)
-        self._copied.record(stream)
+        if self._copied[self._turn] is None:
+            self._copied[self._turn] = cp.cuda.Event(block=False, disable_timing=True)
+        self._copied[self._turn].record(stream)
 
     def _ensure(self, name: str, size: int, dtype, what: str):
         cp = arrays.cupy_module()
@@ -569,11 +575,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return lse, lt.ptr
 
     def _launch(self, qt, kv, ot, lse_ptr, stream):
-        maps = ()
-        if self._spec.tma:
-            geometry = (kv.num_pages, self._page_size, self._num_kv_heads, self._head_dim, kv.stride_page,
-                        kv.stride_slot, kv.stride_head)
-            maps = (_paged_tensor_map(kv.k.ptr, *geometry), _paged_tensor_map(kv.v.ptr, *geometry))
+        maps = () if not self._spec.tma else _paged_tensor_maps(
+            kv.k.ptr, kv.v.ptr, kv.num_pages, self._page_size, self._num_kv_heads, self._head_dim, kv.stride_page,
+            kv.stride_slot, kv.stride_head)
         self._k_launch(self._k_grid, self._spec.threads, stream,
                        self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
                        self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
