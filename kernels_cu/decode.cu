@@ -129,21 +129,25 @@ using namespace cuattn;
 // A negative request marks padding (CUDA-graph grids are sized for capacity).
 // out[req, head, d..d+3] = sum_s exp(lse_s - lse) * part_o[s, head, d..d+3] over the partial
 // slots s0..s1 of a split request, lse = log(sum_s exp(lse_s)) (base e); lse written by d == 0.
+// One pass with a running max, unrolled so several slots' loads are in flight at once (the
+// merge runs after every piece, so its load latency adds straight to the kernel's time).
 // Loads bypass L1 (__ldcg): the partials were written by other CTAs of the same launch.
 __device__ __forceinline__ void merge_partials(const float* part_o, const float* part_lse, int s0, int s1,
                                                int req, int head, int d, int num_qo_heads, q_t* out,
                                                int64_t o_s_b, int64_t o_s_h, float* lse) {
   constexpr float LOG2E = 1.4426950408889634f;
-  float m = neg_inf();
-  for (int s = s0; s < s1; ++s) m = fmaxf(m, __ldcg(part_lse + int64_t(s) * num_qo_heads + head));
-  const float m_use = m == neg_inf() ? 0.f : m;
-  float l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  float m = neg_inf(), l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;   // m, l in base 2
+#pragma unroll 4
   for (int s = s0; s < s1; ++s) {
     const int64_t row = int64_t(s) * num_qo_heads + head;
-    const float c = exp2_approx((__ldcg(part_lse + row) - m_use) * LOG2E);
+    const float lse_s = __ldcg(part_lse + row) * LOG2E;
     const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d));
-    l += c;
-    o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
+    if (lse_s == neg_inf()) continue;            // an empty piece adds nothing
+    const float m_new = fmaxf(m, lse_s);
+    const float a = exp2_approx(m - m_new), c = exp2_approx(lse_s - m_new);   // a = 0 at the first
+    l = l * a + c;
+    o0 = o0 * a + v.x * c; o1 = o1 * a + v.y * c; o2 = o2 * a + v.z * c; o3 = o3 * a + v.w * c;
+    m = m_new;
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   uint2 packed;
@@ -151,7 +155,7 @@ __device__ __forceinline__ void merge_partials(const float* part_o, const float*
   packed.y = pack2<q_t>(o2 * inv, o3 * inv);
   *reinterpret_cast<uint2*>(out + req * o_s_b + int64_t(head) * o_s_h + d) = packed;
   if (lse != nullptr && d == 0)
-    lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? m_use + log2_approx(l) * LN2 : neg_inf();
+    lse[int64_t(req) * num_qo_heads + head] = l > 0.f ? (m + log2_approx(l)) * LN2 : neg_inf();
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
