@@ -314,6 +314,19 @@ def host_us_per_call(call, synchronize, n_calls=200):
     return us
 
 
+def plan_us_each(args, n=40):
+    """Host µs of each of n plan() calls for batch 256 x 2048 on a fresh wrapper, after 10 warm-up
+    plans (the first plans run 2-5x slower: H100 VM 488, 220, 154 µs, ...)."""
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    pi, px, pl = page_table(256, 2048, args.page_size, 2)
+    times = []
+    for i in range(10 + n):
+        t0 = time.perf_counter()
+        w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times[10:]
+
+
 def finish(args, env, read_tbs, copy_tbs, rows, reps):
     # -- host cost: eager run() with out= given (bs 1 x 512, 32:8), plan() for batch 256
     indptr, indices, lpl, cache, q = setup_case(1, 512, 32, 8, args.head_dim, args.page_size, args.dtype, 1)
@@ -321,6 +334,7 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
     w.plan(indptr, indices, lpl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
     out = cp.empty_like(q)
     host = {}
+    plan_before = plan_us_each(args)      # again after the run() timings (FlashInfer's among them)
     host["cupy"] = host_us_per_call(lambda: w.run(q, cache, out=out), cp.cuda.Device().synchronize)
     try:
         import torch
@@ -340,20 +354,15 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
             pass
     except ImportError:
         pass
-    plan_times = []
-    pi, px, pl = page_table(256, 2048, args.page_size, 2)
-    for _ in range(10):    # warm-up: the first plans of a shape run 2-5x slower (H100 VM: 488, 220, 154 µs, ...)
-        w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
-    for _ in range(40):
-        t0 = time.perf_counter()
-        w.plan(pi, px, pl, 32, 8, args.head_dim, args.page_size, q_data_type=args.dtype)
-        plan_times.append((time.perf_counter() - t0) * 1e6)
+    plan_times = plan_us_each(args)
     host["plan_batch256_us"] = statistics.median(plan_times)
     host["plan_batch256_each_us"] = [round(t, 1) for t in plan_times]
+    host["plan_batch256_before_peers_us"] = statistics.median(plan_before)
     if args.profile_host:
         import cProfile
         import io
         import pstats
+        pi, px, pl = page_table(256, 2048, args.page_size, 2)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):
@@ -368,7 +377,8 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
     cp.cuda.Device().synchronize()
     print("host µs per eager run() (bs1x512, out= given): " + ", ".join(
         f"{k} {v:.1f}" for k, v in host.items() if not k.startswith("plan_"))
-          + f"; plan() batch 256 x 2048: median {host['plan_batch256_us']:.0f} µs, each "
+          + f"; plan() batch 256 x 2048: median {host['plan_batch256_before_peers_us']:.0f} µs before the run() "
+          f"timings, {host['plan_batch256_us']:.0f} µs after, each "
           + " ".join(f"{t:.0f}" for t in plan_times))
 
     result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, copy_tbs=copy_tbs), dtype=args.dtype,
