@@ -30,7 +30,7 @@ _THREADS = 128
 _LOG2E = 1.4426950408889634
 _SMEM_PER_SM = 227 * 1024     # sm_80 / sm_90 per-block opt-in limit; per-SM capacity is ~228 KB
 _TMA_ARCH = "sm_90a"
-_MAX_STAGING = 4              # plan() staging buffers in flight at once (_DeviceBuffers.staging)
+_MAX_STAGING = 8              # plan() staging buffers in flight at once (_DeviceBuffers.staging)
 _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and pieces are multiples of it
 
 
