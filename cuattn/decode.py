@@ -1,7 +1,8 @@
 """Decode attention: one new query token per request over its KV (paged or contiguous).
 
 GPU path: ``kernels_cu/decode.cu`` (tensor-core decode, query heads of a GQA group as the mma M
-dimension, K/V read once per group) plus a merge kernel for split-KV. ``plan()`` builds the work
+dimension, K/V read once per group; on sm_90 K/V arrive by TMA wherever page_size % 16 == 0, else
+by cp.async) plus a merge kernel for split-KV. ``plan()`` builds the work
 list on the host once per step; ``run()`` only launches. NumPy inputs run ``reference.py``.
 
 LSE (``return_lse=True``) is in natural-log units (base e): ``lse = log(sum_j exp(s_j))``.
@@ -360,15 +361,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9),
         #    except for many waves of long requests, where 8 warps win again (H100, same run:
         #    bs256x8192 2984 -> 2897 us, bs256x32k 12014 -> 11662; bs64x32k 2901 -> 2938, so >= 8 waves).
+        #    A batch of <= 2048 tokens in all takes 4 warps too: its few short pieces start and merge
+        #    sooner in smaller CTAs (H100, TMA kernel, same run: bs1x512 10.4 -> 9.5 us, bs1x2048
+        #    13.3 -> 12.4; 32:32 bs1x512 12.4 -> 11.5; bs1x8192 prefers 8 warps, H200 18.3 vs 20.8).
         #    With use_cuda_graph the choice of the first plan is kept (the captured kernel).
         warps = self._tuned("num_warps")
         if not warps:
             warps = self._graph_warps if self._use_cuda_graph else 0
             if not warps:
-                ctas, sms = self._batch * heads_work, _num_sms(device)
-                long_waves = ctas >= 8 * sms and kv_lens.mean() >= 2048
+                ctas, sms, tokens = self._batch * heads_work, _num_sms(device), int(kv_lens.sum())
+                long_waves = ctas >= 8 * sms and tokens >= 2048 * self._batch
+                few_tokens = tokens <= 2048
                 warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
-                         and (ctas <= sms or long_waves) else 4)
+                         and ((ctas <= sms and not few_tokens) or long_waves) else 4)
             if self._use_cuda_graph:
                 self._graph_warps = warps
         # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
