@@ -182,6 +182,18 @@ def _check_strides(shape, strides, name: str, fn: str) -> None:
                          f"got stride {strides[-1]} (elements); call .contiguous()/ascontiguousarray")
 
 
+def metadata_key(x: Any) -> tuple | None:
+    """What fully determines ``device_tensor(x)`` of a CuPy or PyTorch array (pointer, shape,
+    strides, dtype), cheap enough to read on every call, for memoizing descriptions of
+    long-lived arrays (a KV cache); None for other arrays."""
+    fw = framework_of(x)
+    if fw == "cupy":
+        return (x.data.ptr, x.shape, x.strides, x.dtype)
+    if fw == "torch":
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.is_cuda)
+    return None
+
+
 def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     """Describe a GPU array without copying it."""
     fw = framework_of(x)

@@ -370,6 +370,37 @@ def test_batch_decode_gpu_tma_and_cp_async_kernels_agree(layout, form, page_size
 
 
 @pytest.mark.gpu
+def test_batch_decode_gpu_run_memo_follows_the_cache_and_keeps_none_alive():
+    """run() memoizes cache descriptions on pointer/shape/strides/dtype: another cache of the same
+    shape, or the same cache in (k, v) form, must be read afresh; a dropped cache must be freed."""
+    import cupy
+    case = make_case(3, 300, 16, 32, 8, 128, "NHD", "float16", seed=21)
+    w = planned(case, 32, 8, 128, 16, "float16")
+    q = to_cupy(case["q"])
+    pool = cupy.get_default_memory_pool()
+    for c, form in ((case, "one"), (case, "pair"), (case, "one")):
+        cache = cache_arg(c, form, to_cupy)
+        out = w.run(q, cache)
+        assert rel_err(cupy.asnumpy(out), oracle(c)[0]) < TOL
+    # a second cache with other contents at another address: not the memoized one
+    k2 = case["k"][::-1].copy()                      # pages reversed: other K/V for the same table
+    v2 = case["v"][::-1].copy()
+    swapped = dict(case, k=k2, v=v2, per_req=[])
+    for b, n in enumerate(case["lens"]):
+        idx = case["indices"][case["indptr"][b]:case["indptr"][b + 1]]
+        swapped["per_req"].append((k2[idx].reshape(-1, 8, 128)[:n], v2[idx].reshape(-1, 8, 128)[:n]))
+    out = w.run(q, cache_arg(swapped, "one", to_cupy))
+    assert rel_err(cupy.asnumpy(out), oracle(swapped)[0]) < TOL
+    # the memo holds no array: dropping the cache frees its memory
+    cache = cache_arg(case, "one", to_cupy)
+    w.run(q, cache)
+    cupy.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    del cache, out
+    assert pool.used_bytes() <= before - 2 * case["k"].nbytes
+
+
+@pytest.mark.gpu
 def test_batch_decode_gpu_tma_override_needs_whole_boxes():
     if jit.device_arch(0) != decode._TMA_ARCH:
         pytest.skip("the TMA decode kernel is built for sm_90 alone")
