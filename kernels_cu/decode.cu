@@ -189,8 +189,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   // stages (1024-byte aligned for the TMA swizzle), query rows, then page-id windows or mbarriers
   unsigned char* kv_s = smem + (TMA ? (1024 - (smem_u32(smem) & 1023)) & 1023 : 0);
   unsigned char* q_s = kv_s + STAGES * STAGE_BYTES;
-  const kv_t* k_head = k_cache + kv_head * s_head;
-  const kv_t* v_head = v_cache + kv_head * s_head;
   const int n_tiles = (kv_end - kv_start + BLOCK_N - 1) / BLOCK_N;
 
   auto page_of = [&](int pos) { return page_shift >= 0 ? pos >> page_shift : pos / page_size; };
@@ -233,6 +231,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   }
   __syncthreads();
 #else
+  const kv_t* k_head = k_cache + kv_head * s_head;
+  const kv_t* v_head = v_cache + kv_head * s_head;
   const int c = tid % CHUNKS;
   // -- page-id windows: window wi holds the pages of tokens [kv_start + wi*WIN_TOK, +WIN_TOK)
   int* idx_s = reinterpret_cast<int*>(q_s + Q_BYTES);     // [2][WIN_CAP]
