@@ -543,6 +543,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qt.shape}")
         if not arrays.same_storage(qt.dtype, self._q_dtype):
             raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qt.dtype}")
+        _check_aligned(qt, "q", 16, fn)
         kv, maps = self._kv_view(paged_kv_cache, fn)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self._page_size, self._num_kv_heads, self._head_dim):
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
@@ -579,6 +580,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"got {ot.shape} {ot.dtype}")
         if ot.device != qt.device:
             raise ValueError(f"{fn}: out must be on GPU {qt.device}, got GPU {ot.device}")
+        _check_aligned(ot, "out", 8, fn)
         return out, ot
 
     def _lse_output(self, ctx, lse, fn):
@@ -602,6 +604,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if hit is not None:
             return hit
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        _check_aligned(kv.k, "paged_kv_cache", 16, fn)
+        _check_aligned(kv.v, "paged_kv_cache", 16, fn)
         maps = () if not self._spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
             kv.stride_slot, kv.stride_head)
@@ -649,6 +653,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale)
             o[b], s[b] = ob[0], sb[0]
         return _host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
+
+
+def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
+    """The kernel moves ``nbytes`` at a time through ``t``: its base address and strides must be
+    multiples of that (a misaligned access would fault and poison the CUDA context)."""
+    elems = nbytes // t.dtype.itemsize
+    if t.ptr % nbytes or any(st % elems for st in t.strides[:-1]):
+        raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
+                         f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")
 
 
 def _host_results(ctx, o, s, out, lse, return_lse, q_dtype, fn):
@@ -741,6 +754,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                          f"v={vt.dtype} {vt.strides}")
     if d not in HEAD_DIMS:
         raise UnsupportedError(f"{fn}: head_dim={d} has no GPU kernel; supported: 64, 128, 256")
+    for t, name in ((qt, "q"), (kt, "k"), (vt, "v")):
+        _check_aligned(t, name, 16, fn)
     if q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
         raise UnsupportedError(f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
                                f"supported: float16, bfloat16")

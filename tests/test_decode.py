@@ -401,6 +401,31 @@ def test_batch_decode_gpu_run_memo_follows_the_cache_and_keeps_none_alive():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 5])     # TMA (on sm_90) and cp.async kernels
+def test_batch_decode_gpu_rejects_misaligned_arrays_and_keeps_working(page_size):
+    """q, out and the cache shifted by one element: a clear error naming the argument (the kernels'
+    16-byte loads would fault), and the next well-formed run() still works."""
+    import cupy
+    case = make_case(2, 40, page_size, 8, 8, 64, "NHD", "float16", seed=5)
+    w = planned(case, 8, 8, 64, page_size, "float16")
+    q, cache = to_cupy(case["q"]), cache_arg(case, "one", to_cupy)
+
+    def shifted(x):     # the same values one element further into a larger buffer
+        buf = cupy.empty(x.size + 1, x.dtype)
+        view = buf[1:].reshape(x.shape)
+        view[...] = x
+        return view
+
+    for kw, name in ((dict(q=shifted(q)), "q"), (dict(paged_kv_cache=shifted(cache)), "paged_kv_cache"),
+                     (dict(out=shifted(cupy.empty_like(q))), "out")):
+        args = dict(q=q, paged_kv_cache=cache) | kw
+        with pytest.raises(ValueError, match=f"{name} must start at a"):
+            w.run(args.pop("q"), args.pop("paged_kv_cache"), **args)
+    out = w.run(q, cache)
+    assert rel_err(cupy.asnumpy(out), oracle(case)[0]) < TOL
+
+
+@pytest.mark.gpu
 def test_batch_decode_gpu_tma_override_needs_whole_boxes():
     if jit.device_arch(0) != decode._TMA_ARCH:
         pytest.skip("the TMA decode kernel is built for sm_90 alone")
