@@ -29,7 +29,6 @@ _GPU_DTYPES = (np.dtype(np.float16), arrays.bfloat16)
 _M_TILE = 16                  # query heads per CTA (mma M)
 _THREADS = 128
 _LOG2E = 1.4426950408889634
-_SMEM_PER_SM = 227 * 1024     # sm_80 / sm_90 per-block opt-in limit; per-SM capacity is ~228 KB
 _TMA_ARCH = "sm_90a"
 _MAX_STAGING = 8              # plan() staging buffers in flight at once (_DeviceBuffers.staging)
 _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and pieces are multiples of it
@@ -659,7 +658,7 @@ def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
     """The kernel moves ``nbytes`` at a time through ``t``: its base address and strides must be
     multiples of that (a misaligned access would fault and poison the CUDA context)."""
     elems = nbytes // t.dtype.itemsize
-    if t.ptr % nbytes or any(st % elems for st in t.strides[:-1]):
+    if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:     # elems divides every stride
         raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
                          f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")
 

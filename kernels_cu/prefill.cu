@@ -19,6 +19,7 @@
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets; paged: page CSR).
 #include "common/dtypes.cuh"
 #include "common/mma.cuh"
+#include "common/prefill_tile.cuh"
 
 using namespace cuattn;
 typedef DTYPE dtype_t;
@@ -185,13 +186,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   int64_t q_base = 0, kv_base = 0;
   int qo_len = single_qo_len, kv_len = single_kv_len;
   const int32_t* pages = kv_indices;
-  if (work == nullptr) {
-    tile = int(gridDim.x) - 1 - int(blockIdx.x);
-  } else {
-    req = work[2 * blockIdx.x];
-    tile = work[2 * blockIdx.x + 1];
-    q_base = qo_indptr[req];
-    qo_len = qo_indptr[req + 1] - qo_indptr[req];
+  query_tile(work, qo_indptr, req, tile, q_base, qo_len);
+  if (work != nullptr) {
 #if PAGED
     const int p0 = kv_indptr[req], np = kv_indptr[req + 1] - p0;
     pages = kv_indices + p0;
@@ -474,15 +470,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
       if (pr >= packed_rows) continue;
-      const int64_t tok = q_base + pr / group;
-      const int head = kvh * group + pr % group;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      dtype_t* orow = o + tok * o_s_tok + head * o_s_head;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) =
-            pack2<dtype_t>(acc[i][n][2 * h] * inv, acc[i][n][2 * h + 1] * inv);
-      if (lse != nullptr && t4 == 0)
-        lse[tok * num_qo_heads + head] = l > 0.f ? (m_i[i][h] + __log2f(l)) * 0.69314718055994531f : NEG_INF;
+      store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, kvh * group + pr % group,
+                          t4, l, m_i[i][h],
+                          [&](int n) { return make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]); });
     }
 }

@@ -27,6 +27,7 @@
 // masked in S (the TMA zero-fills rows past the tensor's end).
 #include "common/dtypes.cuh"
 #include "common/mma.cuh"
+#include "common/prefill_tile.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
@@ -76,17 +77,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const int kvh = int(blockIdx.y);
 
   // -- which request and tile; lengths and offsets of the request
-  int req = 0, tile;
+  int req = 0, tile, qo_len = single_qo_len, kv_base = 0, kv_len = single_kv_len;
   int64_t q_base = 0;
-  int kv_base = 0;
-  int qo_len = single_qo_len, kv_len = single_kv_len;
-  if (work == nullptr) {
-    tile = int(gridDim.x) - 1 - int(blockIdx.x);
-  } else {
-    req = work[2 * blockIdx.x];
-    tile = work[2 * blockIdx.x + 1];
-    q_base = qo_indptr[req];
-    qo_len = qo_indptr[req + 1] - qo_indptr[req];
+  query_tile(work, qo_indptr, req, tile, q_base, qo_len);
+  if (work != nullptr) {
     kv_base = kv_indptr[req];
     kv_len = kv_indptr[req + 1] - kv_base;
   }
@@ -298,16 +292,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int pr = my_row0 + 8 * h;
     if (pr >= packed_rows) continue;
-    const int64_t tok = q_base + pr / group;
-    const int head = kvh * group + pr % group;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    dtype_t* orow = o + tok * o_s_tok + head * o_s_head;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t4) =
-          pack2<dtype_t>(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
-    if (lse != nullptr && t4 == 0)
-      lse[tok * num_qo_heads + head] = l > 0.f ? (m_i[h] + __log2f(l)) * 0.69314718055994531f : NEG_INF;
+    store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, kvh * group + pr % group, t4,
+                        l, m_i[h], [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); });
   }
 #undef FULL_K
 #undef FULL_V
