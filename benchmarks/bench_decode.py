@@ -9,6 +9,10 @@ tensor-core decode kernels, the faster one compared. Ceilings are measured in th
 bandwidth (16-byte loads, 2 GiB) and device-to-device copy (1 GiB, bytes read + written).
 TB/s = 1e12 bytes/s over the K, V, q and o bytes. Host µs = wall time of eager run() calls with
 out= given, averaged over 200 back-to-back calls of the bs 1 x 512 shape (not synced per call).
+--stream also times run() back to back over R copies of the cache (>= 256 MB in all, so L2
+holds none of the next one), as a serving loop runs one layer after another: a spinning kernel
+holds the GPU while the host queues 16+ calls, events bracket the calls, µs per call = elapsed /
+calls (launch gaps and, with PDL, each kernel's start-up overlap the previous kernel's tail).
 
     python benchmarks/bench_decode.py [--batch 1 16 64 256] [--kv-len 512 2048 8192 32768]
         [--heads 32:8 32:32] [--dtype float16|bfloat16] [--reps 30] [--check] [--out results.json]
@@ -71,6 +75,40 @@ _FILL_BF16 = cp.ElementwiseKernel("uint64 seed", "uint16 y", """
 
 def fill_random(x, dtype, seed):
     (_FILL_BF16 if dtype == "bfloat16" else _FILL)(np.uint64(seed * 0x1000003), x.view(cp.uint16))
+
+
+_SPIN = cp.RawKernel(r"""
+extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}""", "spin")
+
+
+def time_back_to_back(calls, reps, spin_cycles=6_000_000):
+    """Median over reps of µs per call when ``calls`` run back to back on the null stream
+    (~3.5 ms of spin lets the host queue them all first, so host launch cost does not gap them)."""
+    for c in calls:
+        c()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        _SPIN((1,), (1,), (np.int64(spin_cycles),))
+        start.record()
+        for c in calls:
+            c()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def rotated_copies(cache, min_bytes=256 << 20, max_bytes=4 << 30, min_calls=16):
+    """(copies of cache, order of calls over them) for time_back_to_back, or None if too big."""
+    if cache.nbytes * 2 > max_bytes:
+        return None
+    n = max(2, -(-min_bytes // cache.nbytes))
+    copies = [cache] + [cache.copy() for _ in range(n - 1)]
+    return copies, [copies[i % n] for i in range(n * -(-min_calls // n))]
 
 
 def time_events(fn, reps, flush=None, warmup=5):
@@ -152,7 +190,10 @@ def check_case(w, q, cache, indptr, indices, lpl, dtype, n_req=2):
     return max(errs)
 
 
-def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, lpl, cache, q, reps, flush):
+def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, lpl, cache, q, reps, flush,
+                  rotation=None):
+    """(isolated µs, back-to-back µs or None) of FlashInfer's faster kernel (CUDA-core or tensor-core,
+    each picked separately), its default PDL launch, or None if it is not importable."""
     try:
         import flashinfer
         import torch
@@ -161,15 +202,19 @@ def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, 
     tdt = torch.float16 if dtype == "float16" else torch.bfloat16
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
-    tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
-    best = None
+    as_torch = lambda c: torch.from_dlpack(c.view(cp.uint16)).view(tdt)  # noqa: E731
+    tc = as_torch(cache)
+    tout = torch.empty_like(tq)
+    iso, stream = [], []
     for tensor_cores in (False, True):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
         w.plan(torch.from_numpy(indptr), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl),
                hq, hkv, d, page_size, q_data_type=tdt, kv_data_type=tdt)
-        us = time_events(lambda: w.run(tq, tc), reps, flush)
-        best = us if best is None else min(best, us)
-    return best
+        iso.append(time_events(lambda: w.run(tq, tc), reps, flush))
+        if rotation is not None:
+            calls = [lambda c=as_torch(c): w.run(tq, c, out=tout) for c in rotation[1]]
+            stream.append(time_back_to_back(calls, reps))
+    return min(iso), (min(stream) if stream else None)
 
 
 def main():
@@ -194,6 +239,8 @@ def main():
     ap.add_argument("--flush", default="read", choices=["write", "read"],
                     help="L2 flush before each timed call: rewrite 256 MB (leaves L2 full of dirty lines "
                          "that the kernel's reads must write back; PEERS.md method) or read 256 MB (clean L2)")
+    ap.add_argument("--stream", action="store_true",
+                    help="also time back-to-back runs over rotated cache copies (shapes whose cache is <= 2 GB)")
     ap.add_argument("--profile-host", default=None, help="write a cProfile of run()/plan() host time here")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<gpu>_<date>.json)")
     args = ap.parse_args()
@@ -232,7 +279,9 @@ def main():
     rows = []
     vw = max(len(v) for v in args.variants)
     hdr = (f"{'variant':>{vw}} {'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
-           f"{'split':>5} {'FI us':>8} {'FI/us':>6}{'  err' if args.check else ''}")
+           f"{'split':>5} {'FI us':>8} {'FI/us':>6}"
+           + (f" {'b2b us':>8} {'%read':>6} {'FI b2b':>8}" if args.stream else "")
+           + f"{'  err' if args.check else ''}")
     print(hdr, flush=True)
     itemsize = 2
     for heads in args.heads:
@@ -245,19 +294,21 @@ def main():
                     continue
                 indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, args.head_dim,
                                                             args.page_size, args.dtype, seed=batch + kv_len)
+                rotation = rotated_copies(cache) if args.stream else None
                 fi = (flashinfer_us(batch, kv_len, hq, hkv, args.head_dim, args.page_size, args.dtype, indptr,
-                                    indices, lpl, cache, q, reps, flush) if have_fi else
-                      peers.get((heads, batch, kv_len)))
+                                    indices, lpl, cache, q, reps, flush, rotation) if have_fi else
+                      (peers.get((heads, batch, kv_len)), None))
                 for variant in args.variants:
                     rows.append(time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
-                                          lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi))
-                del cache, q
+                                          lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation))
+                del cache, q, rotation
                 cp.get_default_memory_pool().free_all_blocks()
     return finish(args, env, read_tbs, copy_tbs, rows, reps)
 
 
 def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices, lpl, cache, q, reps, flush,
-              read_tbs, copy_tbs, fi, have_fi):
+              read_tbs, copy_tbs, fi, have_fi, rotation):
+    fi, fi_stream = fi if fi is not None else (None, None)
     tweaks = set(variant.split("+")) - {"shipped"}
     plan_kw, spec_kw = {}, {}
     for t in list(tweaks):
@@ -272,7 +323,7 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         else:
             continue
         tweaks.discard(t)
-    unknown = tweaks - {"sepmerge", "tma", "notma"}
+    unknown = tweaks - {"sepmerge", "tma", "notma", "nopdl"}
     if unknown:
         raise SystemExit(f"unknown variant tweak(s) {sorted(unknown)}")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -284,16 +335,25 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     w.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype, **plan_kw)
     plan_us = (time.perf_counter() - t0) * 1e6
     out = cp.empty_like(q)
-    run = lambda: w.run(q, cache, out=out)  # noqa: E731
+    pdl = False if "nopdl" in tweaks else None
+    run = lambda: w.run(q, cache, out=out, enable_pdl=pdl)  # noqa: E731
     us = time_events(run, reps, flush)
     nbytes = decode_bytes(batch, kv_len, hq, hkv, args.head_dim, 2)
     tbs = nbytes / (us * 1e-6) / 1e12
+    stream_us = None
+    if rotation is not None:
+        stream_us = time_back_to_back([lambda c=c: w.run(q, c, out=out, enable_pdl=pdl) for c in rotation[1]], reps)
     err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
     row = dict(variant=variant, spec=w._spec.name, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
                tbs=tbs, of_read=tbs / read_tbs,
                of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
-               plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err)
+               plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err,
+               b2b_us=stream_us, b2b_of_read=nbytes / (stream_us * 1e-6) / 1e12 / read_tbs if stream_us else None,
+               flashinfer_b2b_us=fi_stream)
     fi_s = f"{fi:8.1f} {fi / us:6.2f}" if fi else f"{'-':>8} {'-':>6}"
+    if args.stream:
+        fi_s += (f" {stream_us:8.1f} {100 * row['b2b_of_read']:5.1f}%" if stream_us else f" {'-':>8} {'-':>6}")
+        fi_s += f" {fi_stream:8.1f}" if fi_stream else f" {'-':>8}"
     print(f"{variant:>{vw}} {heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} "
           f"{100 * tbs / read_tbs:5.1f}% "
           f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
@@ -385,7 +445,7 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
                   head_dim=args.head_dim, page_size=args.page_size, reps=reps, timing=__doc__.split("\n\n")[1],
                   rows=rows, host_us=host)
     path = Path(args.out) if args.out else (Path(__file__).parent / "results" /
-                                            f"decode_{gpu.replace(' ', '_')}_{env['date'][:10]}.json")
+                                            f"decode_{env['gpu'].replace(' ', '_')}_{env['date'][:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -66,9 +66,11 @@ def main():
     qt = arrays.device_tensor(q, "q", fn)
     kv, maps = w._kv_view(cache, fn)
     ot = arrays.device_tensor(out, "out", fn)
-    rows["decode kernel launch only"] = per_call_us(lambda: w._launch(qt, kv, maps, ot, 0, stream))
+    rows["decode kernel launch only"] = per_call_us(lambda: w._launch(qt, kv, maps, ot, 0, stream, w._pdl_capable))
     rows["  cuLaunchKernel (ctypes, args packed)"] = per_call_us(
-        lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr))
+        lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, False))
+    rows["  cuLaunchKernelEx, PDL (ctypes, args packed)"] = per_call_us(
+        lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, True))
     rows["run(cupy, out=)"] = per_call_us(lambda: w.run(q, cache, out=out))
     rows["run(cupy)"] = per_call_us(lambda: w.run(q, cache))
     # -- pieces of run()

@@ -116,8 +116,9 @@ def _num_sms(device: int) -> int:
 #   tma: True / False forces the TMA kernel on or off (None: wherever it has a kernel).
 _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
-# kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters
-_KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p"
+# kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters,
+# ids_in_plan
+_KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p" "i"
 _KERNEL_ARGS_TMA = _KERNEL_ARGS + "tt"      # + the K and V tensor maps
 _MERGE_ARGS = "ppppp" "qq" "i"
 
@@ -456,6 +457,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
             self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
             self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
+            self._ids_in_plan = int(upload_idx)     # the kernel may read them before its PDL wait
             if upload_idx:
                 self._indices_ptr = plan_dev.data.ptr + head * 4
                 if indices_dev and n_idx:
@@ -487,7 +489,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
         fuse = self._tuned("fuse_merge")
         self._k_consts = (self._page_size, _page_shift(self._page_size), self._num_qo_heads, self._group,
-                          self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0)
+                          self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0,
+                          self._ids_in_plan)
+        self._pdl_capable = int(jit.device_arch(self._device)[3:].rstrip("a")) >= 90   # griddepcontrol
         self._m_launch = merge if self._has_merge and not fuse else None
         self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
 
@@ -517,6 +521,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse : float32 array, optional, shape (batch, num_qo_heads): written in place.
         return_lse : bool
             Also return the LSE, float32 [batch, num_qo_heads], natural log (base e).
+        enable_pdl : bool, optional
+            Programmatic Dependent Launch: the kernel may start while the previous kernel in the
+            stream finishes (it reads its work list and page ids, then waits for that kernel
+            before touching q, the cache or the outputs), hiding its launch and start-up. None (the
+            default, as in FlashInfer): on wherever the GPU has it (sm_90+); ignored below sm_90.
 
         Returns
         -------
@@ -562,7 +571,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse_obj, lse_ptr = None, 0
         if lse is not None or return_lse:
             lse_obj, lse_ptr = self._lse_output(ctx, lse, fn)
-        self._launch(qt, kv, maps, ot, lse_ptr, ctx.stream)
+        self._launch(qt, kv, maps, ot, lse_ptr, ctx.stream,
+                     self._pdl_capable and (enable_pdl is None or bool(enable_pdl)))
         result = arrays.export(ctx, out_obj, self._q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse_obj)
@@ -614,11 +624,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._kv_memo[key] = (kv._replace(k=kv.k._replace(obj=None), v=kv.v._replace(obj=None)), maps)
         return kv, maps
 
-    def _launch(self, qt, kv, maps, ot, lse_ptr, stream):
+    def _launch(self, qt, kv, maps, ot, lse_ptr, stream, pdl: bool):
         self._k_launch(self._k_grid, self._spec.threads, stream,
                        self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
                        self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
-                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts, *maps)
+                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts, *maps, pdl=pdl)
         if self._m_launch is not None:
             self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
                            ot.ptr, lse_ptr, ot.strides[0], ot.strides[1], self._num_qo_heads)
@@ -779,7 +789,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     kernel((hkv * m_tiles, len(wl.work)), _THREADS, ctx.stream,
            work.data.ptr, qt.ptr, kt.ptr, vt.ptr, indices.data.ptr, ot.ptr, lse_ptr, part_o, part_lse,
            0, qt.strides[0], 0, ot.strides[1], 0, s_tok, s_head,
-           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0)
+           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0, 1)
     if merge_dev is not None:
         hpb = _THREADS // (d // 4)
         merge((len(wl.merge), -(-hq // hpb)), _THREADS, ctx.stream,

@@ -354,6 +354,20 @@ _ARG_FORMATS = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x", "t": "128s"}   # 8-b
 _ARG_SIZES = {"t": 128}     # a CUtensorMap (__grid_constant__), 64-byte aligned; every other kind 8
 
 
+class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute: id, 4 bytes padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
 class Launcher:
     """A kernel launched through ``cuLaunchKernel`` (ctypes), arguments packed by one
     ``struct.pack_into`` into preallocated 8-byte slots. CuPy's generic marshalling costs
@@ -361,7 +375,9 @@ class Launcher:
 
     ``arg_kinds`` has one letter per kernel parameter: p (pointer), q (int64), i (int32),
     f (float32), t (a 128-byte CUtensorMap passed by value: ``bytes``); ``smem_bytes`` above 48 KB
-    raises the function's dynamic shared-memory limit.
+    raises the function's dynamic shared-memory limit. ``pdl=True`` launches through
+    ``cuLaunchKernelEx`` with programmatic stream serialization (sm_90+: the grid may start
+    while the previous kernel in the stream finishes; see common/grid_dependency.cuh).
     """
 
     _libcuda = None
@@ -371,6 +387,9 @@ class Launcher:
             lib = ctypes.CDLL("libcuda.so.1")
             lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             lib.cuLaunchKernel.restype = ctypes.c_int
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_void_p]
+            lib.cuLaunchKernelEx.restype = ctypes.c_int
             Launcher._libcuda = lib
         from .arrays import cupy_module
         cp = cupy_module()
@@ -399,21 +418,32 @@ class Launcher:
         lead = -base % 64            # the packed arguments start at a 64-byte boundary of the slots
         self._pack_offset = lead
         self._params = (ctypes.c_void_p * len(arg_kinds))(*[base + lead + o for o in offsets])
+        self._pdl_attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._pdl_config = _LaunchConfig(shared_mem_bytes=smem_bytes, attrs=ctypes.pointer(self._pdl_attr),
+                                         num_attrs=1)
+        self._pdl_config.block[:] = 0, 1, 1
 
-    def __call__(self, grid: tuple, block: int, stream, *args) -> None:
+    def __call__(self, grid: tuple, block: int, stream, *args, pdl: bool = False) -> None:
         """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
         self._pack(self._slots, self._pack_offset, *args)
         if self._runtime.getDevice() != self.device_id:     # cuLaunchKernel uses the current context
             with self._device:
-                return self._launch(grid, block, stream.ptr)
-        self._launch(grid, block, stream.ptr)
+                return self._launch(grid, block, stream.ptr, pdl)
+        self._launch(grid, block, stream.ptr, pdl)
 
-    def _launch(self, grid: tuple, block: int, stream_ptr: int) -> None:
-        status = Launcher._libcuda.cuLaunchKernel(self._func, grid[0], grid[1] if len(grid) > 1 else 1,
-                                                  grid[2] if len(grid) > 2 else 1, block, 1, 1,
-                                                  self.smem_bytes, stream_ptr, self._params, None)
+    def _launch(self, grid: tuple, block: int, stream_ptr: int, pdl: bool) -> None:
+        gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+        if pdl:
+            cfg = self._pdl_config
+            cfg.grid[:] = gx, gy, gz
+            cfg.block[0] = block
+            cfg.stream = stream_ptr
+            status = Launcher._libcuda.cuLaunchKernelEx(cfg, self._func, self._params, None)
+        else:
+            status = Launcher._libcuda.cuLaunchKernel(self._func, gx, gy, gz, block, 1, 1, self.smem_bytes,
+                                                      stream_ptr, self._params, None)
         if status != 0:
-            raise RuntimeError(f"cuLaunchKernel({self.name}) failed with CUresult {status}")
+            raise RuntimeError(f"cuLaunchKernel{'Ex' if pdl else ''}({self.name}) failed with CUresult {status}")
 
 
 @functools.cache

@@ -25,10 +25,15 @@
 //   bits). The page ids of the warp's next 32 tiles sit one per lane in a register, loaded 32
 //   tiles ahead. tmap_k / tmap_v: 4-d tensor maps (dims HEAD_DIM, page_size, num_kv_heads,
 //   num_pages; box 64 x 16 x 1 x 1), encoded by decode.py.
+// PDL (sm_90): launched with programmatic stream serialization, a CTA reads its work item and,
+//   when ids_in_plan (kv_indices uploaded by plan(), which no earlier kernel writes), its first
+//   page ids, sets up its barriers and prefetches the tensor maps while the previous kernel in
+//   the stream finishes; q, K/V, out and the workspace are touched only after wait_prior_grids().
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
 //
 // Softmax runs in base 2 (log2(e) folded into the scale); every LSE that leaves a kernel is in
 // natural-log units (base e), as everywhere in cuattn.
+#include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #ifndef TMA
 #define TMA 0
@@ -171,13 +176,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
     int64_t s_page, int64_t s_tok, int64_t s_head,
     int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2,
-    int* __restrict__ counters              // null: cuattn_decode_merge merges split requests
+    int* __restrict__ counters,             // null: cuattn_decode_merge merges split requests
+    int ids_in_plan                         // 1: kv_indices may be read before wait_prior_grids()
 #if TMA
     , const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v
 #endif
     ) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if TMA
+  if (threadIdx.x == 0) {
+    tma_prefetch_desc(&tmap_k);
+    tma_prefetch_desc(&tmap_v);
+  }
+#endif
   const int32_t* w = work + int64_t(blockIdx.y) * 8;
   const int req = w[0];
   if (req < 0) return;
@@ -198,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     const int pos = kv_start + (t0 + lane) * BLOCK_N + warp * WARP_N;
     return pos < kv_end ? __ldg(kv_indices + page_base + page_of(pos)) : 0;
   };
+  if (!ids_in_plan) wait_prior_grids();
   int ids_t0 = 0, ids_cur = load_ids(0), ids_next = load_ids(32);
   auto page_id = [&](int t) {            // every lane, t increasing
     if (t >= ids_t0 + 32) {
@@ -230,6 +243,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     mbar_init_fence();
   }
   __syncthreads();
+  if (ids_in_plan) wait_prior_grids();
 #else
   const kv_t* k_head = k_cache + kv_head * s_head;
   const kv_t* v_head = v_cache + kv_head * s_head;
@@ -271,8 +285,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     cp_async_commit();
   };
 
+  if (!ids_in_plan) wait_prior_grids();
   copy_window(0);
   cp_async_commit();
+  if (ids_in_plan) wait_prior_grids();
   cp_async_wait<0>();
   __syncthreads();
 #endif
@@ -406,6 +422,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #if !TMA
   cp_async_wait<0>();
 #endif
+  allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
   // -- merge the warps' states through smem (pipeline buffers are free now)
 #pragma unroll

@@ -33,6 +33,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // A CUtensorMap (cuTensorMapEncodeTiled) passed by value as a __grid_constant__ kernel parameter.
 struct __align__(64) TmaDesc { uint64_t bits[16]; };
 
+// -- fetch a tensor map into the TMA unit's descriptor cache ahead of its first load
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // -- 3-d / 4-d tile load: box at coordinates (c0, c1, c2[, c3]) of the tensor map into smem dst, completing
 //    `bytes` of transaction count on mbarrier bar
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaDesc* map, int c0, int c1, int c2, uint32_t bar) {
