@@ -66,7 +66,7 @@ def main():
     qt = arrays.device_tensor(q, "q", fn)
     kv, maps = w._kv_view(cache, fn)
     ot = arrays.device_tensor(out, "out", fn)
-    rows["decode kernel launch only"] = per_call_us(lambda: w._launch(qt, kv, maps, ot, 0, stream, w._pdl_capable))
+    rows["decode kernel launch only"] = per_call_us(lambda: w._launch(qt, kv, maps, ot, 0, stream, True))
     rows["  cuLaunchKernel (ctypes, args packed)"] = per_call_us(
         lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, False))
     rows["  cuLaunchKernelEx, PDL (ctypes, args packed)"] = per_call_us(

@@ -491,7 +491,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._k_consts = (self._page_size, _page_shift(self._page_size), self._num_qo_heads, self._group,
                           self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0,
                           self._ids_in_plan)
-        self._pdl_capable = int(jit.device_arch(self._device)[3:].rstrip("a")) >= 90   # griddepcontrol
         self._m_launch = merge if self._has_merge and not fuse else None
         self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
 
@@ -571,8 +570,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse_obj, lse_ptr = None, 0
         if lse is not None or return_lse:
             lse_obj, lse_ptr = self._lse_output(ctx, lse, fn)
-        self._launch(qt, kv, maps, ot, lse_ptr, ctx.stream,
-                     self._pdl_capable and (enable_pdl is None or bool(enable_pdl)))
+        self._launch(qt, kv, maps, ot, lse_ptr, ctx.stream, jit.pdl_launch(self._device, enable_pdl))
         result = arrays.export(ctx, out_obj, self._q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse_obj)

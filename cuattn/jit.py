@@ -291,6 +291,12 @@ def device_arch(device_id: int) -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
+def pdl_launch(device_id: int, enable_pdl: bool | None) -> bool:
+    """Whether a run() launches with Programmatic Dependent Launch: ``enable_pdl`` None (FlashInfer's
+    default) or True, on a GPU that has it (sm_90+; ignored below)."""
+    return (enable_pdl is None or bool(enable_pdl)) and int(device_arch(device_id)[3:].rstrip("a")) >= 90
+
+
 @functools.cache
 def _module(spec: KernelSpec, device_id: int):
     from .arrays import cupy_module

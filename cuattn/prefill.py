@@ -216,7 +216,7 @@ _ARG_KINDS = "p" * 12 + "i" * 6 + "q" * 10 + "f"
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, single=(0, 0), meta=None,
-            page_size: int = 1) -> None:
+            page_size: int = 1, pdl: bool = False) -> None:
     """One launch; ``meta`` = device pointers (qo_indptr, kv_indptr, kv_indices, last, mask,
     mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single)."""
     if num_work == 0 or num_kv_heads == 0:
@@ -230,7 +230,7 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
             k_strides[2] // k_strides[0] if k_strides[0] else 0,
             q.strides[0], q.strides[1], k_strides[0], k_strides[1], k_strides[2],
             v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1], sm_scale * _LOG2E)
-    launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args)
+    launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
@@ -569,6 +569,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         q : array, shape (qo_indptr[-1], num_qo_heads, head_dim), q_data_type
         k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND"
         out : array, optional, shape of ``q``; lse : float32 (qo_indptr[-1], num_qo_heads), optional
+        enable_pdl : bool, optional
+            Programmatic Dependent Launch (the kernel may be scheduled while the previous kernel in
+            the stream finishes, and waits for it before reading anything); None (the default, as
+            in FlashInfer): on wherever the GPU has it (sm_90+); ignored below sm_90.
 
         Returns
         -------
@@ -590,8 +594,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._check_kv(kt.shape, vt.shape, plan, fn)
         _check_dtypes(qt, kt, vt, fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if self._run_backend(ctx, fn, plan, paged=False) == "fa3":
-            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr)
+            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl)
             o = arrays.export(ctx, out, _logical(qt.dtype))
             return (o, arrays.export(ctx, lse)) if return_lse else o
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
@@ -600,13 +605,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                sm_scale=plan["sm_scale"], meta=meta)
+                sm_scale=plan["sm_scale"], meta=meta, pdl=pdl)
         o = arrays.export(ctx, out, _logical(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
 
-    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr):
+    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl):
         """The planned batch on the fa3 kernel: its own work list (128-row tiles), uploaded once per plan."""
         spec = prefill_sm90.make_spec(arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"])
         cached = getattr(self, "_fa3_dev", None)
@@ -623,7 +628,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                 v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
                                 lse_ptr=lse_ptr, num_work=num_work, num_kv_heads=plan["num_kv_heads"],
                                 group=plan["group"], sm_scale=plan["sm_scale"], fn=fn,
-                                meta=tuple(a.data.ptr for a in dev))
+                                meta=tuple(a.data.ptr for a in dev), pdl=pdl)
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
@@ -679,6 +684,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,
             v_scale=None, enable_pdl=None, stream=None):
         """Attention for the planned batch; ``q`` (qo_indptr[-1], num_qo_heads, head_dim).
+        ``enable_pdl``: as in ``BatchPrefillWithRaggedKVCacheWrapper.run``.
 
         Returns out (shape of ``q``), or (out, lse) when ``return_lse`` (LSE natural log, float32).
         """
@@ -711,7 +717,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,
-                page_size=plan["page_size"])
+                page_size=plan["page_size"], pdl=jit.pdl_launch(ctx.device, enable_pdl))
         o = arrays.export(ctx, out, _logical(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 

@@ -98,7 +98,7 @@ def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, bl
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, single=(0, 0),
-           meta=(0, 0, 0)) -> None:
+           meta=(0, 0, 0), pdl: bool = False) -> None:
     """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
     ``meta`` = device pointers (qo_indptr, kv_indptr, work) in batch mode, zeros for a single request."""
     if num_work == 0 or num_kv_heads == 0:
@@ -108,4 +108,4 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS, spec.smem_bytes)
     launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, tk, tv, q.ptr, out.ptr, lse_ptr, *meta,
              single[0], single[1], group, q.shape[1], q.strides[0], q.strides[1], out.strides[0], out.strides[1],
-             sm_scale * _LOG2E)
+             sm_scale * _LOG2E, pdl=pdl)

@@ -18,6 +18,7 @@
 // the longest causal tiles start first); otherwise work[2 * blockIdx.x + {0, 1}] = (request, tile)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets; paged: page CSR).
 #include "common/dtypes.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #include "common/prefill_tile.cuh"
 
@@ -180,6 +181,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int kvh = blockIdx.y;
   const int num_qo_heads = gridDim.y * group;
+  wait_prior_grids();   // PDL: every input may come from the previous kernel in the stream
 
   // -- which request and tile; lengths and offsets of the request
   int req = 0, tile;
@@ -459,6 +461,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
   }
   cp_async_wait<0>();
+  allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
 #pragma unroll

@@ -26,6 +26,7 @@
 // through the tensor maps (dims: HEAD_DIM, tokens, kv heads): keys past a request's kv_len are
 // masked in S (the TMA zero-fills rows past the tensor's end).
 #include "common/dtypes.cuh"
+#include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #include "common/prefill_tile.cuh"
 #include "common/tma.cuh"
@@ -75,6 +76,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #define EMPTY_V(s) (bars + 8 * (3 * STAGES + (s)))
   const int tid = int(threadIdx.x);
   const int kvh = int(blockIdx.y);
+  if (tid == 0) {       // before the PDL wait: the maps are kernel parameters
+    tma_prefetch_desc(&tmap_k);
+    tma_prefetch_desc(&tmap_v);
+  }
+  wait_prior_grids();   // PDL: every other input may come from the previous kernel in the stream
 
   // -- which request and tile; lengths and offsets of the request
   int req = 0, tile, qo_len = single_qo_len, kv_base = 0, kv_len = single_kv_len;
@@ -283,6 +289,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     wgmma_fence_regs(acc);
     release(EMPTY_V(lt % STAGES));
   }
+
+  allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
 #pragma unroll

@@ -7,6 +7,8 @@ import pytest
 import cuattn
 from cuattn import decode, jit
 from cuattn.errors import UnsupportedError
+from tests.conftest import requires_sm
+from tests.late_writer import late_copy
 from tests.oracle import dense_attention, rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -561,35 +563,14 @@ def test_batch_decode_gpu_cuda_graph_replays_after_replan():
     assert rel_err(cupy.asnumpy(out), oracle(case1)[0]) < TOL
 
 
-# A kernel that lets the next grid start at once (PDL), then spins ~0.2 ms before writing its
-# outputs: a decode launched after it with enable_pdl=True that read q, the cache or device page
-# ids before its grid-dependency wait would read the stale (poisoned) contents.
-_LATE_WRITER = r"""
-extern "C" __global__ void late_writer(const unsigned char* a, unsigned char* a_dst, long long na,
-                                       const unsigned char* b, unsigned char* b_dst, long long nb,
-                                       const unsigned char* c, unsigned char* c_dst, long long nc,
-                                       long long cycles) {
-  asm volatile("griddepcontrol.launch_dependents;");
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {}
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < na + nb + nc; i += stride) {
-    if (i < na) a_dst[i] = a[i];
-    else if (i < na + nb) b_dst[i - na] = b[i - na];
-    else c_dst[i - na - nb] = c[i - na - nb];
-  }
-}"""
-
-
 @pytest.mark.gpu
+@requires_sm(90)
 @pytest.mark.parametrize("page_size,split,device_indices", [(16, 300, False), (16, 0, True), (5, 200, True),
                                                             (5, 0, False)])
 def test_batch_decode_gpu_pdl_waits_for_the_previous_kernel(page_size, split, device_indices):
-    """enable_pdl=True right after a kernel that writes q, the cache and (device) page ids late."""
+    """enable_pdl=True right after a kernel that writes q, the cache and (device) page ids late
+    (tests/late_writer.py)."""
     import cupy
-    from tests.conftest import gpu_cc
-    if gpu_cc() < 90:
-        pytest.skip("PDL needs sm_90")
     case = make_case(0, 0, page_size, 32, 8, 128, "NHD", "float16", kv_lens=[2500, 17, 700, 1], seed=13)
     q_true, cache_true = to_cupy(case["q"]), cache_arg(case, "one", to_cupy)
     idx_true = cupy.asarray(case["indices"])
@@ -598,15 +579,13 @@ def test_batch_decode_gpu_pdl_waits_for_the_previous_kernel(page_size, split, de
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     w.plan(case["indptr"], idx if device_indices else case["indices"], case["lpl"], 32, 8, 128, page_size,
            q_data_type="float16", fixed_split_size=split or None, disable_split_kv=not split)
-    assert w._work.split == bool(split) and w._pdl_capable
-    writer = cupy.RawKernel(_LATE_WRITER, "late_writer")
+    assert w._work.split == bool(split) and jit.pdl_launch(0, None)
     ref_o, ref_lse = oracle(case)
     for _rep in range(2):
         q.fill(np.nan)
         cache.fill(np.nan)
         idx.fill(0)
-        writer((8,), (256,), (q_true, q, np.int64(q.nbytes), cache_true, cache, np.int64(cache.nbytes),
-                              idx_true, idx, np.int64(idx.nbytes if device_indices else 0), np.int64(400_000)))
+        late_copy([(q_true, q), (cache_true, cache)] + [(idx_true, idx)] * device_indices)
         out, lse = w.run(q, cache, return_lse=True, enable_pdl=True)
         assert rel_err(cupy.asnumpy(out), ref_o) < TOL
         assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL

@@ -10,6 +10,8 @@ import cuattn
 from cuattn import jit, prefill
 from cuattn.errors import UnsupportedError
 
+from .conftest import requires_sm
+from .late_writer import late_copy
 from .oracle import dense_attention, rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -448,3 +450,37 @@ def test_single_prefill_gpu_jax_inputs():
 def test_batch_prefill_refuses_cuda_graph_mode_it_cannot_honour(wrapper):
     with pytest.raises(UnsupportedError, match="use_cuda_graph=True is not supported"):
         wrapper(use_cuda_graph=True)
+
+
+@pytest.mark.gpu
+@requires_sm(90)
+@pytest.mark.parametrize("kind,backend", [("ragged", "fa2"), ("ragged", "fa3"), ("paged", "fa2")])
+def test_batch_prefill_gpu_pdl_waits_for_the_previous_kernel(kind, backend):
+    """enable_pdl=True right after a kernel that writes q and K/V late (tests/late_writer.py); the
+    first run also uploads the plan's metadata in between, the second follows the writer directly."""
+    cp = _cp()
+    rng = np.random.default_rng(17)
+    hq, hkv, d = 32, 8, 128
+    qo_lens, kv_lens = [300, 17, 64], [300, 700, 64]
+    q, k, v, qo_indptr, kv_indptr = _ragged_inputs(rng, qo_lens, kv_lens, hq, hkv, d)
+    if kind == "paged":
+        cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, hkv, d, "NHD")
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD", backend=backend)
+        w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, 16, causal=True, q_data_type="float16")
+        kv_true = [_to_dev(cache)]
+    else:
+        ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
+        vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(kv_layout="NHD", backend=backend)
+        w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=True, q_data_type="float16")
+        kv_true = [_to_dev(k), _to_dev(v)]
+    q_true = _to_dev(q)
+    q_dev, kv_dev = cp.empty_like(q_true), [cp.empty_like(x) for x in kv_true]
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+    for _rep in range(2):
+        for x in (q_dev, *kv_dev):
+            x.fill(np.nan)
+        late_copy([(q_true, q_dev)] + list(zip(kv_true, kv_dev)))
+        out, lse = w.run(q_dev, *kv_dev, return_lse=True, enable_pdl=True)
+        assert rel_err(cp.asnumpy(out), ref_o) < TOL["float16"]
+        assert rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
