@@ -134,35 +134,25 @@ using namespace cuattn;
 // A negative request marks padding (CUDA-graph grids are sized for capacity).
 // out[req, head, d..d+3] = sum_s exp(lse_s - lse) * part_o[s, head, d..d+3] over the partial
 // slots s0..s1 of a split request, lse = log(sum_s exp(lse_s)) (base e); lse written by d == 0.
-// One pass with a running max over batches of MERGE_BATCH slots whose loads are all issued
-// before any is used (the merge runs after every piece, so its load latency adds straight to the
-// kernel's time: one L2 round trip per batch). Loads bypass L1 (__ldcg): the partials were
-// written by other CTAs of the same launch.
-constexpr int MERGE_BATCH = 8;
+// One pass with a running max, unrolled so several slots' loads are in flight at once (the
+// merge runs after every piece, so its load latency adds straight to the kernel's time).
+// Loads bypass L1 (__ldcg): the partials were written by other CTAs of the same launch.
 __device__ __forceinline__ void merge_partials(const float* part_o, const float* part_lse, int s0, int s1,
                                                int req, int head, int d, int num_qo_heads, q_t* out,
                                                int64_t o_s_b, int64_t o_s_h, float* lse) {
   constexpr float LOG2E = 1.4426950408889634f;
   float m = neg_inf(), l = 0.f, o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;   // m, l in base 2
-  for (int sb = s0; sb < s1; sb += MERGE_BATCH) {
-    float lse_b[MERGE_BATCH];
-    float4 v_b[MERGE_BATCH];
-#pragma unroll
-    for (int j = 0; j < MERGE_BATCH; ++j) {
-      const int64_t row = int64_t(sb + j) * num_qo_heads + head;
-      lse_b[j] = sb + j < s1 ? __ldcg(part_lse + row) * LOG2E : neg_inf();
-      v_b[j] = sb + j < s1 ? __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d))
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < MERGE_BATCH; ++j) {
-      if (lse_b[j] == neg_inf()) continue;       // an empty piece (or past the end) adds nothing
-      const float m_new = fmaxf(m, lse_b[j]);
-      const float a = exp2_approx(m - m_new), c = exp2_approx(lse_b[j] - m_new);   // a = 0 at the first
-      l = l * a + c;
-      o0 = o0 * a + v_b[j].x * c; o1 = o1 * a + v_b[j].y * c; o2 = o2 * a + v_b[j].z * c; o3 = o3 * a + v_b[j].w * c;
-      m = m_new;
-    }
+#pragma unroll 4
+  for (int s = s0; s < s1; ++s) {
+    const int64_t row = int64_t(s) * num_qo_heads + head;
+    const float lse_s = __ldcg(part_lse + row) * LOG2E;
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(part_o + row * HEAD_DIM + d));
+    if (lse_s == neg_inf()) continue;            // an empty piece adds nothing
+    const float m_new = fmaxf(m, lse_s);
+    const float a = exp2_approx(m - m_new), c = exp2_approx(lse_s - m_new);   // a = 0 at the first
+    l = l * a + c;
+    o0 = o0 * a + v.x * c; o1 = o1 * a + v.y * c; o2 = o2 * a + v.z * c; o3 = o3 * a + v.w * c;
+    m = m_new;
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   uint2 packed;
