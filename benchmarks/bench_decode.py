@@ -233,7 +233,8 @@ def main():
                     help="kernel variants to time on every shape: 'shipped', or '+'-joined tweaks of it: "
                          "sepmerge (split-KV merged by the separate merge kernel), nosplit, chunkN (plan pieces "
                          "of N tokens), sN (N cp.async stages), wN (N warps per CTA), pfN (cp.async L2 prefetch hint of "
-                         "N bytes), tma / notma (force the TMA kernel on or off); e.g. w8+s3+sepmerge. "
+                         "N bytes), tma / notma (force the TMA kernel on or off), nopdl (run(enable_pdl=False)); "
+                         "e.g. w8+s3+sepmerge. "
                          "(regidx, lazy, --prefetch and the bulk / warpbulk / qreg load-path variants were "
                          "removed on 2026-11-22: decode_notes.md)")
     ap.add_argument("--flush", default="read", choices=["write", "read"],

@@ -457,7 +457,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
             self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
             self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
-            self._ids_in_plan = int(upload_idx)     # the kernel may read them before its PDL wait
+            # host page ids arrive by memcpy, which no kernel overlaps: the kernel may read them
+            # before its PDL wait; device ones (even when copied here) may come from the kernel before
+            self._ids_in_plan = int(not indices_dev)
             if upload_idx:
                 self._indices_ptr = plan_dev.data.ptr + head * 4
                 if indices_dev and n_idx:

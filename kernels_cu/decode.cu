@@ -26,7 +26,7 @@
 //   tiles ahead. tmap_k / tmap_v: 4-d tensor maps (dims HEAD_DIM, page_size, num_kv_heads,
 //   num_pages; box 64 x 16 x 1 x 1), encoded by decode.py.
 // PDL (sm_90): launched with programmatic stream serialization, a CTA reads its work item and,
-//   when ids_in_plan (kv_indices uploaded by plan(), which no earlier kernel writes), its first
+//   when ids_in_plan (kv_indices copied from the host by plan(), which no kernel writes), its first
 //   page ids, sets up its barriers and prefetches the tensor maps while the previous kernel in
 //   the stream finishes; q, K/V, out and the workspace are touched only after wait_prior_grids().
 // cuattn_decode_merge: grid (num_merge, ceil(num_qo_heads / heads per block)), block 128.
