@@ -450,8 +450,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan_dev = bufs._ensure("plan", head + idx_cap, np.int32, "the work list and indices")
             # asynchronous on the caller's current stream: ordered after the runs of the previous
             # plan queued there and before the runs of this one
-            bufs.upload(plan_dev.data.ptr, host, n_host,
-                        arrays.resolve_stream(arrays.framework_of(self._indices_src), self._device))
+            stream = arrays.resolve_stream(arrays.framework_of(self._indices_src), self._device)
+            bufs.upload(plan_dev.data.ptr, host, n_host, stream)
             self._grid_work, self._grid_merge = n_work_c, n_merge_c
             self._work_ptr = plan_dev.data.ptr
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
@@ -462,9 +462,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._ids_in_plan = int(not indices_dev)
             if upload_idx:
                 self._indices_ptr = plan_dev.data.ptr + head * 4
-                if indices_dev and n_idx:
-                    plan_dev[head:head + n_idx] = (idx_t.obj if idx_t.framework == "cupy"
-                                                   else cp.from_dlpack(idx_t.obj))
+                if indices_dev and n_idx:     # device to device, on the same stream as the upload
+                    cp.cuda.runtime.memcpyAsync(self._indices_ptr, idx_t.ptr, n_idx * 4,
+                                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
             else:
                 self._indices_ptr = idx_t.ptr
                 self._indices_keep = idx_t.obj

@@ -14,7 +14,6 @@ each K/V tile once for the whole group.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -122,11 +121,6 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
         return "fa3"
     return "fa3" if reason is None and arch is not None else "fa2"
-
-
-@functools.cache
-def _device_arch(device_id: int) -> str:
-    return jit.device_arch(device_id)
 
 
 def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, return_lse):
@@ -310,7 +304,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     dt = _check_dtypes(qt, kt, vt, fn)
     _check_head_dim(d, fn)
     has_mask = custom_mask is not None or packed_custom_mask is not None
-    if resolve_backend(backend, fn, arch=_device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
+    if resolve_backend(backend, fn, arch=jit.device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
                        paged=False) == "fa3":
         cp = arrays.cupy_module()
         with cp.cuda.Device(ctx.device), ctx.stream:
@@ -446,7 +440,7 @@ class _BatchPrefillBase:
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
-        self.backend = resolve_backend(self._backend_req, fn, arch=_device_arch(ctx.device), head_dim=plan["head_dim"],
+        self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged)
         return self.backend

@@ -534,17 +534,20 @@ def test_single_decode_gpu_matches_float64_oracle(layout, kv_len, hq, hkv, d, dt
 
 
 @pytest.mark.gpu
-def test_batch_decode_gpu_cuda_graph_replays_after_replan():
+@pytest.mark.parametrize("device_indices", [False, True])    # device ones are copied into the plan buffer
+def test_batch_decode_gpu_cuda_graph_replays_after_replan(device_indices):
     import cupy
     lens0, lens1 = [300, 40], [301, 41]
+    idx = (lambda c: cupy.asarray(c["indices"])) if device_indices else (lambda c: c["indices"])
     case0 = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=lens0, seed=1, extra_pages=8)
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", use_cuda_graph=True)
-    w.plan(case0["indptr"], case0["indices"], case0["lpl"], 32, 8, 128, 16, q_data_type="float16")
     q = to_cupy(case0["q"])
     cache = cache_arg(case0, "one", to_cupy)
     out = cupy.empty((2, 32, 128), np.float16)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
     with stream:
+        w.plan(case0["indptr"], idx(case0), case0["lpl"], 32, 8, 128, 16, q_data_type="float16")
         w.run(q, cache, out=out)          # warm-up (compiles, sets smem attributes)
         stream.begin_capture()
         w.run(q, cache, out=out)
@@ -552,12 +555,13 @@ def test_batch_decode_gpu_cuda_graph_replays_after_replan():
         graph.launch()
     stream.synchronize()
     assert rel_err(cupy.asnumpy(out), oracle(case0)[0]) < TOL
-    # one more token per request, same pages: replan, replay the graph
+    # one more token per request, same pages: replan, replay the graph, all on the graph's stream
+    # (plan() uploads on the caller's current stream)
     case1 = make_case(0, 0, 16, 32, 8, 128, "NHD", "float16", kv_lens=lens1, seed=1, extra_pages=8)
-    w.plan(case1["indptr"], case1["indices"], case1["lpl"], 32, 8, 128, 16, q_data_type="float16")
-    q[...] = to_cupy(case1["q"])
-    cache[...] = cache_arg(case1, "one", to_cupy)
     with stream:
+        w.plan(case1["indptr"], idx(case1), case1["lpl"], 32, 8, 128, 16, q_data_type="float16")
+        q[...] = to_cupy(case1["q"])
+        cache[...] = cache_arg(case1, "one", to_cupy)
         graph.launch()
     stream.synchronize()
     assert rel_err(cupy.asnumpy(out), oracle(case1)[0]) < TOL
