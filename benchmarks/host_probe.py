@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 
 import cuattn  # noqa: E402
-from cuattn import arrays, page, plan as cplan  # noqa: E402
+from cuattn import arrays, jit, page, plan as cplan  # noqa: E402
 
 
 def per_call_us(fn, n=300, rounds=5):
@@ -64,9 +64,10 @@ def main():
     rows["ctypes cuCtxGetDevice"] = per_call_us(lambda: lib.cuCtxGetDevice(ctypes.byref(dev)))
     stream = cp.cuda.get_current_stream()
     qt = arrays.device_tensor(q, "q", fn)
-    kv, maps = w._kv_view(cache, fn)
+    _, cache_args = w._kv_view(cache, fn)
     ot = arrays.device_tensor(out, "out", fn)
-    rows["decode kernel launch only"] = per_call_us(lambda: w._launch(qt, kv, maps, ot, 0, stream, True))
+    rows["decode kernel launch only"] = per_call_us(
+        lambda: w._launch(qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True))
     rows["  cuLaunchKernel (ctypes, args packed)"] = per_call_us(
         lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, False))
     rows["  cuLaunchKernelEx, PDL (ctypes, args packed)"] = per_call_us(
@@ -74,12 +75,14 @@ def main():
     rows["run(cupy, out=)"] = per_call_us(lambda: w.run(q, cache, out=out))
     rows["run(cupy)"] = per_call_us(lambda: w.run(q, cache))
     # -- pieces of run()
+    rows["  _operand(cupy q), layout checked"] = per_call_us(lambda: w._operand(q, "q", fn))
+    rows["  pointer_layout(cupy)"] = per_call_us(lambda: arrays.pointer_layout(q))
     rows["  device_tensor(cupy q)"] = per_call_us(lambda: arrays.device_tensor(q, "q", fn))
     rows["  paged_kv_tensors(cupy)"] = per_call_us(lambda: page.paged_kv_tensors(cache, "NHD", fn))
     rows["  _kv_view(cupy), memoized"] = per_call_us(lambda: w._kv_view(cache, fn))
-    rows["  metadata_key(cupy)"] = per_call_us(lambda: arrays.metadata_key(cache))
     rows["  is_device_array(cupy)"] = per_call_us(lambda: arrays.is_device_array(q))
     rows["  resolve_stream(cupy)"] = per_call_us(lambda: arrays.resolve_stream("cupy", 0))
+    rows["  pdl_launch"] = per_call_us(lambda: jit.pdl_launch(0, None))
     rows["  cp.empty like q"] = per_call_us(lambda: cp.empty(q.shape, q.dtype))
     try:
         import torch
@@ -88,12 +91,11 @@ def main():
         tout = torch.empty_like(tq)
         rows["run(torch, out=)"] = per_call_us(lambda: w.run(tq, tc, out=tout))
         rows["run(torch)"] = per_call_us(lambda: w.run(tq, tc))
+        rows["  _operand(torch q), layout checked"] = per_call_us(lambda: w._operand(tq, "q", fn))
+        rows["  pointer_layout(torch)"] = per_call_us(lambda: arrays.pointer_layout(tq))
         rows["  device_tensor(torch q)"] = per_call_us(lambda: arrays.device_tensor(tq, "q", fn))
         rows["  resolve_stream(torch)"] = per_call_us(lambda: arrays.resolve_stream("torch", 0))
         rows["  torch.cuda.current_stream()"] = per_call_us(lambda: torch.cuda.current_stream(0).cuda_stream)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            rows["  torch._C._cuda_getCurrentRawStream"] = per_call_us(lambda: raw(0))
         rows["  torch.empty like q"] = per_call_us(lambda: torch.empty_like(tq))
     except ImportError:
         pass

@@ -182,15 +182,17 @@ def _check_strides(shape, strides, name: str, fn: str) -> None:
                          f"got stride {strides[-1]} (elements); call .contiguous()/ascontiguousarray")
 
 
-def metadata_key(x: Any) -> tuple | None:
-    """What fully determines ``device_tensor(x)`` of a CuPy or PyTorch array (pointer, shape,
-    strides, dtype), cheap enough to read on every call, for memoizing descriptions of
-    long-lived arrays (a KV cache); None for other arrays."""
-    fw = framework_of(x)
+def pointer_layout(x: Any) -> tuple | None:
+    """(pointer, layout) of a CuPy or CUDA PyTorch array, cheap enough to read on every call
+    (~0.3 µs against ~2-3 µs for ``device_tensor``): the layout (framework, shape, strides,
+    dtype, device) is everything ``device_tensor`` checks but the pointer, so a layout that
+    passed a check once passes it again. None for other arrays (and CPU tensors)."""
+    fw = _FRAMEWORK_OF_TYPE.get(type(x)) or framework_of(x)
     if fw == "cupy":
-        return (x.data.ptr, x.shape, x.strides, x.dtype)
-    if fw == "torch":
-        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.is_cuda)
+        data = x.data
+        return data.ptr, (fw, x.shape, x.strides, x.dtype, data.device_id)
+    if fw == "torch" and x.is_cuda:
+        return x.data_ptr(), (fw, x.shape, x.stride(), x.dtype, x.get_device())
     return None
 
 

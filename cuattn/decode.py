@@ -116,10 +116,13 @@ def _num_sms(device: int) -> int:
 #   tma: True / False forces the TMA kernel on or off (None: wherever it has a kernel).
 _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
-# kernel parameters (decode.cu): 9 pointers, 7 int64 strides, 5 int32, the scale, the counters,
-# ids_in_plan
-_KERNEL_ARGS = "ppppppppp" "qqqqqqq" "iiiii" "f" "p" "i"
-_KERNEL_ARGS_TMA = _KERNEL_ARGS + "tt"      # + the K and V tensor maps
+# kernel parameters (decode.cu), grouped by how long they hold: the plan's (4 pointers, 5 int32,
+# the scale, the counters, ids_in_plan), the cache's (K, V, 3 strides [+ the K and V tensor maps]),
+# the call's (q, out, lse, 4 strides)
+_PLAN_ARGS, _CACHE_ARGS, _CALL_ARGS = "pppp" "iiiii" "f" "p" "i", "pp" "qqq", "ppp" "qqqq"
+_KERNEL_ARGS = _PLAN_ARGS + _CACHE_ARGS + _CALL_ARGS
+_KERNEL_ARGS_TMA = _PLAN_ARGS + _CACHE_ARGS + "tt" + _CALL_ARGS
+_ALIGN = {"q": 16, "out": 8, "lse": 4}      # bytes the kernels move at a time through run()'s arrays
 _MERGE_ARGS = "ppppp" "qq" "i"
 
 
@@ -251,6 +254,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # keys of _TUNING_DEFAULTS; read only through _tuned().
         self._tuning: dict[str, Any] = {}
         self._kv_memo: dict[tuple, tuple] = {}     # run()'s cache descriptions (_kv_view)
+        self._checked: dict[tuple, tuple] = {}     # layouts of q, out, lse that passed this plan (_operand)
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
 
     # ------------------------------------------------------------------ plan
@@ -325,6 +329,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"{fn}: indices must be >= 0, got min {lo}")
             max_index = hi
 
+        self._checked.clear()      # run()'s checks of q, out and lse depend on the plan
         self._batch = len(kv_lens)
         self._num_qo_heads, self._num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self._group = self._num_qo_heads // self._num_kv_heads
@@ -486,13 +491,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _build_launchers(self):
         self._k_launch, merge = _launchers(self._spec, self._device)
+        # what run()'s checks of a cache compare with (_kv_view)
+        self._kv_geometry = (self._spec.tma, self._page_size, self._num_kv_heads, self._head_dim, self._kv_dtype,
+                             self._device)
         self._k_grid = (self._num_kv_heads * self._m_tiles, self._grid_work)
         # split requests are merged inside the decode kernel (last piece to finish) unless the
         # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
         fuse = self._tuned("fuse_merge")
-        self._k_consts = (self._page_size, _page_shift(self._page_size), self._num_qo_heads, self._group,
-                          self._m_tiles, self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0,
-                          self._ids_in_plan)
+        self._plan_args = (self._work_ptr, self._indices_ptr, self._part_o, self._part_lse, self._page_size,
+                           _page_shift(self._page_size), self._num_qo_heads, self._group, self._m_tiles,
+                           self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0, self._ids_in_plan)
         self._m_launch = merge if self._has_merge and not fuse else None
         self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
 
@@ -543,17 +551,77 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn)
         if self._gpu_error:
             raise UnsupportedError(self._gpu_error)
-        qt = arrays.device_tensor(q, "q", fn)
-        if qt.device != self._device or self._work is None:
-            raise ValueError(f"{fn}: q must be on the GPU the plan was made for (GPU {self._device}), "
-                             f"got GPU {qt.device}")
-        want_q = (self._batch, self._num_qo_heads, self._head_dim)
-        if qt.shape != want_q:
-            raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qt.shape}")
-        if not arrays.same_storage(qt.dtype, self._q_dtype):
-            raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qt.dtype}")
-        _check_aligned(qt, "q", 16, fn)
-        kv, maps = self._kv_view(paged_kv_cache, fn)
+        q_ptr, q_strides, framework = self._operand(q, "q", fn)
+        num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
+        if self._max_index >= num_pages:
+            raise ValueError(f"{fn}: indices must be in 0..{num_pages - 1} (num_pages of the cache), "
+                             f"got max {self._max_index}")
+        ctx = arrays.Context(framework, self._device, arrays.resolve_stream(framework, self._device, stream))
+        if out is None:
+            out = arrays.empty(ctx, (self._batch, self._num_qo_heads, self._head_dim), self._q_dtype)
+        out_ptr, out_strides, _ = self._operand(out, "out", fn)
+        lse_ptr = 0
+        if lse is None and return_lse:
+            lse = arrays.empty(ctx, (self._batch, self._num_qo_heads), np.float32)
+        if lse is not None:
+            lse_ptr = self._operand(lse, "lse", fn)[0]
+        self._launch(q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
+                     jit.pdl_launch(self._device, enable_pdl))
+        result = arrays.export(ctx, out, self._q_dtype)
+        if return_lse:
+            return result, arrays.export(ctx, lse)
+        return result
+
+    forward = run
+
+    def _operand(self, x, name: str, fn: str) -> tuple[int, tuple, str]:
+        """(pointer, strides in elements, framework) of run()'s device array ``name`` (q, out or
+        lse), checked against the plan. A CuPy / PyTorch array whose layout already passed in this
+        plan skips the description and the checks (arrays.pointer_layout: the layout is all they
+        read), leaving its pointer's alignment to check: a serving loop's layers pass arrays of one
+        layout, and describing them costs several µs of a run() whose launch alone costs ~7."""
+        found = arrays.pointer_layout(x)
+        if found is not None:
+            strides = self._checked.get((name, found[1]))
+            if strides is not None and found[0] % _ALIGN[name] == 0:
+                return found[0], strides, found[1][0]
+        t = arrays.device_tensor(x, name, fn)
+        if t.device != self._device or self._work is None:
+            raise ValueError(f"{fn}: {name} must be on the GPU the plan was made for (GPU {self._device}), "
+                             f"got GPU {t.device}")
+        if name == "lse":
+            shape = (self._batch, self._num_qo_heads)
+            if t.shape != shape or t.dtype != np.float32 or not t.is_contiguous():
+                raise ValueError(f"{fn}: lse must be a contiguous float32 array of shape {shape}, "
+                                 f"got {t.shape} {t.dtype}")
+        else:
+            shape = (self._batch, self._num_qo_heads, self._head_dim)
+            if t.shape != shape:
+                raise ValueError(f"{fn}: {name} must have shape (batch, num_qo_heads, head_dim) = {shape}, "
+                                 f"got {t.shape}")
+            if not arrays.same_storage(t.dtype, self._q_dtype):
+                raise ValueError(f"{fn}: {name} must have dtype {self._q_dtype} (q_data_type of plan), "
+                                 f"got {t.dtype}")
+        _check_aligned(t, name, _ALIGN[name], fn)
+        if found is not None:
+            if len(self._checked) >= 256:
+                self._checked.clear()
+            self._checked[name, found[1]] = t.strides
+        return t.ptr, t.strides, t.framework
+
+    def _kv_view(self, paged_kv_cache, fn) -> tuple[int, tuple]:
+        """(num_pages, the kernel's cache arguments) of a run()'s cache, checked against the plan's
+        cache geometry and memoized on it and on the pointer and layout of the cache's arrays (all
+        the description reads): a serving loop passes every layer's cache each step, and describing
+        one costs ~4 µs of a run(). Entries hold no array, so the memo keeps no cache alive."""
+        if isinstance(paged_kv_cache, (tuple, list)):
+            key = (self._kv_geometry,) + tuple(map(arrays.pointer_layout, paged_kv_cache))
+        else:
+            key = (self._kv_geometry, arrays.pointer_layout(paged_kv_cache))
+        hit = self._kv_memo.get(key)
+        if hit is not None:
+            return hit
+        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self._page_size, self._num_kv_heads, self._head_dim):
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
                              f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
@@ -561,77 +629,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not arrays.same_storage(kv.dtype, self._kv_dtype):
             raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
                              f"got {kv.dtype}")
-        if kv.k.device != qt.device:
-            raise ValueError(f"{fn}: paged_kv_cache must be on GPU {qt.device} like q, got GPU {kv.k.device}")
-        if self._max_index >= kv.num_pages:
-            raise ValueError(f"{fn}: indices must be in 0..{kv.num_pages - 1} (num_pages of the cache), "
-                             f"got max {self._max_index}")
-        ctx = arrays.Context(qt.framework, qt.device,
-                             arrays.resolve_stream(qt.framework, qt.device, stream))
-        out_obj, ot = self._output(ctx, out, qt, fn)
-        lse_obj, lse_ptr = None, 0
-        if lse is not None or return_lse:
-            lse_obj, lse_ptr = self._lse_output(ctx, lse, fn)
-        self._launch(qt, kv, maps, ot, lse_ptr, ctx.stream, jit.pdl_launch(self._device, enable_pdl))
-        result = arrays.export(ctx, out_obj, self._q_dtype)
-        if return_lse:
-            return result, arrays.export(ctx, lse_obj)
-        return result
-
-    forward = run
-
-    def _output(self, ctx, out, qt, fn):
-        if out is None:
-            out = arrays.empty(ctx, qt.shape, self._q_dtype)
-        ot = arrays.device_tensor(out, "out", fn)
-        if ot.shape != qt.shape or not arrays.same_storage(ot.dtype, self._q_dtype):
-            raise ValueError(f"{fn}: out must have shape {qt.shape} and dtype {self._q_dtype}, "
-                             f"got {ot.shape} {ot.dtype}")
-        if ot.device != qt.device:
-            raise ValueError(f"{fn}: out must be on GPU {qt.device}, got GPU {ot.device}")
-        _check_aligned(ot, "out", 8, fn)
-        return out, ot
-
-    def _lse_output(self, ctx, lse, fn):
-        shape = (self._batch, self._num_qo_heads)
-        if lse is None:
-            lse = arrays.empty(ctx, shape, np.float32)
-        lt = arrays.device_tensor(lse, "lse", fn)
-        if lt.shape != shape or lt.dtype != np.float32 or not lt.is_contiguous():
-            raise ValueError(f"{fn}: lse must be a contiguous float32 array of shape {shape}, "
-                             f"got {lt.shape} {lt.dtype}")
-        return lse, lt.ptr
-
-    def _kv_view(self, paged_kv_cache, fn):
-        """(PagedKV, TMA tensor maps or ()) of a run()'s cache, memoized on the metadata of its
-        arrays (pointer, shape, strides, dtype: what fully determines them): a serving loop passes
-        every layer's cache each step, and describing one costs ~4 µs of a ~20 µs run(). Entries
-        hold no array, so the memo keeps no cache alive."""
-        parts = paged_kv_cache if isinstance(paged_kv_cache, (tuple, list)) else (paged_kv_cache,)
-        key = (self._spec.tma,) + tuple(arrays.metadata_key(p) for p in parts)
-        hit = self._kv_memo.get(key)
-        if hit is not None:
-            return hit
-        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        if kv.k.device != self._device:
+            raise ValueError(f"{fn}: paged_kv_cache must be on GPU {self._device} like q, got GPU {kv.k.device}")
         _check_aligned(kv.k, "paged_kv_cache", 16, fn)
         _check_aligned(kv.v, "paged_kv_cache", 16, fn)
         maps = () if not self._spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
             kv.stride_slot, kv.stride_head)
+        view = kv.num_pages, (kv.k.ptr, kv.v.ptr, kv.stride_page, kv.stride_slot, kv.stride_head) + maps
         if None not in key:      # CuPy / PyTorch arrays (a JAX array is waited on by every run())
             if len(self._kv_memo) >= 1024:
                 self._kv_memo.clear()
-            self._kv_memo[key] = (kv._replace(k=kv.k._replace(obj=None), v=kv.v._replace(obj=None)), maps)
-        return kv, maps
+            self._kv_memo[key] = view
+        return view
 
-    def _launch(self, qt, kv, maps, ot, lse_ptr, stream, pdl: bool):
-        self._k_launch(self._k_grid, self._spec.threads, stream,
-                       self._work_ptr, qt.ptr, kv.k.ptr, kv.v.ptr, self._indices_ptr, ot.ptr, lse_ptr,
-                       self._part_o, self._part_lse, qt.strides[0], qt.strides[1], ot.strides[0], ot.strides[1],
-                       kv.stride_page, kv.stride_slot, kv.stride_head, *self._k_consts, *maps, pdl=pdl)
+    def _launch(self, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool):
+        self._k_launch(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
+                       q_ptr, out_ptr, lse_ptr, q_strides[0], q_strides[1], out_strides[0], out_strides[1], pdl=pdl)
         if self._m_launch is not None:
             self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
-                           ot.ptr, lse_ptr, ot.strides[0], ot.strides[1], self._num_qo_heads)
+                           out_ptr, lse_ptr, out_strides[0], out_strides[1], self._num_qo_heads)
 
     def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn):
         qa = arrays.host_array(q, "q", fn)
@@ -787,9 +804,10 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     # the contiguous KV is one "page" of kv_len rows; no fused merge (counters pointer 0)
     kernel((hkv * m_tiles, len(wl.work)), _THREADS, ctx.stream,
-           work.data.ptr, qt.ptr, kt.ptr, vt.ptr, indices.data.ptr, ot.ptr, lse_ptr, part_o, part_lse,
-           0, qt.strides[0], 0, ot.strides[1], 0, s_tok, s_head,
-           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0, 1)
+           work.data.ptr, indices.data.ptr, part_o, part_lse,
+           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0, 1,
+           kt.ptr, vt.ptr, 0, s_tok, s_head,
+           qt.ptr, ot.ptr, lse_ptr, 0, qt.strides[0], 0, ot.strides[1])
     if merge_dev is not None:
         hpb = _THREADS // (d // 4)
         merge((len(wl.merge), -(-hq // hpb)), _THREADS, ctx.stream,

@@ -294,7 +294,12 @@ def device_arch(device_id: int) -> str:
 def pdl_launch(device_id: int, enable_pdl: bool | None) -> bool:
     """Whether a run() launches with Programmatic Dependent Launch: ``enable_pdl`` None (FlashInfer's
     default) or True, on a GPU that has it (sm_90+; ignored below)."""
-    return (enable_pdl is None or bool(enable_pdl)) and int(device_arch(device_id)[3:].rstrip("a")) >= 90
+    return (enable_pdl is None or bool(enable_pdl)) and _has_pdl(device_id)
+
+
+@functools.cache
+def _has_pdl(device_id: int) -> bool:
+    return int(device_arch(device_id)[3:].rstrip("a")) >= 90
 
 
 @functools.cache
@@ -428,6 +433,8 @@ class Launcher:
         self._pdl_config = _LaunchConfig(shared_mem_bytes=smem_bytes, attrs=ctypes.pointer(self._pdl_attr),
                                          num_attrs=1)
         self._pdl_config.block[:] = 0, 1, 1
+        self._pdl_config_ref = ctypes.byref(self._pdl_config)
+        self._pdl_set = None
 
     def __call__(self, grid: tuple, block: int, stream, *args, pdl: bool = False) -> None:
         """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
@@ -441,10 +448,12 @@ class Launcher:
         gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
         if pdl:
             cfg = self._pdl_config
-            cfg.grid[:] = gx, gy, gz
-            cfg.block[0] = block
-            cfg.stream = stream_ptr
-            status = Launcher._libcuda.cuLaunchKernelEx(cfg, self._func, self._params, None)
+            if (gx, gy, gz, block, stream_ptr) != self._pdl_set:    # ctypes field writes cost ~0.2 µs each
+                cfg.grid[:] = gx, gy, gz
+                cfg.block[0] = block
+                cfg.stream = stream_ptr
+                self._pdl_set = (gx, gy, gz, block, stream_ptr)
+            status = Launcher._libcuda.cuLaunchKernelEx(self._pdl_config_ref, self._func, self._params, None)
         else:
             status = Launcher._libcuda.cuLaunchKernel(self._func, gx, gy, gz, block, 1, 1, self.smem_bytes,
                                                       stream_ptr, self._params, None)

@@ -164,23 +164,26 @@ __device__ __forceinline__ void merge_partials(const float* part_o, const float*
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
+    // the plan's (fixed until the next plan())
     const int32_t* __restrict__ work,      // [num_work, 8]
-    const q_t* __restrict__ q,             // [batch, num_qo_heads, HEAD_DIM] via strides
-    const kv_t* __restrict__ k_cache,      // page p, slot s, head h at p*s_page + s*s_tok + h*s_head
-    const kv_t* __restrict__ v_cache,
     const int32_t* __restrict__ kv_indices,
-    q_t* __restrict__ out,                 // [batch, num_qo_heads, HEAD_DIM] via strides
-    float* __restrict__ lse,               // [batch, num_qo_heads] or null
     float* __restrict__ part_o,            // [num_slots, num_qo_heads, HEAD_DIM]
     float* __restrict__ part_lse,          // [num_slots, num_qo_heads]
-    int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h,
-    int64_t s_page, int64_t s_tok, int64_t s_head,
     int page_size, int page_shift, int num_qo_heads, int group, int m_tiles, float scale_log2,
     int* __restrict__ counters,             // null: cuattn_decode_merge merges split requests
-    int ids_in_plan                         // 1: kv_indices may be read before wait_prior_grids()
+    int ids_in_plan,                        // 1: kv_indices may be read before wait_prior_grids()
+    // the cache's
+    const kv_t* __restrict__ k_cache,      // page p, slot s, head h at p*s_page + s*s_tok + h*s_head
+    const kv_t* __restrict__ v_cache,
+    int64_t s_page, int64_t s_tok, int64_t s_head,
 #if TMA
-    , const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v
+    const __grid_constant__ TmaDesc tmap_k, const __grid_constant__ TmaDesc tmap_v,
 #endif
+    // the call's
+    const q_t* __restrict__ q,             // [batch, num_qo_heads, HEAD_DIM] via strides
+    q_t* __restrict__ out,                 // [batch, num_qo_heads, HEAD_DIM] via strides
+    float* __restrict__ lse,               // [batch, num_qo_heads] or null
+    int64_t q_s_b, int64_t q_s_h, int64_t o_s_b, int64_t o_s_h
     ) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

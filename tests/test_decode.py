@@ -406,11 +406,13 @@ def test_batch_decode_gpu_run_memo_follows_the_cache_and_keeps_none_alive():
 @pytest.mark.parametrize("page_size", [16, 5])     # TMA (on sm_90) and cp.async kernels
 def test_batch_decode_gpu_rejects_misaligned_arrays_and_keeps_working(page_size):
     """q, out and the cache shifted by one element: a clear error naming the argument (the kernels'
-    16-byte loads would fault), and the next well-formed run() still works."""
+    16-byte loads would fault), and the next well-formed run() still works. A good run() comes
+    first, so the shifted arrays have layouts run() has already checked (only pointers differ)."""
     import cupy
     case = make_case(2, 40, page_size, 8, 8, 64, "NHD", "float16", seed=5)
     w = planned(case, 8, 8, 64, page_size, "float16")
     q, cache = to_cupy(case["q"]), cache_arg(case, "one", to_cupy)
+    assert rel_err(cupy.asnumpy(w.run(q, cache, out=cupy.empty_like(q))), oracle(case)[0]) < TOL
 
     def shifted(x):     # the same values one element further into a larger buffer
         buf = cupy.empty(x.size + 1, x.dtype)
@@ -425,6 +427,31 @@ def test_batch_decode_gpu_rejects_misaligned_arrays_and_keeps_working(page_size)
             w.run(args.pop("q"), args.pop("paged_kv_cache"), **args)
     out = w.run(q, cache)
     assert rel_err(cupy.asnumpy(out), oracle(case)[0]) < TOL
+
+
+@pytest.mark.gpu
+def test_batch_decode_gpu_checked_layouts_are_forgotten_by_the_next_plan():
+    """run() skips re-checking q/out/lse layouts it has checked in this plan; a new plan with
+    another q dtype or batch must check them again."""
+    import cupy
+    case = make_case(2, 40, 16, 8, 8, 64, "NHD", "float16", seed=6)
+    w = planned(case, 8, 8, 64, 16, "float16")
+    q, cache = to_cupy(case["q"]), cache_arg(case, "one", to_cupy)
+    out, lse = cupy.empty_like(q), cupy.empty((2, 8), cupy.float32)
+    for _ in range(2):
+        w.run(q, cache, out=out, lse=lse)
+        assert rel_err(cupy.asnumpy(out), oracle(case)[0]) < TOL
+    w.plan(case["indptr"], case["indices"], case["lpl"], 8, 8, 64, 16, q_data_type="bfloat16")
+    with pytest.raises(ValueError, match="q must have dtype"):
+        w.run(q, cache, out=out)
+    with pytest.raises(ValueError, match="out must have dtype"):
+        w.run(q.view(cupy.uint16), cache.view(cupy.uint16), out=out)     # bf16 q and cache, fp16 out
+    one = make_case(1, 40, 16, 8, 8, 64, "NHD", "float16", seed=6)
+    w.plan(one["indptr"], one["indices"], one["lpl"], 8, 8, 64, 16, q_data_type="float16")
+    with pytest.raises(ValueError, match=r"q must have shape"):
+        w.run(q, cache, out=out)
+    with pytest.raises(ValueError, match="lse must be a contiguous float32 array of shape"):
+        w.run(q[:1], cache, out=out[:1], lse=lse)
 
 
 @pytest.mark.gpu
