@@ -68,10 +68,11 @@ def main():
     ot = arrays.device_tensor(out, "out", fn)
     rows["decode kernel launch only"] = per_call_us(
         lambda: w._launch(qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True))
-    rows["  cuLaunchKernel (ctypes, args packed)"] = per_call_us(
-        lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, False))
-    rows["  cuLaunchKernelEx, PDL (ctypes, args packed)"] = per_call_us(
-        lambda: w._k_launch._launch(w._k_grid, w._spec.threads, stream.ptr, True))
+    for pdl in (False, True):
+        def launch_only(pdl=pdl):
+            w._k_launch.configure(w._k_grid, w._spec.threads, stream.ptr, pdl)
+            w._k_launch.launch()
+        rows[f"  cuLaunchKernelEx{', PDL' if pdl else ''} (ctypes, args packed)"] = per_call_us(launch_only)
     rows["run(cupy, out=)"] = per_call_us(lambda: w.run(q, cache, out=out))
     rows["run(cupy)"] = per_call_us(lambda: w.run(q, cache))
     # -- pieces of run()
