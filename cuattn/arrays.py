@@ -191,8 +191,10 @@ def pointer_layout(x: Any) -> tuple | None:
     if fw == "cupy":
         data = x.data
         return data.ptr, (fw, x.shape, x.strides, x.dtype, data.device_id)
-    if fw == "torch" and x.is_cuda:
-        return x.data_ptr(), (fw, x.shape, x.stride(), x.dtype, x.get_device())
+    if fw == "torch":
+        device = x.get_device()       # -1 on the CPU
+        if device >= 0:
+            return x.data_ptr(), (fw, x.shape, x.stride(), x.dtype, device)
     return None
 
 
