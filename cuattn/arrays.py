@@ -184,9 +184,9 @@ def _check_strides(shape, strides, name: str, fn: str) -> None:
 
 def pointer_layout(x: Any) -> tuple | None:
     """(pointer, layout) of a CuPy or CUDA PyTorch array, cheap enough to read on every call
-    (~0.3 µs against ~2-3 µs for ``device_tensor``): the layout (framework, shape, strides,
-    dtype, device) is everything ``device_tensor`` checks but the pointer, so a layout that
-    passed a check once passes it again. None for other arrays (and CPU tensors)."""
+    (0.4-1.4 µs against 1.2-3 µs for ``device_tensor`` on the H100 VMs): the layout (framework,
+    shape, strides, dtype, device) is everything ``device_tensor`` checks but the pointer, so a
+    layout that passed a check once passes it again. None for other arrays (and CPU tensors)."""
     fw = _FRAMEWORK_OF_TYPE.get(type(x)) or framework_of(x)
     if fw == "cupy":
         data = x.data
