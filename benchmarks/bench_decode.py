@@ -48,6 +48,8 @@ PEERS_H100 = {("32:8", 1, 512): 13.2, ("32:8", 1, 32768): 58.6, ("32:8", 16, 204
 
 _READ_SOURCE = r"""
 // Read n 16-byte words, U independent loads in flight per thread per step (a one-wave grid).
+// LOAD: * (a plain load) or __ldcs (evict-first in L2: never for the L2 flush, whose lines must
+// push the timed kernel's lines out of L2).
 extern "C" __global__ void read_only(const uint4* __restrict__ x, long long n, unsigned* sink) {
   const long long stride = (long long)gridDim.x * blockDim.x;
   long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -55,14 +57,15 @@ extern "C" __global__ void read_only(const uint4* __restrict__ x, long long n, u
   for (; i + (U - 1) * stride < n; i += U * stride) {
     uint4 v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = __ldcs(x + i + u * stride);
+    for (int u = 0; u < U; ++u) v[u] = LOAD(x + i + u * stride);
 #pragma unroll
     for (int u = 0; u < U; ++u) { acc.x ^= v[u].x; acc.y ^= v[u].y; acc.z ^= v[u].z; acc.w ^= v[u].w; }
   }
   for (; i < n; i += stride) { uint4 v = x[i]; acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w; }
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) sink[0] = 1;
 }"""
-_READ = {u: cp.RawKernel(_READ_SOURCE, "read_only", options=(f"-DU={u}",)) for u in (4, 8)}
+_READ = {(u, load): cp.RawKernel(_READ_SOURCE, "read_only", options=(f"-DU={u}", f"-DLOAD={load}"))
+         for u in (4, 8) for load in ("*", "__ldcs")}
 
 _FILL = cp.ElementwiseKernel("uint64 seed", "uint16 y", """
   unsigned long long z = (i + seed) * 0x9E3779B97F4A7C15ull;
@@ -141,11 +144,11 @@ def ceilings(reps):
     sink = cp.zeros(1, cp.uint32)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     # the best of a few shapes of the read kernel: a ceiling the decode kernel beats is no ceiling.
-    # H100, 2026-11-22: 2 x 1024 threads per SM read 3.08-3.11 TB/s (PEERS.md: 3.11), 4 x 512
-    # 3.04-3.07, and the single grid used until then (8 x 512, 2 waves) 3.04-3.06, below the
-    # decode kernel's own 3.09 at batch 256
-    read_us = min(time_events(lambda: _READ[u]((sms * per_sm,), (threads,), (x, np.int64(n), sink)), reps)
-                  for u in (4, 8) for threads, per_sm in ((1024, 2), (512, 4)))
+    # H100, 2026-11-22: 2 x 1024 threads per SM with __ldcs read 3.08-3.11 TB/s (PEERS.md: 3.11),
+    # 4 x 512 3.04-3.07, and the single grid used until then (8 x 512 plain loads, 2 waves)
+    # 3.04-3.06, below the decode kernel's own 3.09 at batch 256
+    read_us = min(time_events(lambda: kernel((sms * per_sm,), (threads,), (x, np.int64(n), sink)), reps)
+                  for kernel in _READ.values() for threads, per_sm in ((1024, 2), (512, 4)))
     read_tbs = x.nbytes / (read_us * 1e-6) / 1e12
     src, dst = x[:1 << 30], x[1 << 30:]
     copy_us = time_events(lambda: cp.cuda.runtime.memcpyAsync(
@@ -277,8 +280,11 @@ def main():
     if args.flush == "write":
         flush = lambda: flush_buf.fill(1)  # noqa: E731
     else:
-        flush = lambda: _READ[4]((sms * 4,), (512,), (flush_buf, np.int64(n_flush), flush_sink))  # noqa: E731
+        flush = lambda: _READ[4, "*"]((sms * 4,), (512,), (flush_buf, np.int64(n_flush), flush_sink))  # noqa: E731
     print(f"L2 flush before each timed call: {args.flush} 256 MB", flush=True)
+    # what the method itself costs: an empty kernel (one thread) timed the same way
+    empty_us = time_events(lambda: _SPIN((1,), (1,), (np.int64(0),)), reps, flush)
+    print(f"an empty kernel timed the same way (flush, events around it): {empty_us:.1f} us", flush=True)
     peers = {}
     try:
         import flashinfer  # noqa: F401
@@ -316,7 +322,7 @@ def main():
                                           lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation))
                 del cache, q, rotation
                 cp.get_default_memory_pool().free_all_blocks()
-    return finish(args, env, read_tbs, copy_tbs, rows, reps)
+    return finish(args, env, read_tbs, copy_tbs, rows, reps, empty_us)
 
 
 def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices, lpl, cache, q, reps, flush,
@@ -400,7 +406,7 @@ def plan_us_each(args, n=40):
     return times[10:]
 
 
-def finish(args, env, read_tbs, copy_tbs, rows, reps):
+def finish(args, env, read_tbs, copy_tbs, rows, reps, empty_us):
     # -- host cost: eager run() with out= given (bs 1 x 512, 32:8), plan() for batch 256
     indptr, indices, lpl, cache, q = setup_case(1, 512, 32, 8, args.head_dim, args.page_size, args.dtype, 1)
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
@@ -454,8 +460,8 @@ def finish(args, env, read_tbs, copy_tbs, rows, reps):
           f"timings, {host['plan_batch256_us']:.0f} µs after, each "
           + " ".join(f"{t:.0f}" for t in plan_times))
 
-    result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, copy_tbs=copy_tbs), dtype=args.dtype,
-                  head_dim=args.head_dim, page_size=args.page_size, reps=reps, timing=__doc__.split("\n\n")[1],
+    result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, copy_tbs=copy_tbs, empty_kernel_us=empty_us),
+                  dtype=args.dtype, head_dim=args.head_dim, page_size=args.page_size, reps=reps, timing=__doc__.split("\n\n")[1],
                   rows=rows, host_us=host)
     path = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                             f"decode_{env['gpu'].replace(' ', '_')}_{env['date'][:10]}.json")
