@@ -515,12 +515,10 @@ def test_batch_decode_gpu_torch_tensors_and_workspace():
     case = make_case(5, 1234, 16, 32, 8, 128, "NHD", "bfloat16", seed=21)
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    t = lambda x: torch.from_numpy(x.view(np.uint16).astype(np.int32)).to(torch.int32)  # noqa: E731
     indptr = torch.from_numpy(case["indptr"]).cuda()
     indices = torch.from_numpy(case["indices"]).cuda()
     lpl = torch.from_numpy(case["lpl"]).cuda()
     w.plan(indptr, indices, lpl, 32, 8, 128, 16, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    del t
     to_t = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()  # noqa: E731
     cache = torch.stack([to_t(case["k"]), to_t(case["v"])], dim=1)
     out, lse = w.run(to_t(case["q"]), cache, return_lse=True)
@@ -528,6 +526,15 @@ def test_batch_decode_gpu_torch_tensors_and_workspace():
     o = out.float().cpu().numpy()
     ref_o, ref_lse = oracle(case)
     assert rel_err(o, ref_o) < TOL and rel_err(lse.cpu().numpy(), ref_lse) < LSE_TOL
+    # again with new tensors of the layouts run() has checked (its layout memo): NaN-poisoned
+    # outputs written in place, then a misaligned q of the same layout is still refused
+    out2 = torch.full_like(out, float("nan"))
+    lse2 = torch.full_like(lse, float("nan"))
+    assert w.run(to_t(case["q"]), cache, out=out2, lse=lse2) is out2
+    assert rel_err(out2.float().cpu().numpy(), ref_o) < TOL and rel_err(lse2.cpu().numpy(), ref_lse) < LSE_TOL
+    shifted = torch.empty(out.numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view(out.shape)
+    with pytest.raises(ValueError, match="q must start at a"):
+        w.run(shifted, cache, out=out2)
 
 
 @pytest.mark.gpu
