@@ -410,7 +410,6 @@ class Launcher:
         self._runtime, self._device = cp.cuda.runtime, cp.cuda.Device(device_id)
         self.name = f"{spec.name}:{entry}"
         self.device_id = device_id
-        self.smem_bytes = smem_bytes
         self._function = function                       # keeps the handle below valid
         self._func = ctypes.c_void_p(function.ptr)
         offsets, fmt, end = [], "<", 0
