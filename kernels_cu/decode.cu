@@ -89,7 +89,9 @@ constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
 static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
-static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * HEAD_DIM * 4 <= STAGES * STAGE_BYTES,
+constexpr int RED_PITCH = HEAD_DIM + 8;          // floats per row of the warp merge: +8 spreads a warp's 8
+                                                 // accumulator rows over all banks (+0: 8-way conflicts)
+static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * RED_PITCH * 4 <= STAGES * STAGE_BYTES,
               "the warp merge reuses the pipeline buffers");
 constexpr float LN2 = 0.69314718055994531f;
 
@@ -436,8 +438,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   __syncthreads();
   float* red_m = reinterpret_cast<float*>(kv_s);             // [NUM_WARPS][16]
   float* red_l = red_m + NUM_WARPS * M_TILE;                 // [NUM_WARPS][16]
-  float* red_o = red_l + NUM_WARPS * M_TILE;                 // [NUM_WARPS][16][HEAD_DIM]
-  {
+  float* red_o = red_l + NUM_WARPS * M_TILE;                 // [NUM_WARPS][16][RED_PITCH]
+  {                                                          // rows >= `rows` (past the group) are not read
     const int g = lane / 4, t = lane % 4;
     if (t == 0) {
       red_m[warp * M_TILE + g] = m_i[0];
@@ -445,11 +447,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
       red_l[warp * M_TILE + g] = l_i[0];
       red_l[warp * M_TILE + g + 8] = l_i[1];
     }
-    float* o = red_o + warp * M_TILE * HEAD_DIM;
+    float* o = red_o + (warp * M_TILE + g) * RED_PITCH + 2 * t;
+    if (g < rows) {
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d) {
-      *reinterpret_cast<float2*>(o + g * HEAD_DIM + d * 8 + 2 * t) = make_float2(acc[d][0], acc[d][1]);
-      *reinterpret_cast<float2*>(o + (g + 8) * HEAD_DIM + d * 8 + 2 * t) = make_float2(acc[d][2], acc[d][3]);
+      for (int d = 0; d < HEAD_DIM / 8; ++d) *reinterpret_cast<float2*>(o + d * 8) = make_float2(acc[d][0], acc[d][1]);
+    }
+    if (g + 8 < rows) {
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d)
+        *reinterpret_cast<float2*>(o + 8 * RED_PITCH + d * 8) = make_float2(acc[d][2], acc[d][3]);
     }
   }
   __syncthreads();
@@ -465,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     for (int wi = 0; wi < NUM_WARPS; ++wi) {
       const float c = exp2_approx(red_m[wi * M_TILE + r] - m_use);
       l += red_l[wi * M_TILE + r] * c;
-      const float4 v = *reinterpret_cast<const float4*>(red_o + (wi * M_TILE + r) * HEAD_DIM + d);
+      const float4 v = *reinterpret_cast<const float4*>(red_o + (wi * M_TILE + r) * RED_PITCH + d);
       o0 += v.x * c; o1 += v.y * c; o2 += v.z * c; o3 += v.w * c;
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;

@@ -238,6 +238,7 @@ GPU_SMOKE = [
     (17, 97, 5, 8, 1, 256, "NHD", "one", "bfloat16"),
     (1, 512, 64, 40, 8, 64, "HND", "pair", "bfloat16"),
     (3, 777, 16, 64, 2, 128, "NHD", "one", "float16"),     # group 32: two head tiles
+    (5, 300, 32, 128, 8, 128, "NHD", "pair", "bfloat16"),  # group 16: one whole head tile
 ]
 GPU_FULL = [(b, n, ps, hq, hkv, d, lay, form, dt)
             for b in (1, 7, 17) for n in (1, 15, 54, 97, 512, 2048, 16384) for ps in (1, 5, 16, 64)
