@@ -89,8 +89,8 @@ constexpr int WIN_TILES = 512 / BLOCK_N;         // tiles per page-id window
 constexpr int WIN_TOK = WIN_TILES * BLOCK_N;     // 512 tokens
 constexpr int WIN_CAP = WIN_TOK;                 // page ids per window: page_size 1 -> 512, >= 2 -> <= 257
 static_assert(STAGES <= WIN_TILES + 1, "a window must be copied before its first tile is issued");
-constexpr int RED_PITCH = HEAD_DIM + 8;          // floats per row of the warp merge: +8 spreads a warp's 8
-                                                 // accumulator rows over all banks (+0: 8-way conflicts)
+constexpr int RED_PITCH = HEAD_DIM + 8;          // floats per row of the warp merge: +8 spreads the 4 rows a
+                                                 // half-warp stores over all banks (+0: 4-way conflicts)
 static_assert(2 * NUM_WARPS * M_TILE * 4 + NUM_WARPS * M_TILE * RED_PITCH * 4 <= STAGES * STAGE_BYTES,
               "the warp merge reuses the pipeline buffers");
 constexpr float LN2 = 0.69314718055994531f;
