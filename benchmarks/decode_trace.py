@@ -3,6 +3,9 @@
 Thread 0 of every CTA records %globaltimer at its start and end, and clock64 at: start, work item
 in hand, first page ids in hand, first K/V tile landed (warp 0), main loop done, epilogue done,
 end. A plain read kernel of the same bytes records its CTAs' start/end the same way.
+The trace lines are inserted at anchors of decode.cu's text (PATCHES; each must occur once), so a
+change to those lines of the kernel needs the anchors updated. Timing and correctness are the
+benchmark's and the tests' business; this only says where an isolated call's time goes.
     PYTHONPATH=. python benchmarks/decode_trace.py
 """
 import sys
@@ -111,8 +114,7 @@ def main():
 
     big = cp.empty(2 << 30, cp.uint8)
     b.fill_random(big.view(cp.uint16), "float16", 3)
-    for mb in (134, 537):
-      for per_sm, threads in ((2, 1024), (4, 512), (1, 1024)):
+    for mb, (per_sm, threads) in ((mb, g) for mb in (134, 537) for g in ((2, 1024), (4, 512), (1, 1024))):
         n = mb * 1000 * 1000 // 16
         rtr = cp.zeros((sms * per_sm, 2), cp.int64)
         call = lambda: READ_TRACED((sms * per_sm,), (threads,), (big, np.int64(n), sink, rtr))  # noqa: E731
