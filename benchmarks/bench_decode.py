@@ -137,6 +137,18 @@ def time_events(fn, reps, flush=None, warmup=5):
     return statistics.median(times)
 
 
+def l2_flush(kind="read"):
+    """A call that empties L2 of what a timed call would find there: read 256 MB with plain loads
+    (leaves L2 clean), or rewrite them ("write": dirty lines the timed call must write back)."""
+    buf = cp.empty(256 << 20, cp.uint8)
+    buf.fill(1)
+    if kind == "write":
+        return lambda: buf.fill(1)
+    sink = cp.zeros(1, cp.uint32)
+    grid, n = cp.cuda.Device().attributes["MultiProcessorCount"] * 4, np.int64(buf.nbytes // 16)
+    return lambda: _READ[4, "*"]((grid,), (512,), (buf, n, sink))
+
+
 def ceilings(reps):
     n = (2 << 30) // 16
     x = cp.empty(n * 16, cp.uint8)
@@ -272,15 +284,7 @@ def main():
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     read_tbs, copy_tbs = ceilings(reps)
     print(f"ceilings: read-only {read_tbs:.3f} TB/s, copy {copy_tbs:.3f} TB/s (measured now)", flush=True)
-    flush_buf = cp.empty(256 << 20, cp.uint8)
-    flush_buf.fill(1)
-    flush_sink = cp.zeros(1, cp.uint32)
-    n_flush = flush_buf.nbytes // 16
-    sms = dev.attributes["MultiProcessorCount"]
-    if args.flush == "write":
-        flush = lambda: flush_buf.fill(1)  # noqa: E731
-    else:
-        flush = lambda: _READ[4, "*"]((sms * 4,), (512,), (flush_buf, np.int64(n_flush), flush_sink))  # noqa: E731
+    flush = l2_flush(args.flush)
     print(f"L2 flush before each timed call: {args.flush} 256 MB", flush=True)
     # what the method itself costs: an empty kernel (one thread) timed the same way
     empty_us = time_events(lambda: _SPIN((1,), (1,), (np.int64(0),)), reps, flush)

@@ -78,10 +78,8 @@ def main():
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     read_tbs, _ = b.ceilings(20)
-    fb = cp.empty(256 << 20, cp.uint8)
-    fb.fill(1)
     sink = cp.zeros(1, cp.uint32)
-    flush = lambda: b._READ[4, "*"]((sms * 4,), (512,), (fb, np.int64(fb.nbytes // 16), sink))  # noqa: E731
+    flush = b.l2_flush()
     big = cp.empty(2 << 30, cp.uint8)
     b.fill_random(big.view(cp.uint16), "float16", 3)
     rng = np.random.default_rng(0)
