@@ -275,7 +275,7 @@ def _with_variant(var):
     def make(d, t, c, m, p):
         s = orig(d, t, c, m, p)
         return prefill.PrefillSpec(s.head_dim, s.dtype, s.causal, s.custom_mask, s.paged, s.num_mma_q,
-                                   s.block_n, s.stages, variant=tuple(var))
+                                   s.block_n, s.stages, tuning=tuple(var))
     prefill.make_spec = make if var else orig
 
 

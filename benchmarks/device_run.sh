@@ -3,6 +3,7 @@
 # Usage: bash benchmarks/device_run.sh tests   every GPU test (+ the slow decode grid), precompile
 #        bash benchmarks/device_run.sh bench   host probe, full decode and prefill benchmarks
 #        bash benchmarks/device_run.sh quick   GPU tests, then a subset of both benchmarks
+#        bash benchmarks/device_run.sh variants  GPU tests, then the attention-variant benchmark
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
@@ -50,4 +51,8 @@ if [ "$mode" = quick ]; then
       --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -14
   python3 benchmarks/bench_prefill.py --shapes 1x1024 1x16384 8x2048 --out "$OUT/prefill.json" 2>&1 \
       | tee "$OUT/prefill.log" | tail -12
+fi
+if [ "$mode" = variants ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  python3 benchmarks/bench_variants.py --out "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -40
 fi

@@ -67,7 +67,8 @@ def main():
     _, cache_args = w._kv_view(cache, fn)
     ot = arrays.device_tensor(out, "out", fn)
     rows["decode kernel launch only"] = per_call_us(
-        lambda: w._launch(qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True))
+        lambda: w._launch(w._k_launch, qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True,
+                          w._fixed_vargs))
     for pdl in (False, True):
         def launch_only(pdl=pdl):
             w._k_launch.configure(w._k_grid, w._spec.threads, stream.ptr, pdl)

@@ -4,8 +4,9 @@ from .errors import CacheFullError, CompileError, CuattnError, DeviceUnavailable
 from .cascade import merge_state, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
 from .page import PagedKVCache, append_paged_kv_cache, get_batch_indices_positions
-from .prefill import (BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper,
-                      single_prefill_with_kv_cache)
+from .prefill import (BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithPagedKVCacheWrapper,
+                      BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache)
+from .variants import Variant
 from .mask import packbits, segment_packbits
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions",
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
+    "BatchAttentionWithAttentionSinkWrapper", "Variant",
 ]

@@ -34,6 +34,13 @@ SHORT_NAME = {np.dtype(np.float16): "f16", bfloat16: "bf16", np.dtype(np.float32
               float8_e4m3: "e4m3", float8_e5m2: "e5m2"}
 
 
+def logical_dtype(dtype) -> np.dtype:
+    """The logical dtype of a device array's storage: CuPy has no bfloat16, so a CuPy (or raw
+    DLPack) uint16 array given where a 16-bit float is expected is read as bfloat16."""
+    dtype = np.dtype(dtype)
+    return bfloat16 if dtype == np.uint16 else dtype
+
+
 def same_storage(a: np.dtype, b: np.dtype) -> bool:
     """Equal dtypes, or one is the raw view (uint16 for bf16, uint8 for fp8) of the other."""
     return a == b or RAW_VIEW.get(a) == b or RAW_VIEW.get(b) == a

@@ -37,7 +37,7 @@ def shipped_specs() -> list[MergeSpec]:
 
 
 def _spec_for(dtype: np.dtype, fn: str) -> MergeSpec:
-    logical = arrays.bfloat16 if dtype == np.uint16 else np.dtype(dtype)
+    logical = arrays.logical_dtype(dtype)
     short = arrays.SHORT_NAME.get(logical)
     if short not in _DTYPES:
         raise TypeError(f"{fn}: v must be float16, bfloat16 or float32, got {dtype}")
@@ -113,7 +113,7 @@ def merge_states(v, s, *, stream: Any = None):
 
 def _merged_outputs(ctx, dtype, seq_len: int, heads: int, head_dim: int, fn: str):
     """Merged v (dtype of the inputs; bf16 from a uint16 view) and float32 LSE, with descriptors."""
-    logical = arrays.bfloat16 if dtype == np.uint16 else dtype
+    logical = arrays.logical_dtype(dtype)
     out = arrays.empty(ctx, (seq_len, heads, head_dim), logical)
     s_out = arrays.empty(ctx, (seq_len, heads), np.float32)
     return (out, s_out, arrays.device_tensor(out, "out", fn), arrays.device_tensor(s_out, "s_out", fn),

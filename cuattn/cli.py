@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import shutil
 import sys
 import time
 
@@ -56,16 +58,31 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _arch(value: str) -> str:
+    """An NVRTC target cuattn's kernels build for: sm_80 or newer (sm_90a for Hopper's wgmma / TMA)."""
+    m = re.fullmatch(r"sm_(\d+)(a?)", value)
+    if m is None or int(m.group(1)) < 80:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a supported arch; cuattn builds for sm_80 and newer "
+                                         f"(sm_80, sm_86, sm_89, sm_90a, ...)")
+    return value
+
+
 def cmd_precompile(args) -> int:
     archs = args.arch or ([jit.device_arch(0)] if arrays.gpu_available() else list(jit.SHIPPED_ARCHS))
     jobs = [(spec, arch) for arch in archs for spec in shipped_specs(arch)]
-    start, compiled = time.perf_counter(), 0
-    for i, (spec, arch) in enumerate(jobs, 1):
-        result = jit.compile_kernel(spec, arch)
-        compiled += not result.from_cache
-        bar = "#" * (30 * i // len(jobs))
-        print(f"\r[{bar:<30}] {i}/{len(jobs)} {arch} {spec.name:<48}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+    start = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def progress(i, total, spec, arch):
+        if not tty:          # a log gets no carriage returns: the summary line below says it all
+            return
+        width = shutil.get_terminal_size().columns
+        line = f"[{'#' * (20 * i // total):<20}] {i}/{total} {arch} {spec.name}"
+        print("\r" + line[:width - 1].ljust(width - 1), end="", file=sys.stderr, flush=True)
+
+    compiled = jit.precompile(jobs, args.jobs, progress)
+    if tty:
+        print(file=sys.stderr)
     print(f"precompiled {len(jobs)} kernels for {', '.join(archs)} ({compiled} compiled, "
           f"{len(jobs) - compiled} from cache) in {time.perf_counter() - start:.1f} s into {jit.cache_dir()}")
     return 0
@@ -155,7 +172,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU, cache").set_defaults(fn=cmd_info)
     p = sub.add_parser("precompile", help="compile every shipped kernel into the cache")
-    p.add_argument("--arch", nargs="+", help="e.g. sm_80 sm_90a (default: this GPU, or sm_80 and sm_90a)")
+    p.add_argument("--arch", nargs="+", type=_arch, help="e.g. sm_80 sm_90a (default: this GPU, or sm_80 and sm_90a)")
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
     p.set_defaults(fn=cmd_precompile)
     p = sub.add_parser("cache", help="manage the kernel cache")
     p.add_argument("action", choices=["clear"])

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan, reference
-from .errors import UnsupportedError, reject_unimplemented_variants
+from . import arrays, jit, plan as _plan, reference, variants
+from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "decode.cu"
@@ -28,7 +28,6 @@ HEAD_DIMS = (64, 128, 256)
 _GPU_DTYPES = (np.dtype(np.float16), arrays.bfloat16)
 _M_TILE = 16                  # query heads per CTA (mma M)
 _THREADS = 128
-_LOG2E = 1.4426950408889634
 _TMA_ARCH = "sm_90a"
 _MAX_STAGING = 8              # plan() staging buffers in flight at once (_DeviceBuffers.staging)
 _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and pieces are multiples of it
@@ -46,6 +45,7 @@ class DecodeSpec:
     l2_prefetch: int = 128
     # K/V by TMA (sm_90 only: page_size % 16 == 0 and work items starting at multiples of 16)
     tma: bool = False
+    variant: variants.Composite = variants.DEFAULT
     source = _SOURCE
 
     @property
@@ -54,7 +54,11 @@ class DecodeSpec:
         extra += f"_w{self.num_warps}" if self.num_warps != 4 else ""
         extra += f"_pf{self.l2_prefetch}" if self.l2_prefetch != 128 else ""
         extra += "_tma" if self.tma else ""
-        return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}"
+        return f"decode_hd{self.head_dim}_q{self.dtype_q}_kv{self.dtype_kv}{extra}{self.variant.name}"
+
+    @property
+    def prelude(self) -> str:
+        return self.variant.prelude(f"{self.name}.cu")
 
     @property
     def archs(self) -> tuple[str, ...] | None:   # cli.shipped_specs: TMA kernels for Hopper alone
@@ -98,9 +102,9 @@ def shipped_specs() -> list[DecodeSpec]:
 
 @functools.cache
 def _make_spec(head_dim: int, dtype_q: str, dtype_kv: str, num_stages: int, num_warps: int,
-               l2_prefetch: int, tma: bool) -> DecodeSpec:
+               l2_prefetch: int, tma: bool, variant: variants.Composite = variants.DEFAULT) -> DecodeSpec:
     """plan()'s specs, memoized (dataclasses.replace cost ~5 µs per plan)."""
-    return DecodeSpec(head_dim, dtype_q, dtype_kv, num_stages, num_warps, l2_prefetch, tma)
+    return DecodeSpec(head_dim, dtype_q, dtype_kv, num_stages, num_warps, l2_prefetch, tma, variant)
 
 
 @functools.cache
@@ -117,9 +121,10 @@ def _num_sms(device: int) -> int:
 _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
 # kernel parameters (decode.cu), grouped by how long they hold: the plan's (4 pointers, 5 int32,
-# the scale, the counters, ids_in_plan), the cache's (K, V, 3 strides [+ the K and V tensor maps]),
-# the call's (q, out, lse, 4 strides)
-_PLAN_ARGS, _CACHE_ARGS, _CALL_ARGS = "pppp" "iiiii" "f" "p" "i", "pp" "qqq", "ppp" "qqqq"
+# the scale, the counters, ids_in_plan, the requests' kv lengths), the cache's (K, V, 3 strides
+# [+ the K and V tensor maps]), the call's (q, out, lse, 4 strides), then the variant's
+# (variants.Composite.arg_kinds: sm_scale and its parameters)
+_PLAN_ARGS, _CACHE_ARGS, _CALL_ARGS = "pppp" "iiiii" "f" "p" "i" "p", "pp" "qqq", "ppp" "qqqq"
 _KERNEL_ARGS = _PLAN_ARGS + _CACHE_ARGS + _CALL_ARGS
 _KERNEL_ARGS_TMA = _PLAN_ARGS + _CACHE_ARGS + "tt" + _CALL_ARGS
 _ALIGN = {"q": 16, "out": 8, "lse": 4}      # bytes the kernels move at a time through run()'s arrays
@@ -128,7 +133,8 @@ _MERGE_ARGS = "ppppp" "qq" "i"
 
 def _launchers(spec: DecodeSpec, device: int):
     """(decode kernel, merge kernel) launchers; the kernel's shared memory set at first use."""
-    return (jit.get_launcher(spec, _ENTRY, device, _KERNEL_ARGS_TMA if spec.tma else _KERNEL_ARGS, spec.smem_bytes),
+    kinds = (_KERNEL_ARGS_TMA if spec.tma else _KERNEL_ARGS) + spec.variant.arg_kinds
+    return (jit.get_launcher(spec, _ENTRY, device, kinds, spec.smem_bytes),
             jit.get_launcher(spec, _MERGE_ENTRY, device, _MERGE_ARGS))
 
 
@@ -264,7 +270,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              logits_soft_cap: float | None = None, q_data_type: Any = "float16", kv_data_type: Any = None,
              data_type: Any = None, sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, check_page_indices: bool = False) -> None:
+             disable_split_kv: bool = False, check_page_indices: bool = False, variant=None) -> None:
         """Build the work list for one decode step (reused by every layer's ``run()``).
 
         The work list goes to the GPU asynchronously on the current stream of the caller's
@@ -288,10 +294,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fixed_split_size : int, optional
             Cut every request into pieces of this many tokens (split-KV), instead of the
             heuristic. ``disable_split_kv=True`` never splits.
+        window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant :
+            attention variants (``cuattn.variants``); a variant's parameters not fixed here are
+            passed to ``run()`` positionally after the cache.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap,
-                                      rope_scale=rope_scale, rope_theta=rope_theta)
+        self._options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                             variant=variant)
+        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, **self._options)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -346,9 +357,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
             self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
                                f"supported: float16, bfloat16")
+        self._bound = bound
+        self._variants: dict[bool, tuple] = {}     # run()'s (launcher, bound) with / without sinks=
         self._spec = None if self._gpu_error else _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype),
                                                              self._tuned("num_stages"), 4,
-                                                             self._tuned("l2_prefetch"), False)
+                                                             self._tuned("l2_prefetch"), False, bound.composite)
         self._planned = True
 
         device = self._device
@@ -391,8 +404,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    f"== 0, got {jit.device_arch(device)} and page_size={self._page_size}")
         if warps != self._spec.num_warps or tma:
             s = self._spec
-            self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma)
-        if disable_split_kv:
+            self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,
+                                    s.variant)
+        if disable_split_kv or not bound.composite.use_softmax:    # weights without softmax: never split
             chunk = 0
         elif fixed_split_size is not None:
             if int(fixed_split_size) < 1:
@@ -430,7 +444,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         #    resets its counter, so replays find zeros), then the page ids when they are uploaded
         #    (host indices, or any indices with use_cuda_graph: fixed addresses)
         n_ctr = n_merge_c * self._num_kv_heads * self._m_tiles
-        head = n_work_c * 8 + n_merge_c * 4 + n_ctr
+        n_len = n_work_c if self._use_cuda_graph else self._batch     # every request's kv_len (variants)
+        if n_len < self._batch:
+            raise ValueError(f"{fn}: the batch ({self._batch} requests) must fit the capacity fixed by the first "
+                             f"plan with use_cuda_graph=True ({n_len}); make a new wrapper")
+        head = n_work_c * 8 + n_merge_c * 4 + n_ctr + n_len
         n_idx = idx_t.shape[0] if indices_dev else len(indices_h)
         upload_idx = not indices_dev or self._use_cuda_graph
         if self._use_cuda_graph:
@@ -448,7 +466,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         host[:head] = -1
         host[:n_work * 8] = wl.work.ravel()
         host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
-        host[n_work_c * 8 + n_merge_c * 4:head] = 0
+        host[n_work_c * 8 + n_merge_c * 4:head - n_len] = 0
+        host[head - n_len:head - n_len + self._batch] = wl.kv_lens
         if not indices_dev:
             host[head:n_host] = indices_h
         with cp.cuda.Device(self._device):
@@ -461,6 +480,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._work_ptr = plan_dev.data.ptr
             self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
             self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
+            self._kv_lens_ptr = plan_dev.data.ptr + (head - n_len) * 4
             self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
             # host page ids arrive by memcpy, which no kernel overlaps: the kernel may read them
             # before its PDL wait; device ones (even when copied here) may come from the kernel before
@@ -500,8 +520,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fuse = self._tuned("fuse_merge")
         self._plan_args = (self._work_ptr, self._indices_ptr, self._part_o, self._part_lse, self._page_size,
                            _page_shift(self._page_size), self._num_qo_heads, self._group, self._m_tiles,
-                           self._sm_scale * _LOG2E, self._counters_ptr if fuse else 0, self._ids_in_plan)
+                           self._spec.variant.scale_log2(self._sm_scale), self._counters_ptr if fuse else 0,
+                           self._ids_in_plan, self._kv_lens_ptr)
+        self._variants = {}
         self._m_launch = merge if self._has_merge and not fuse else None
+        self._fixed_vargs = self._bound.kernel_args(self._sm_scale, self._bound.fixed, "plan") \
+            if not self._bound.runtime else None
         self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
 
     def _tuned(self, key: str):
@@ -516,7 +540,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False,
             k_scale: float | None = None, v_scale: float | None = None, enable_pdl: bool | None = None,
-            stream: Any = None):
+            sinks=None, stream: Any = None):
         """Decode attention for the planned batch.
 
         Parameters
@@ -527,6 +551,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             of [num_pages, page_size, num_kv_heads, head_dim] / [num_pages, num_kv_heads, page_size,
             head_dim]; dtype kv_data_type.
         out : array, optional, shape of q, dtype of q: written in place (no allocation).
+        args : the plan's variant parameters not fixed by plan(), in order (``cuattn.variants``).
         lse : float32 array, optional, shape (batch, num_qo_heads): written in place.
         return_lse : bool
             Also return the LSE, float32 [batch, num_qo_heads], natural log (base e).
@@ -535,6 +560,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             stream finishes (it reads its work list and page ids, then waits for that kernel
             before touching q, the cache or the outputs), hiding its launch and start-up. None (the
             default, as in FlashInfer): on wherever the GPU has it (sm_90+); ignored below sm_90.
+        sinks : float32 array, shape (num_qo_heads,), optional
+            Attention sinks (GPT-OSS): a learned logit per query head, natural-log units, whose
+            ``exp`` joins the softmax denominator (a key with value zero).
 
         Returns
         -------
@@ -543,12 +571,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fn = "BatchDecodeWithPagedKVCacheWrapper.run"
         if not self._planned:
             raise ValueError(f"{fn}: plan() must be called before run()")
-        if args:
-            raise UnsupportedError(f"{fn}: q_rope_offset (fused RoPE) is not implemented")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) are not implemented")
+        launcher, bound = self._variant_state(sinks is not None, fn)
+        if sinks is not None:
+            args = args + (sinks,)
+        values = bound.values(args, fn)
+        bound.check_lse(return_lse, lse, fn)
+        bound.check_sinks(values, self._num_qo_heads, fn)
         if not arrays.is_device_array(q):
-            return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn)
+            return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn))
         if self._gpu_error:
             raise UnsupportedError(self._gpu_error)
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
@@ -565,8 +597,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = arrays.empty(ctx, (self._batch, self._num_qo_heads), np.float32)
         if lse is not None:
             lse_ptr = self._operand(lse, "lse", fn)[0]
-        self._launch(q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
-                     jit.pdl_launch(self._device, enable_pdl))
+        vargs = self._fixed_vargs if launcher is self._k_launch and not bound.runtime else \
+            bound.kernel_args(self._sm_scale, values, fn)
+        self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
+                     jit.pdl_launch(self._device, enable_pdl), vargs)
         result = arrays.export(ctx, out, self._q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse)
@@ -643,14 +677,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._kv_memo[key] = view
         return view
 
-    def _launch(self, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool):
-        self._k_launch(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
-                       q_ptr, out_ptr, lse_ptr, q_strides[0], q_strides[1], out_strides[0], out_strides[1], pdl=pdl)
+    def _variant_state(self, with_sinks: bool, fn: str) -> tuple:
+        """(decode launcher or None, bound variant) of a run() with or without ``sinks=``: a
+        sink is a variant piece, so run(sinks=...) launches the plan's spec with it added."""
+        if not with_sinks:
+            return getattr(self, "_k_launch", None), self._bound
+        hit = self._variants.get(True)
+        if hit is None:
+            bound = variants.resolve(fn, num_qo_heads=self._num_qo_heads, sinks=True, **self._options)
+            launcher = None
+            if self._spec is not None and self._device is not None and self._work is not None:
+                s = self._spec
+                spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, s.num_warps, s.l2_prefetch, s.tma,
+                                  bound.composite)
+                launcher = _launchers(spec, self._device)[0]
+            hit = self._variants[True] = (launcher, bound)
+        return hit
+
+    def _launch(self, launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool,
+                vargs: tuple):
+        launcher(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
+                 q_ptr, out_ptr, lse_ptr, q_strides[0], q_strides[1], out_strides[0], out_strides[1], *vargs, pdl=pdl)
         if self._m_launch is not None:
             self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
                            out_ptr, lse_ptr, out_strides[0], out_strides[1], self._num_qo_heads)
 
-    def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn):
+    def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn, bound, values):
         qa = arrays.host_array(q, "q", fn)
         ctx = arrays.Context(arrays.framework_of(q), -1, None)
         want_q = (self._batch, self._num_qo_heads, self._head_dim)
@@ -676,7 +728,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         s = np.empty(want_q[:2], np.float32)
         for b in range(self._batch):
             k, v = reference.gather_paged_kv(k_pages, v_pages, indices, self._indptr_h, self._lpl_h, b)
-            ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale)
+            ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale, variant=bound.composite,
+                                         values=values, batch_idx=b, fn=fn)
             o[b], s[b] = ob[0], sb[0]
         return _host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
 
@@ -713,26 +766,30 @@ def _host_results(ctx, o, s, out, lse, return_lse, q_dtype, fn):
 # ---------------------------------------------------------------------------- single request
 
 
-@functools.cache
-def _single_plan(kv_len: int, num_kv_heads: int, m_tiles: int, device: int, ctas_per_sm: int):
-    """Work list for one contiguous request (one 'page' of kv_len tokens), cached per shape."""
-    cp = arrays.cupy_module()
-    indptr = np.array([0, 1], np.int64)
-    kv_lens = np.array([kv_len], np.int64)
-    chunk = _plan.choose_chunk(kv_lens, num_kv_heads * m_tiles, _num_sms(device), ctas_per_sm)
-    wl = _plan.decode_work_list(indptr, kv_lens, chunk)
-    with cp.cuda.Device(device):
-        work = cp.asarray(wl.work)
-        merge = cp.asarray(wl.merge) if len(wl.merge) else None
-        indices = cp.zeros(1, np.int32)
-    return wl, work, merge, indices
+@functools.lru_cache(maxsize=64)
+def _single_wrapper(kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
+                    kv_layout: str, on_gpu: bool, device, options: tuple):
+    """A decode wrapper planned for one request whose contiguous K/V is one page of kv_len tokens
+    (cached per shape: the plan depends on nothing else)."""
+    w = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
+    indices = np.zeros(1, np.int32)
+    if on_gpu:
+        cp = arrays.cupy_module()
+        with cp.cuda.Device(device):
+            w.plan(np.array([0, 1], np.int32), indices, np.array([kv_len], np.int32), num_qo_heads, num_kv_heads,
+                   head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
+    else:
+        w.plan(np.array([0, 1], np.int32), indices, np.array([kv_len], np.int32), num_qo_heads, num_kv_heads,
+               head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
+    return w
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
                                 use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
                                 window_left: int = -1, logits_soft_cap: float | None = None, *,
                                 sm_scale: float | None = None, rope_scale=None, rope_theta=None,
-                                return_lse: bool = False, stream: Any = None):
+                                return_lse: bool = False, variant=None, variant_args: tuple = (),
+                                stream: Any = None):
     """Attention of one new token over one request's contiguous KV.
 
     Parameters
@@ -746,6 +803,11 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         Defaults to ``1 / sqrt(head_dim)``.
     return_lse : bool
         Also return the LSE, float32 (num_qo_heads,), natural log (base e).
+    window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant, variant_args :
+        attention variants (``cuattn.variants``); ``variant_args`` are the variant's parameters
+        not fixed by the options, in order.
+
+    Runs as a batch of one through ``BatchDecodeWithPagedKVCacheWrapper`` (the K/V one page).
 
     Returns
     -------
@@ -753,70 +815,27 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     """
     fn = "single_decode_with_kv_cache"
     check_kv_layout(kv_layout, fn)
-    if pos_encoding_mode not in ("NONE", None) or window_left not in (-1, None) or \
-            logits_soft_cap not in (None, 0, 0.0) or rope_scale is not None or rope_theta is not None:
-        raise UnsupportedError(f"{fn}: only pos_encoding_mode='NONE', window_left=-1, no soft cap and no "
-                               f"RoPE are implemented")
+    options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+    variants.resolve(fn, num_qo_heads=1, **{k: v for k, v in options.items() if k != "sm_scale"})
     if any(s not in (None, 1.0) for s in (q_scale, k_scale, v_scale)):
         raise UnsupportedError(f"{fn}: q_scale/k_scale/v_scale (fp8) are not implemented")
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
-    if not ctx.on_gpu:
-        qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        hq, d, hkv = _check_single(fn, qa.shape, ka.shape, va.shape, kv_layout)
-        if ka.dtype != va.dtype:
-            raise ValueError(f"{fn}: k and v must have the same dtype, got k={ka.dtype}, v={va.dtype}")
-        if kv_layout == "HND":
-            ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
-        scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-        o, s = reference.attention(qa[None], ka, va, sm_scale=scale)
-        return _host_results(ctx, o[0], s[0], None, None, return_lse, qa.dtype, fn)
-
-    qt, kt, vt = (arrays.device_tensor(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    hq, d, hkv = _check_single(fn, qt.shape, kt.shape, vt.shape, kv_layout)
-    q_dtype = arrays.bfloat16 if qt.dtype == np.uint16 else qt.dtype
-    kv_dtype = arrays.bfloat16 if kt.dtype == np.uint16 else kt.dtype
-    if not arrays.same_storage(vt.dtype, kv_dtype) or kt.strides != vt.strides:
-        raise ValueError(f"{fn}: k and v must have the same dtype and strides, got k={kt.dtype} {kt.strides}, "
-                         f"v={vt.dtype} {vt.strides}")
-    if d not in HEAD_DIMS:
-        raise UnsupportedError(f"{fn}: head_dim={d} has no GPU kernel; supported: 64, 128, 256")
-    for t, name in ((qt, "q"), (kt, "k"), (vt, "v")):
-        _check_aligned(t, name, 16, fn)
-    if q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
-        raise UnsupportedError(f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
-                               f"supported: float16, bfloat16")
-    spec = DecodeSpec(d, _short(q_dtype), _short(kv_dtype))
+    describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
+    qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    hq, d, hkv = _check_single(fn, tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout)
     kv_len = kt.shape[0] if kv_layout == "NHD" else kt.shape[1]
-    s_tok, s_head = (kt.strides[0], kt.strides[1]) if kv_layout == "NHD" else (kt.strides[1], kt.strides[0])
-    group = hq // hkv
-    m_tiles = -(-group // _M_TILE)
-    wl, work, merge_dev, indices = _single_plan(kv_len, hkv, m_tiles, ctx.device, spec.ctas_per_sm)
-    out = arrays.empty(ctx, (1, hq, d), q_dtype)
-    ot = arrays.device_tensor(out, "out", fn)
-    cp = arrays.cupy_module()
-    lse_dev = arrays.empty(ctx, (1, hq), np.float32) if return_lse else None
-    lse_ptr = arrays.device_tensor(lse_dev, "lse", fn).ptr if return_lse else 0
-    slots = max(wl.num_slots, 1)
-    with cp.cuda.Device(ctx.device), ctx.stream:     # pool memory tagged with the launch stream
-        part = cp.empty(slots * hq * (d + 1), np.float32)
-    part_o, part_lse = part.data.ptr, part.data.ptr + slots * hq * d * 4
-    kernel, merge = _launchers(spec, ctx.device)
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    # the contiguous KV is one "page" of kv_len rows; no fused merge (counters pointer 0)
-    kernel((hkv * m_tiles, len(wl.work)), _THREADS, ctx.stream,
-           work.data.ptr, indices.data.ptr, part_o, part_lse,
-           max(kv_len, 1), _page_shift(max(kv_len, 1)), hq, group, m_tiles, scale * _LOG2E, 0, 1,
-           kt.ptr, vt.ptr, 0, s_tok, s_head,
-           qt.ptr, ot.ptr, lse_ptr, 0, qt.strides[0], 0, ot.strides[1])
-    if merge_dev is not None:
-        hpb = _THREADS // (d // 4)
-        merge((len(wl.merge), -(-hq // hpb)), _THREADS, ctx.stream,
-              merge_dev.data.ptr, part_o, part_lse, ot.ptr, lse_ptr, 0, ot.strides[1], hq)
-    del part   # CuPy's pool reuses it only in stream order after the launches above
-    result = arrays.export(ctx, out[0], q_dtype)
+    if kv_len == 0:
+        raise ValueError(f"{fn}: k and v must hold at least one token, got kv_len=0")
+    if not arrays.same_storage(vt.dtype, kt.dtype):
+        raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
+    # -- a batch of one: the contiguous K/V is one page of kv_len tokens
+    w = _single_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype), kv_layout, ctx.on_gpu,
+                        ctx.device if ctx.on_gpu else None, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, stream=stream)
     if return_lse:
-        return result, arrays.export(ctx, lse_dev[0])
-    return result
+        return result[0][0], result[1][0]
+    return result[0]
 
 
 def _check_single(fn, qs, ks, vs, kv_layout):

@@ -34,9 +34,13 @@ class CompileError(CuattnError):
     def _message(self) -> str:
         lines = self.source.splitlines()
         shown = []
-        for line_no in sorted({int(m) for m in re.findall(r"\((\d+)\): (?:error|warning)", self.log)})[:5]:
-            if 1 <= line_no <= len(lines):
-                shown.append(f"  {line_no:5d} | {lines[line_no - 1]}")
+        for file, line_no in sorted(set(re.findall(r'^(.*?)\((\d+)\): (?:error|warning)', self.log, re.M)))[:5]:
+            # a variant hook's lines are numbered from its own #line directive (variants.py)
+            start = lines.index(f'#line 1 "{file}"') + 1 if f'#line 1 "{file}"' in lines else 0
+            at = start + int(line_no)
+            if 1 <= at <= len(lines):
+                shown.append(f"  {file if start else ''}{'(' + line_no + ')' if start else f'{int(line_no):5d}'} | "
+                             f"{lines[at - 1]}")
         context = ("\nsource:\n" + "\n".join(shown)) if shown else ""
         return (f"NVRTC failed to compile {self.spec_name}\noptions: {' '.join(self.options)}\n"
                 f"log:\n{self.log.strip()}{context}\n(CompileError.dump() writes the numbered source)")
@@ -46,19 +50,3 @@ class CompileError(CuattnError):
         file = file or sys.stderr
         for i, line in enumerate(self.source.splitlines(), 1):
             print(f"{i:5d} | {line}", file=file)
-
-
-def reject_unimplemented_variants(fn: str, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
-                                  use_fp16_qk_reduction=False, rope_scale=None, rope_theta=None) -> None:
-    """Raise UnsupportedError for FlashInfer attention options that have no cuattn kernel yet."""
-    if pos_encoding_mode not in ("NONE", None):
-        raise UnsupportedError(f"{fn}: pos_encoding_mode={pos_encoding_mode!r} has no kernel; supported: 'NONE' "
-                               f"(apply RoPE before the call)")
-    if window_left not in (-1, None):
-        raise UnsupportedError(f"{fn}: window_left={window_left} (sliding window) has no kernel; supported: -1")
-    if logits_soft_cap not in (None, 0, 0.0):
-        raise UnsupportedError(f"{fn}: logits_soft_cap={logits_soft_cap} has no kernel; supported: None")
-    if use_fp16_qk_reduction:
-        raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel (QK accumulates in fp32)")
-    if rope_scale is not None or rope_theta is not None:
-        raise UnsupportedError(f"{fn}: rope_scale/rope_theta need pos_encoding_mode, which has no kernel")

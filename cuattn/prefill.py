@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, prefill_sm90, reference
-from .errors import UnsupportedError, reject_unimplemented_variants
+from . import arrays, jit, prefill_sm90, reference, variants
+from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
@@ -29,7 +29,6 @@ _ENTRY = "cuattn_prefill"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("f16", "bf16")
 BACKENDS = ("auto", "fa2", "fa3")
-_LOG2E = 1.4426950408889634
 _NUM_THREADS = 128
 
 
@@ -59,7 +58,8 @@ class PrefillSpec:
     num_mma_q: int         # 16-row m-tiles per warp; 4 warps
     block_n: int           # keys per K/V tile
     stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
-    variant: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
+    tuning: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
+    variant: variants.Composite = variants.DEFAULT
     source = _SOURCE
 
     @property
@@ -71,13 +71,17 @@ class PrefillSpec:
         return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + "".join("_" + v.replace("=", "").lower() for v in self.variant))
+                + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
+
+    @property
+    def prelude(self) -> str:
+        return self.variant.prelude(f"{self.name}.cu")
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.variant)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
@@ -86,9 +90,11 @@ class PrefillSpec:
         return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
 
 
-def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool) -> PrefillSpec:
+def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
+              variant: variants.Composite = variants.DEFAULT) -> PrefillSpec:
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask, paged)
-    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages)
+    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
+                       variant=variant)
 
 
 def shipped_specs() -> list[PrefillSpec]:
@@ -123,11 +129,11 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
     return "fa3" if reason is None and arch is not None else "fa2"
 
 
-def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, return_lse):
+def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, return_lse, bound, variant_args):
     """single_prefill_with_kv_cache on the fa3 kernel (contiguous K/V, no mask)."""
     qo_len, hq, d = qt.shape
     kv_len, hkv, _ = _kv_dims(kt.shape, kv_layout, "k", fn)
-    spec = prefill_sm90.make_spec(dt, causal)
+    spec = prefill_sm90.make_spec(dt, causal, bound.composite)
     out, ot, _, _ = _check_out(ctx, None, None, qo_len, hq, d, qt.dtype, fn)
     lse = arrays.empty(ctx, (qo_len, hq), np.float32) if return_lse else None
     lse_ptr = arrays.device_tensor(lse, "lse", fn).ptr if lse is not None else 0
@@ -136,21 +142,16 @@ def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, ret
     prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                         v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kv_len, out=ot, lse_ptr=lse_ptr,
                         num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
-                        sm_scale=sm_scale, fn=fn, single=(qo_len, kv_len))
-    o = arrays.export(ctx, out, _logical(qt.dtype))
+                        sm_scale=sm_scale, fn=fn, single=(qo_len, kv_len), variant_args=variant_args)
+    o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
     return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
 # ---------------------------------------------------------------------------- validation
 
 
-def _logical(dtype) -> np.dtype:
-    """The logical dtype of a device array: CuPy holds bf16 as a uint16 view (arrays.RAW_VIEW)."""
-    return arrays.bfloat16 if np.dtype(dtype) == np.uint16 else np.dtype(dtype)
-
-
 def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
-    s = arrays.SHORT_NAME.get(_logical(dtype))
+    s = arrays.SHORT_NAME.get(arrays.logical_dtype(dtype))
     if s not in DTYPES:
         raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {dtype}")
     return s
@@ -209,13 +210,14 @@ _ARG_KINDS = "p" * 12 + "i" * 6 + "q" * 10 + "f"
 
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
-            group: int, k_strides, v_strides, sm_scale: float, single=(0, 0), meta=None,
+            group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
             page_size: int = 1, pdl: bool = False) -> None:
     """One launch; ``meta`` = device pointers (qo_indptr, kv_indptr, kv_indices, last, mask,
-    mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single)."""
+    mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single);
+    ``variant_args`` = variants.Bound.kernel_args (sm_scale first)."""
     if num_work == 0 or num_kv_heads == 0:
         return
-    launch = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS, spec.smem_bytes)
+    launch = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS + spec.variant.arg_kinds, spec.smem_bytes)
     if meta is None:
         meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
     args = (q.ptr, k_ptr, v_ptr, out.ptr, lse_ptr, *meta,
@@ -223,16 +225,17 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
             page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
             k_strides[2] // k_strides[0] if k_strides[0] else 0,
             q.strides[0], q.strides[1], k_strides[0], k_strides[1], k_strides[2],
-            v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1], sm_scale * _LOG2E)
+            v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1],
+            spec.variant.scale_log2(sm_scale), *variant_args)
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
     """Allocate or validate out / lse; returns (out array, out Tensor, lse array, lse ptr)."""
     if out is None:
-        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), _logical(dtype))
+        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), arrays.logical_dtype(dtype))
     ot = arrays.device_tensor(out, "out", fn)
-    if ot.shape != (rows, num_qo_heads, head_dim) or _logical(ot.dtype) != _logical(dtype) or ot.device != ctx.device:
+    if ot.shape != (rows, num_qo_heads, head_dim) or arrays.logical_dtype(ot.dtype) != arrays.logical_dtype(dtype) or ot.device != ctx.device:
         raise ValueError(f"{fn}: out must be a ({rows}, {num_qo_heads}, {head_dim}) {dtype} array on GPU "
                          f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
     lse_ptr = 0
@@ -253,7 +256,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                                  use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
                                  window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False,
-                                 *, stream=None):
+                                 *, variant=None, variant_args: tuple = (), stream=None):
     """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
 
     Parameters
@@ -279,15 +282,20 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     lse : array, shape (qo_len, num_qo_heads), float32, natural log (only if ``return_lse``)
     """
     fn = "single_prefill_with_kv_cache"
-    reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
-                       rope_scale, rope_theta)
+    options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                   use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                   variant=variant)
+    variants.resolve(fn, num_qo_heads=1, **options)       # options checked before any array
     check_kv_layout(kv_layout, fn)
     select_backend(backend, fn)
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
     if not ctx.on_gpu:
         qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
-        resolve_backend(backend, fn, arch=None, head_dim=d, dtype=arrays.SHORT_NAME.get(_logical(qa.dtype)),
+        bound = variants.resolve(fn, num_qo_heads=hq, **options)
+        values = bound.host_values(bound.values(tuple(variant_args), fn), fn)
+        bound.check_lse(return_lse, None, fn)
+        resolve_backend(backend, fn, arch=None, head_dim=d, dtype=arrays.SHORT_NAME.get(arrays.logical_dtype(qa.dtype)),
                         custom_mask=custom_mask is not None or packed_custom_mask is not None, paged=False)
         if kv_layout == "HND":
             ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
@@ -295,7 +303,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         if packed_custom_mask is not None:
             mask = _unpack_checked(mask, qo_len * kv_len, "packed_custom_mask", fn)
         o, s = reference.attention(qa, ka, va, sm_scale=sm_scale or 1 / math.sqrt(d), causal=causal,
-                                   mask=None if mask is None else mask.reshape(qo_len, kv_len))
+                                   mask=None if mask is None else mask.reshape(qo_len, kv_len),
+                                   variant=bound.composite, values=values, fn=fn)
         o = o.astype(qa.dtype)
         return (arrays.export(ctx, o), arrays.export(ctx, s)) if return_lse else arrays.export(ctx, o)
 
@@ -303,14 +312,20 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     qo_len, hq, d, kv_len, hkv = _single_dims(qt.shape, kt.shape, vt.shape, kv_layout, fn)
     dt = _check_dtypes(qt, kt, vt, fn)
     _check_head_dim(d, fn)
+    bound = variants.resolve(fn, num_qo_heads=hq, **options)
+    bound.check_lse(return_lse, None, fn)
+    values = bound.values(tuple(variant_args), fn)
+    bound.check_sinks(values, hq, fn)
+    scale = sm_scale or 1 / math.sqrt(d)
+    variant_args = bound.kernel_args(scale, values, fn)
     has_mask = custom_mask is not None or packed_custom_mask is not None
     if resolve_backend(backend, fn, arch=jit.device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
                        paged=False) == "fa3":
         cp = arrays.cupy_module()
         with cp.cuda.Device(ctx.device), ctx.stream:
-            return _run_single_fa3(ctx, fn, qt, kt, vt, kv_layout=kv_layout, causal=causal, dt=dt,
-                                   sm_scale=sm_scale or 1 / math.sqrt(d), return_lse=return_lse)
-    spec = make_spec(d, dt, causal, has_mask, False)
+            return _run_single_fa3(ctx, fn, qt, kt, vt, kv_layout=kv_layout, causal=causal, dt=dt, sm_scale=scale,
+                                   return_lse=return_lse, bound=bound, variant_args=variant_args)
+    spec = make_spec(d, dt, causal, has_mask, False, bound.composite)
     cp = arrays.cupy_module()
     with cp.cuda.Device(ctx.device), ctx.stream:
         mask_dev = _device_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn) if has_mask else None
@@ -322,9 +337,9 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         _launch(ctx, spec, q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
                 k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                sm_scale=sm_scale or 1 / math.sqrt(d),
+                sm_scale=scale, variant_args=variant_args,
                 single=(qo_len, kv_len, mask_dev.data.ptr if mask_dev is not None else 0))
-    o = arrays.export(ctx, out, _logical(qt.dtype))
+    o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
     return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
@@ -343,7 +358,7 @@ def _single_dims(qs, ks, vs, kv_layout, fn):
 def _check_dtypes(qt, kt, vt, fn) -> str:
     dt = _short_dtype(qt.dtype, "q", fn)
     for name, t in (("k", kt), ("v", vt)):
-        if _logical(t.dtype) != _logical(qt.dtype):
+        if arrays.logical_dtype(t.dtype) != arrays.logical_dtype(qt.dtype):
             raise UnsupportedError(f"{fn}: {name} must have the dtype of q ({qt.dtype}), got {t.dtype}; "
                                    f"mixed q/kv dtypes (fp8 KV) have no prefill kernel")
     return dt
@@ -395,7 +410,7 @@ class _BatchPrefillBase:
         self._dev: dict[int, dict] = {}
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
-                     custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged):
+                     custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options):
         qo = arrays.host_int_vector(qo_indptr, "qo_indptr", fn).astype(np.int64)
         if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
@@ -404,6 +419,7 @@ class _BatchPrefillBase:
             raise ValueError(f"{fn}: qo_indptr and the kv page table / kv_indptr must describe the same batch, "
                              f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
         _check_group(num_qo_heads, num_kv_heads, fn)
+        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, **options)
         if head_dim_vo not in (None, head_dim_qk):
             raise UnsupportedError(f"{fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
         qo_lens = np.diff(qo)
@@ -428,7 +444,7 @@ class _BatchPrefillBase:
         group = num_qo_heads // num_kv_heads
         spec = None
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
-            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged)
+            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite)
         work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged)      # fa3 asked where it has no kernel
@@ -436,7 +452,7 @@ class _BatchPrefillBase:
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
                     kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, work=work,
-                    group=group)
+                    group=group, bound=bound)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
@@ -466,7 +482,7 @@ class _BatchPrefillBase:
     def _run_checks(self, fn, q, plan):
         qt = arrays.device_tensor(q, "q", fn)
         _check_q(qt.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
-        if _logical(qt.dtype) != plan["q_dtype"]:
+        if arrays.logical_dtype(qt.dtype) != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
         dt = _short_dtype(qt.dtype, "q", fn)
         _check_head_dim(plan["head_dim"], fn)
@@ -478,7 +494,17 @@ class _BatchPrefillBase:
             lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
         return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim"], qt.dtype, fn)
 
-    def _reference_run(self, ctx, plan, q, gather, return_lse, fn):
+    def _variant_args(self, plan, args, return_lse, lse, fn, on_gpu: bool, sm_scale=None):
+        """(sm_scale, the kernels' variant arguments or, on the NumPy path, the parameter values)
+        from the plan's variant and run()'s extra positional arguments."""
+        bound = plan["bound"]
+        bound.check_lse(return_lse, lse, fn)
+        values = bound.values(tuple(args), fn)
+        bound.check_sinks(values, plan["num_qo_heads"], fn)
+        scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
+        return scale, (bound.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
+
+    def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values):
         qa = arrays.host_array(q, "q", fn)
         _check_q(qa.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
         rows = qa.shape[0]
@@ -493,8 +519,8 @@ class _BatchPrefillBase:
                 start = int(plan["mask_indptr"][b])
                 mask = unpack_host(plan["mask"][start:start + (n + 7) // 8], n).reshape(
                     int(plan["qo_lens"][b]), int(plan["kv_lens"][b]))
-            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=plan["sm_scale"],
-                                       causal=plan["causal"], mask=mask)
+            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan["causal"], mask=mask,
+                                       variant=plan["bound"].composite, values=values, batch_idx=b, fn=fn)
             out[qo[b]:qo[b + 1]] = o.astype(qa.dtype)
             lse[qo[b]:qo[b + 1]] = s
         o = arrays.export(ctx, out)
@@ -532,7 +558,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
              logits_soft_cap=None, sm_scale: float | None = None, rope_scale=None, rope_theta=None,
-             q_data_type="float16", kv_data_type=None, non_blocking: bool = True, **unused) -> None:
+             q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, variant=None) -> None:
         """Build the work list for a batch.
 
         Parameters
@@ -542,16 +568,20 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         custom_mask : array, shape (sum(qo_len * kv_len),), bool, optional
         packed_custom_mask : array, uint8, optional: ``segment_packbits`` of the mask per request
         causal : bool (bottom-right aligned when qo_len < kv_len)
+        window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant :
+            attention variants (``cuattn.variants``); a variant's parameters not fixed here are passed
+            to ``run()`` positionally after ``v``.
         """
         fn = f"{self._fn}.plan"
-        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
-                           rope_scale, rope_theta)
+        options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                       use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                       variant=variant)
         kv = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
         if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
             raise ValueError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, got {kv[:8]}")
         plan = self._plan_common(fn, qo_indptr, np.diff(kv), num_qo_heads, num_kv_heads, head_dim_qk,
                                  head_dim_vo, custom_mask, packed_custom_mask, causal, sm_scale, q_data_type,
-                                 kv_data_type, paged=False)
+                                 kv_data_type, paged=False, options=options)
         plan["kv_indptr"] = kv.astype(np.int32)
         self._plan, self._dev = plan, {}
 
@@ -575,6 +605,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         fn = f"{self._fn}.run"
         plan = self._require_plan(fn)
         ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
+        scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu)
         if not ctx.on_gpu:
             ka, va = arrays.host_array(k, "k", fn), arrays.host_array(v, "v", fn)
             self._check_kv(ka.shape, va.shape, plan, fn)
@@ -582,7 +613,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
             kvp = plan["kv_indptr"]
             return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
-                                       return_lse, fn)
+                                       return_lse, fn, scale, vargs)
         qt, dt = self._run_checks(fn, q, plan)
         kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
         self._check_kv(kt.shape, vt.shape, plan, fn)
@@ -590,8 +621,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if self._run_backend(ctx, fn, plan, paged=False) == "fa3":
-            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl)
-            o = arrays.export(ctx, out, _logical(qt.dtype))
+            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl, scale, vargs)
+            o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
             return (o, arrays.export(ctx, lse)) if return_lse else o
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
                                        "mask_indptr", "work"))
@@ -599,15 +630,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                 k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                sm_scale=plan["sm_scale"], meta=meta, pdl=pdl)
-        o = arrays.export(ctx, out, _logical(qt.dtype))
+                sm_scale=scale, variant_args=vargs, meta=meta, pdl=pdl)
+        o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
 
-    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl):
+    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl, scale, vargs):
         """The planned batch on the fa3 kernel: its own work list (128-row tiles), uploaded once per plan."""
-        spec = prefill_sm90.make_spec(arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"])
+        spec = prefill_sm90.make_spec(arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], plan["bound"].composite)
         cached = getattr(self, "_fa3_dev", None)
         if cached is None or cached[0] is not plan or cached[1] != ctx.device:
             cp = arrays.cupy_module()
@@ -621,7 +652,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                                 v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
                                 lse_ptr=lse_ptr, num_work=num_work, num_kv_heads=plan["num_kv_heads"],
-                                group=plan["group"], sm_scale=plan["sm_scale"], fn=fn,
+                                group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn,
                                 meta=tuple(a.data.ptr for a in dev), pdl=pdl)
 
     def _check_kv(self, ks, vs, plan, fn):
@@ -648,17 +679,20 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend: str = "auto", jit_args=None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        self._sinks = False       # BatchAttentionWithAttentionSinkWrapper: a sink per query head
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None,
              custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type="float16",
-             kv_data_type=None, non_blocking: bool = True, **unused) -> None:
-        """Build the work list for a batch over the page table (arrays int32, host or device)."""
+             kv_data_type=None, non_blocking: bool = True, *, variant=None) -> None:
+        """Build the work list for a batch over the page table (arrays int32, host or device).
+        Variant options as in ``BatchPrefillWithRaggedKVCacheWrapper.plan``."""
         fn = f"{self._fn}.plan"
-        reject_unimplemented_variants(fn, pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction,
-                           rope_scale, rope_theta)
+        options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                       use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                       variant=variant, sinks=self._sinks)
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
         indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn).astype(np.int64)
@@ -669,7 +703,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
-                                 paged=True)
+                                 paged=True, options=options)
         plan.update(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
                     last_page_len=last.astype(np.int32), page_size=page_size,
                     max_page=int(indices.max()) if len(indices) else -1)
@@ -677,23 +711,30 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,
             v_scale=None, enable_pdl=None, stream=None):
-        """Attention for the planned batch; ``q`` (qo_indptr[-1], num_qo_heads, head_dim).
-        ``enable_pdl``: as in ``BatchPrefillWithRaggedKVCacheWrapper.run``.
+        """Attention for the planned batch; ``q`` (qo_indptr[-1], num_qo_heads, head_dim); ``args``:
+        the plan's variant parameters not fixed by plan(), in order. ``enable_pdl``: as in
+        ``BatchPrefillWithRaggedKVCacheWrapper.run``.
 
         Returns out (shape of ``q``), or (out, lse) when ``return_lse`` (LSE natural log, float32).
         """
-        fn = f"{self._fn}.run"
+        return self._run_paged(q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
+                               None, f"{self._fn}.run")
+
+    def _run_paged(self, q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
+                   sm_scale, fn):
         plan = self._require_plan(fn)
         if k_scale not in (None, 1, 1.0) or v_scale not in (None, 1, 1.0):
             raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) have no prefill kernel")
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
         ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
+        scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu, sm_scale)
         if not ctx.on_gpu:
             kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
             return self._reference_run(
                 ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
-                                                                  plan["last_page_len"], b), return_lse, fn)
+                                                                  plan["last_page_len"], b), return_lse, fn,
+                scale, vargs)
         qt, dt = self._run_checks(fn, q, plan)
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
@@ -710,9 +751,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                    f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
         _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
                 num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                k_strides=strides, v_strides=strides, sm_scale=plan["sm_scale"], meta=meta,
+                k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=meta,
                 page_size=plan["page_size"], pdl=jit.pdl_launch(ctx.device, enable_pdl))
-        o = arrays.export(ctx, out, _logical(qt.dtype))
+        o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
@@ -725,3 +766,45 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         if plan["max_page"] >= num_pages:
             raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "
                              f"{plan['max_page']}")
+
+
+class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
+    """Paged attention with a learned sink logit per query head (GPT-OSS), FlashInfer's wrapper of
+    the same name: ``plan()`` as ``BatchPrefillWithPagedKVCacheWrapper.plan`` (decode is qo_len 1),
+    ``run(q, paged_kv_cache, sink, sm_scale)``. ``sink`` (float32 [num_qo_heads], natural-log units)
+    is a key whose value is zero: ``exp(sink)`` joins each row's softmax denominator. Built on the
+    built-in sink variant (``variants.SINK``) with ``window_left`` from the constructor.
+    """
+    _fn = "BatchAttentionWithAttentionSinkWrapper"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
+                 q_data_type="bfloat16", kv_data_type="bfloat16", head_dim_qk: int = 128, head_dim_vo: int = 128,
+                 window_left: int = -1):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend=backend)
+        self._sinks = True
+        self._defaults = dict(q_data_type=q_data_type, kv_data_type=kv_data_type, window_left=window_left)
+        if head_dim_vo != head_dim_qk:
+            raise UnsupportedError(f"{self._fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None, custom_mask=None,
+             packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
+             use_fp16_qk_reduction: bool = False, window_left: int | None = None, logits_soft_cap=None,
+             sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type=None, kv_data_type=None,
+             non_blocking: bool = True, *, variant=None) -> None:
+        """As ``BatchPrefillWithPagedKVCacheWrapper.plan``; dtypes and window_left default to the constructor's."""
+        d = self._defaults
+        super().plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                     num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
+                     pos_encoding_mode, use_fp16_qk_reduction, d["window_left"] if window_left is None else window_left,
+                     logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                     d["q_data_type"] if q_data_type is None else q_data_type,
+                     d["kv_data_type"] if kv_data_type is None else kv_data_type, non_blocking, variant=variant)
+
+    def run(self, q, paged_kv_cache, sink, sm_scale: float | None = None, *, out=None, lse=None,
+            return_lse: bool = False, enable_pdl=None, stream=None):
+        """Attention with sinks; ``sm_scale`` (default: the plan's) scales q . k."""
+        return self._run_paged(q, paged_kv_cache, (sink,), out, lse, return_lse, None, None, enable_pdl, stream,
+                               sm_scale, f"{self._fn}.run")

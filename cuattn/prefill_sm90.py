@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 
-from . import jit
+from . import jit, variants
 
 _SOURCE = "prefill_sm90.cu"
 _ENTRY = "cuattn_prefill_sm90"
@@ -25,7 +25,6 @@ BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters: 2 tensor maps, 6 pointers, 4 int32, 4 int64, 1 float32 (see prefill_sm90.cu)
 _ARG_KINDS = "tt" + "p" * 6 + "i" * 4 + "q" * 4 + "f"
-_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,8 @@ class Sm90PrefillSpec:
     head_dim: int = HEAD_DIM
     block_n: int = 128         # keys per K/V tile
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
-    variant: tuple = ()        # extra -D defines for experiments; () in shipped specs
+    tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
+    variant: variants.Composite = variants.DEFAULT
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -46,19 +46,23 @@ class Sm90PrefillSpec:
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2"
         return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + "".join("_" + v.replace("=", "").lower() for v in self.variant))
+                + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
+
+    @property
+    def prelude(self) -> str:
+        return self.variant.prelude(f"{self.name}.cu")
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.variant)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
         return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
 
 
-def make_spec(dtype: str, causal: bool) -> Sm90PrefillSpec:
-    return Sm90PrefillSpec(dtype, bool(causal))
+def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT) -> Sm90PrefillSpec:
+    return Sm90PrefillSpec(dtype, bool(causal), variant=variant)
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
@@ -97,15 +101,15 @@ def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, bl
 
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
-           num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, single=(0, 0),
-           meta=(0, 0, 0), pdl: bool = False) -> None:
+           num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
+           single=(0, 0), meta=(0, 0, 0), pdl: bool = False) -> None:
     """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
     ``meta`` = device pointers (qo_indptr, kv_indptr, work) in batch mode, zeros for a single request."""
     if num_work == 0 or num_kv_heads == 0:
         return
     tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
     tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
-    launcher = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS, spec.smem_bytes)
+    launcher = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS + spec.variant.arg_kinds, spec.smem_bytes)
     launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, tk, tv, q.ptr, out.ptr, lse_ptr, *meta,
              single[0], single[1], group, q.shape[1], q.strides[0], q.strides[1], out.strides[0], out.strides[1],
-             sm_scale * _LOG2E, pdl=pdl)
+             spec.variant.scale_log2(sm_scale), *variant_args, pdl=pdl)

@@ -33,35 +33,62 @@ def gather_paged_kv(k_pages, v_pages, kv_indices, kv_indptr, kv_last_page_len, r
     return k, v
 
 
-def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None):
+def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, variant=None, values=None,
+              batch_idx: int = 0, fn: str = "attention"):
     """Attention of q [qo_len, num_qo_heads, head_dim] over k, v [kv_len, num_kv_heads, head_dim].
 
     Query heads are grouped onto kv heads (GQA): head h reads kv head h // (num_qo_heads //
     num_kv_heads). ``causal`` aligns the queries with the last qo_len keys (bottom-right);
-    ``mask`` [qo_len, kv_len] bool keeps True entries. A fully masked row gives out 0 and
-    LSE -inf. Returns (out float32 [qo_len, num_qo_heads, head_dim], lse float32 [qo_len, num_qo_heads]).
+    ``mask`` [qo_len, kv_len] bool keeps True entries. ``variant`` (a variants.Composite) with its
+    parameter ``values`` runs the NumPy versions of its hooks (request ``batch_idx``). A fully
+    masked row gives out 0 and LSE -inf. Returns (out float32 [qo_len, num_qo_heads, head_dim],
+    lse float32 [qo_len, num_qo_heads]); without softmax (variant.use_softmax False) the LSE is 0.
     """
     qo_len, num_qo_heads, _ = q.shape
     kv_len, num_kv_heads, head_dim_v = v.shape
     group = num_qo_heads // num_kv_heads
     qf = q.astype(np.float32).reshape(qo_len, num_kv_heads, group, -1)
     kf, vf = k.astype(np.float32), v.astype(np.float32)
-    scores = np.einsum("qhgd,khd->hgqk", qf, kf) * np.float32(sm_scale)
-    keep = np.ones((qo_len, kv_len), bool)
+    # [num_qo_heads, qo_len, kv_len]: qo head h = kv head * group + g
+    logits = np.einsum("qhgd,khd->hgqk", qf, kf, optimize=True).reshape(num_qo_heads, qo_len, kv_len)
+    logits *= np.float32(sm_scale)
+    keep = np.ones((1, qo_len, kv_len), bool)
     if causal:
         keep &= np.arange(kv_len)[None, :] <= np.arange(qo_len)[:, None] + (kv_len - qo_len)
     if mask is not None:
         keep &= np.asarray(mask, bool).reshape(qo_len, kv_len)
-    scores = np.where(keep, scores, -np.inf)
-    m = scores.max(axis=-1, keepdims=True) if kv_len else np.full(scores.shape[:-1] + (1,), -np.inf, np.float32)
+    sink = None
+    softmax = True
+    if variant is not None and not variant.is_default:
+        from .variants import numpy_positions
+        pos = numpy_positions(batch_idx, qo_len, kv_len, num_qo_heads, num_kv_heads)
+        for _, f in variant.numpy_hook("logits_transform", fn):
+            logits = np.asarray(f(values, pos, logits), np.float32)
+        for _, f in variant.numpy_hook("logits_mask", fn):
+            keep = keep & np.asarray(f(values, pos), bool)
+        for _, f in variant.numpy_hook("kv_begin", fn):
+            keep = keep & (pos.kv_idx >= np.asarray(f(values, pos)))
+        for _, f in variant.numpy_hook("sink", fn):
+            sink = np.broadcast_to(np.asarray(f(values, pos), np.float32), (num_qo_heads, qo_len, 1))
+        softmax = variant.use_softmax
+    keep = np.broadcast_to(keep, logits.shape)
+    vh = np.repeat(vf, group, axis=1)                                      # [kv_len, num_qo_heads, d]
+    if not softmax:
+        out = np.einsum("hqk,khd->qhd", np.where(keep, logits, 0).astype(np.float32), vh, optimize=True)
+        return out.astype(np.float32), np.zeros((qo_len, num_qo_heads), np.float32)
+    logits = np.where(keep, logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True) if kv_len else np.full(logits.shape[:-1] + (1,), -np.inf, np.float32)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m_safe = np.where(np.isfinite(m), m, 0).astype(np.float32)
-    p = np.exp(scores - m_safe)
+    p = np.exp(logits - m_safe)
     denom = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("hgqk,khd->qhgd", p / np.where(denom > 0, denom, 1), vf)
+    if sink is not None:
+        denom = denom + np.exp(sink - m_safe)
+    out = np.einsum("hqk,khd->qhd", p / np.where(denom > 0, denom, 1), vh, optimize=True)
     with np.errstate(divide="ignore"):
         lse = (np.log(denom) + m_safe)[..., 0]           # -inf where the row is fully masked
-    return (out.reshape(qo_len, num_qo_heads, head_dim_v).astype(np.float32),
-            lse.transpose(2, 0, 1).reshape(qo_len, num_qo_heads).astype(np.float32))
+    return out.astype(np.float32), lse.T.astype(np.float32)
 
 
 def merge_state(v_a, s_a, v_b, s_b):

@@ -40,7 +40,13 @@ def tmp_cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True, scope="session")
 def _shared_cache_dir(tmp_path_factory):
-    """Tests share one cache dir of their own unless CUATTN_CACHE_DIR is set."""
+    """Tests share one cache dir of their own unless CUATTN_CACHE_DIR is set. On a GPU machine the
+    shipped kernels for its arch are compiled first, in parallel over the cores (a fresh machine
+    would otherwise compile them one by one as tests reach them)."""
     if "CUATTN_CACHE_DIR" not in os.environ:
         os.environ["CUATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cuattn-cache"))
+    if gpu_cc():
+        from cuattn import cli, jit
+        arch = jit.device_arch(0)
+        jit.precompile([(spec, arch) for spec in cli.shipped_specs(arch)])
     yield

@@ -19,6 +19,8 @@ def test_info_reports_versions_gpu_and_cache():
 
 
 def test_every_shipped_kernel_compiles_for_sm80_and_sm90a_without_spills():
+    jobs = [(spec, arch) for arch in jit.SHIPPED_ARCHS for spec in cli.shipped_specs(arch)]
+    jit.precompile(jobs)          # in parallel over the cores into the session's cache; then checked
     for arch in jit.SHIPPED_ARCHS:
         for spec in cli.shipped_specs(arch):
             compiled = jit.compile_kernel(spec, arch)
@@ -34,8 +36,18 @@ def test_precompile_then_cache_clear(tmp_cache_dir):
     n = len(cli.shipped_specs("sm_80"))
     assert f"precompiled {n} kernels for sm_80" in out.stdout
     assert len(list(tmp_cache_dir.glob("*.cubin"))) == n
+    assert "\r" not in out.stderr          # no progress bar into a pipe
     out = run_cli("cache", "clear", env=env)
     assert out.returncode == 0 and not list(tmp_cache_dir.glob("*.cubin"))
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "foo", "sm_"])
+def test_precompile_rejects_unsupported_arch_with_exit_code_2(arch, tmp_cache_dir):
+    import os
+    out = run_cli("precompile", "--arch", arch, env={**os.environ, "CUATTN_CACHE_DIR": str(tmp_cache_dir)})
+    assert out.returncode == 2
+    assert "not a supported arch" in out.stderr and "sm_80" in out.stderr and "Traceback" not in out.stderr
+    assert not list(tmp_cache_dir.glob("*.cubin"))
 
 
 def test_demo_runs_on_the_cpu_path_and_says_so():

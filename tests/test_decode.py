@@ -184,10 +184,10 @@ def test_run_before_plan_is_an_error():
 
 def test_unsupported_features_raise_unsupported_error(small):
     case, _ = small
-    with pytest.raises(UnsupportedError, match="pos_encoding_mode"):
+    with pytest.raises(UnsupportedError, match="pos_encoding_mode='ROPE_LLAMA'"):
         planned(case, 8, 2, 64, 8, "float16", pos_encoding_mode="ROPE_LLAMA")
-    with pytest.raises(UnsupportedError, match="logits_soft_cap"):
-        planned(case, 8, 2, 64, 8, "float16", logits_soft_cap=30.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'q_rope_offset'"):
+        planned(case, 8, 2, 64, 8, "float16").run(case["q"], cache_arg(case, "one"), q_rope_offset=3)
 
 
 def test_unknown_tuning_override_is_rejected():

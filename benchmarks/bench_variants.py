@@ -1,0 +1,158 @@
+"""Attention variants: the time each built-in (and a user-defined soft-cap) adds over plain attention,
+and what compiling a variant specialization costs.
+
+Timing: decode as bench_decode.py (CUDA events around each run(), 256 MB L2 read-flush before every
+timed call, 5 warm-up + N timed, median); prefill as bench_prefill.py's gpu_us (a ~0.6 ms matmul
+queued before each timed call so host time does not land between the events; median of N).
+Variants of one shape are timed interleaved, in rounds, so drift hits them alike. "window" uses
+window_left = kv_len (every key stays: the window's mask and skip logic at full work); "window 1k"
+is a real 1024-token window (less work: faster than plain). Ratios are to plain in the same round.
+Compile: one cold NVRTC compile (empty cache dir) and one warm load of each variant's decode and
+fa2 prefill spec for this device's arch, in seconds.
+
+    python benchmarks/bench_variants.py [--reps 30] [--rounds 3] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cupy as cp  # noqa: E402
+
+import cuattn  # noqa: E402
+from cuattn import jit, variants  # noqa: E402
+from bench_decode import decode_bytes, l2_flush, setup_case, time_events  # noqa: E402
+from bench_prefill import flops, gpu_us, rand  # noqa: E402
+
+USER_SOFTCAP = cuattn.Variant("user_softcap", params=(("cap", "float"),),
+                              logits_transform="return params.cap * fast_tanh(logits * (1.f / params.cap));")
+
+
+def variant_table(kv_len):
+    """name -> (plan options, run() extra args, run() sinks); sinks are made per shape."""
+    return {
+        "plain": ({}, ()),
+        "softcap": (dict(logits_soft_cap=30.0), ()),
+        "window": (dict(window_left=kv_len), ()),
+        "window 1k": (dict(window_left=1024), ()),
+        "alibi": (dict(pos_encoding_mode="ALIBI"), ()),
+        "sinks": ({}, "sinks"),
+        "user softcap": (dict(variant=USER_SOFTCAP), (30.0,)),
+    }
+
+
+def decode_rows(args, flush, hq=32, hkv=8, d=128, page=16):
+    rows = []
+    for batch, kv_len in ((16, 8192), (64, 2048)):
+        indptr, indices, lpl, cache, q = setup_case(batch, kv_len, hq, hkv, d, page, "float16", 1)
+        sinks = cp.asarray(np.random.default_rng(0).standard_normal(hq).astype(np.float32))
+        out = cp.empty_like(q)
+        calls = {}
+        for name, (opts, extra) in variant_table(kv_len).items():
+            w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+            w.plan(indptr, indices, lpl, hq, hkv, d, page, q_data_type="float16", **opts)
+            kw = dict(sinks=sinks) if extra == "sinks" else {}
+            pos = () if extra == "sinks" else extra
+            calls[name] = (lambda w=w, pos=pos, kw=kw: w.run(q, cache, *pos, out=out, **kw))
+        times = {n: [] for n in calls}
+        for _ in range(args.rounds):
+            for n, c in calls.items():
+                times[n].append(time_events(c, args.reps, flush))
+        gb = decode_bytes(batch, kv_len, hq, hkv, d, 2)
+        for n, t in times.items():
+            us = statistics.median(t)
+            ratio = statistics.median([a / b for a, b in zip(t, times["plain"])])
+            rows.append(dict(family="decode", shape=f"{batch}x{kv_len}", variant=n, us=round(us, 2),
+                             tbs=round(gb / us / 1e6, 3), vs_plain=round(ratio, 3), rounds=[round(x, 2) for x in t]))
+            print(f"decode  {batch:>3}x{kv_len:<6} {n:<13} {us:9.1f} us  {gb / us / 1e6:5.2f} TB/s  x{ratio:.3f} of plain",
+                  flush=True)
+    return rows
+
+
+def prefill_rows(args, hq=32, hkv=8, d=128):
+    rows = []
+    length = 16384
+    q, k, v = rand((length, hq, d), "float16"), rand((length, hkv, d), "float16"), rand((length, hkv, d), "float16")
+    sinks = cp.asarray(np.random.default_rng(0).standard_normal(hq).astype(np.float32))
+    sink_v = cuattn.Variant("sinkp", params=(("s", "float*"),), sink="return params.s[qo_head_idx];")
+    for backend in ("fa3", "fa2"):
+        if backend == "fa3" and jit.device_arch(0) != "sm_90a":
+            continue
+        calls = {}
+        for name, (opts, extra) in variant_table(length).items():
+            if extra == "sinks":
+                opts, extra = dict(variant=sink_v), (sinks,)
+            calls[name] = (lambda opts=opts, extra=extra: cuattn.single_prefill_with_kv_cache(
+                q, k, v, causal=True, backend=backend, variant_args=extra, **opts))
+        times = {n: [] for n in calls}
+        for _ in range(args.rounds):
+            for n, c in calls.items():
+                times[n].append(gpu_us(c, max(5, args.reps // 3)))
+        f = flops(1, length, length, hq, d, True)
+        for n, t in times.items():
+            us = statistics.median(t)
+            ratio = statistics.median([a / b for a, b in zip(t, times["plain"])])
+            rows.append(dict(family=f"prefill {backend}", shape=f"1x{length} causal", variant=n, us=round(us, 1),
+                             tflops=round(f / us / 1e6, 1), vs_plain=round(ratio, 3), rounds=[round(x, 1) for x in t]))
+            print(f"prefill {backend} 1x{length} causal {n:<13} {us:9.1f} us  {f / us / 1e6:6.1f} TFLOP/s  "
+                  f"x{ratio:.3f} of plain", flush=True)
+    return rows
+
+
+def compile_rows():
+    arch = jit.device_arch(0)
+    rows = []
+    old = os.environ.get("CUATTN_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["CUATTN_CACHE_DIR"] = tmp
+        for name, (opts, _) in variant_table(4096).items():
+            if name == "window 1k":
+                continue
+            comp = variants.resolve("bench", num_qo_heads=32, sinks=name == "sinks", **opts).composite
+            for spec in (cuattn.decode.DecodeSpec(128, "f16", "f16", variant=comp),
+                         cuattn.prefill.make_spec(128, "f16", True, False, True, comp)):
+                t0 = time.perf_counter()
+                jit.compile_kernel(spec, arch)
+                cold = time.perf_counter() - t0
+                jit._memo.clear()
+                t0 = time.perf_counter()
+                jit.compile_kernel(spec, arch)
+                warm = time.perf_counter() - t0
+                rows.append(dict(variant=name, spec=spec.name, cold_s=round(cold, 3), warm_s=round(warm, 4)))
+                print(f"compile {arch} {spec.name:<72} cold {cold:5.2f} s  warm {warm * 1e3:5.1f} ms", flush=True)
+    if old is None:
+        os.environ.pop("CUATTN_CACHE_DIR")
+    else:
+        os.environ["CUATTN_CACHE_DIR"] = old
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"# {dev}, cuattn {cuattn.__version__}, NVRTC {jit.nvrtc_version()}, {datetime.date.today()}")
+    compile_res = compile_rows()
+    flush = l2_flush()
+    res = dict(device=dev, date=str(datetime.date.today()), method=__doc__, compile=compile_res,
+               decode=decode_rows(args, flush), prefill=prefill_rows(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Attention variants: the one place where what a call may change about attention is described.
+
+A variant is a small set of device hooks that every kernel family (decode, prefill fa2, prefill
+fa3) calls at the same points, plus the scalars and arrays those hooks read:
+
+- ``logits_transform``: a logit in natural units (``q . k * sm_scale``) in, a logit out;
+- ``logits_mask``: false drops the key (its logit becomes -inf);
+- ``kv_begin``: the first key a query may see (keys before it are dropped; kernels skip the
+  tiles wholly before it, so a sliding window reads only the window);
+- ``sink``: the natural-log logit of an extra key whose value is zero (attention sinks): its
+  ``exp`` joins the softmax denominator;
+- ``use_softmax=False``: the transformed logits are the attention weights themselves (sigmoid
+  attention): no max, no normalisation, no LSE.
+
+Each hook is a CUDA function body that returns a value. It sees ``params`` (a struct with
+``sm_scale`` and the variant's declared parameters by name) and the position of the logit:
+``batch_idx``; ``qo_idx`` (the query's index among its request's queries, as in FlashInfer; 0 in
+decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
+qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
+``kv_len``. ``logits_transform`` also sees ``logits``. ``sink`` sees ``params``, ``batch_idx``,
+``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
+``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
+``fast_sigmoid``, ``alibi_slope``) are in scope.
+
+The built-in options (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode="ALIBI"``,
+sinks) are ``Variant`` objects made with the same class a user calls; a call's pieces are
+composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one ``Composite``
+that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
+check every wrapper and ``single_*`` function calls.
+
+The NumPy path runs a variant through NumPy versions of the hooks (``numpy={hook: callable}``):
+each callable takes ``(params, pos)`` (``transform`` also ``logits``), where ``params`` maps
+names to values (arrays as NumPy arrays) and ``pos`` has broadcastable int64 arrays named like
+the CUDA arguments; it returns an array of the broadcast shape.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import UnsupportedError
+
+HOOKS = ("logits_transform", "logits_mask", "kv_begin", "sink")
+# parameter kinds: C type, launcher letter (jit.Launcher), Python check
+PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
+               "int*": ("const int* __restrict__", "p")}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED = {"sm_scale", "params", "logits", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
+             "kv_head_idx", "qo_len", "kv_len"}
+_POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
+             "int qo_len, int kv_len")
+_POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
+_SIGNATURES = {
+    "logits_transform": ("float", f"const Params& params, float logits, {_POS_ARGS}"),
+    "logits_mask": ("bool", f"const Params& params, {_POS_ARGS}"),
+    "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
+    "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """A user-defined (or built-in) attention variant: CUDA hook bodies and their parameters.
+
+    Parameters
+    ----------
+    name : str
+        An identifier; part of the kernel names (the cache key covers the code itself).
+    params : sequence of (name, kind)
+        Extra parameters in the order ``run()`` takes them positionally; kind is "float", "int",
+        "float*" (a float32 GPU array, e.g. per-head values) or "int*".
+    logits_transform, logits_mask, kv_begin, sink : str, optional
+        CUDA function bodies (see the module docstring for what each sees and returns).
+    use_softmax : bool
+        False: the transformed logits are the attention weights (no softmax; no LSE).
+    numpy : dict, optional
+        NumPy versions of the hooks for the CPU path, by hook name; a hook without one makes
+        the NumPy path refuse the variant.
+
+    Examples of bodies: ``return params.cap * fast_tanh(logits / params.cap);`` (soft-cap),
+    ``return kv_idx >= qo_pos - params.window;`` (a window as a mask).
+    """
+    name: str
+    params: tuple = ()
+    logits_transform: str | None = None
+    logits_mask: str | None = None
+    kv_begin: str | None = None
+    sink: str | None = None
+    use_softmax: bool = True
+    numpy: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        fn = "cuattn.Variant"
+        if not isinstance(self.name, str) or not _IDENT.match(self.name):
+            raise ValueError(f"{fn}: name must be an identifier, got {self.name!r}")
+        params = tuple(tuple(p) for p in self.params)
+        for p in params:
+            if len(p) != 2 or not isinstance(p[0], str) or not _IDENT.match(p[0]) or p[1] not in PARAM_KINDS:
+                raise ValueError(f"{fn}: params must be (name, kind) pairs with kind in {sorted(PARAM_KINDS)}, "
+                                 f"got {p!r}")
+            if p[0] in _RESERVED:
+                raise ValueError(f"{fn}: parameter name {p[0]!r} is reserved (hook arguments: {sorted(_RESERVED)})")
+        if len({p[0] for p in params}) != len(params):
+            raise ValueError(f"{fn}: parameter names must be unique, got {[p[0] for p in params]}")
+        object.__setattr__(self, "params", params)
+        for hook in HOOKS:
+            body = getattr(self, hook)
+            if body is not None and not isinstance(body, str):
+                raise TypeError(f"{fn}: {hook} must be a CUDA function body (str), got {type(body).__name__}")
+        unknown = set(self.numpy) - set(HOOKS)
+        if unknown:
+            raise ValueError(f"{fn}: numpy hooks must be named from {HOOKS}, got {sorted(unknown)}")
+        if not self.use_softmax and self.logits_transform is None:
+            raise ValueError(f"{fn}: use_softmax=False needs a logits_transform (the attention weight)")
+        if not self.use_softmax and self.sink is not None:
+            raise ValueError(f"{fn}: a sink joins the softmax denominator; it needs use_softmax=True")
+        object.__setattr__(self, "numpy", dict(self.numpy))
+
+    @property
+    def code(self) -> tuple:
+        """What the kernel depends on (equality and hashing: two objects with the same code are one variant)."""
+        return (self.name, self.params, self.logits_transform, self.logits_mask, self.kv_begin, self.sink,
+                self.use_softmax)
+
+    def __eq__(self, other):
+        return isinstance(other, Variant) and self.code == other.code
+
+    def __getstate__(self):       # pickled for compile workers (jit.precompile): the NumPy hooks stay
+        return {**self.__dict__, "numpy": {}}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def __hash__(self):
+        return hash(self.code)
+
+
+# ---------------------------------------------------------------------------- built-in variants
+# Defined with the class a user calls; their NumPy hooks are the CPU path's definition.
+
+
+def _alibi_slopes_np(num_heads: int) -> np.ndarray:
+    n = 2 ** int(math.floor(math.log2(num_heads)))
+    m0, m1 = 2.0 ** (-8.0 / n), 2.0 ** (-4.0 / n)
+    h = np.arange(num_heads)
+    return np.where(h < n, m0 ** (h + 1), m1 ** (2 * (h - n) + 1)).astype(np.float32)
+
+
+SOFT_CAP = Variant(
+    "softcap", params=(("logits_soft_cap", "float"),),
+    logits_transform="return params.logits_soft_cap * fast_tanh(logits * (1.f / params.logits_soft_cap));",
+    numpy={"logits_transform": lambda p, pos, logits: p["logits_soft_cap"] * np.tanh(logits / p["logits_soft_cap"])})
+
+SLIDING_WINDOW = Variant(
+    "window", params=(("window_left", "int"),),
+    kv_begin="return qo_pos - params.window_left;",
+    numpy={"kv_begin": lambda p, pos: pos.qo_pos - p["window_left"]})
+
+ALIBI = Variant(
+    "alibi", params=(("alibi_num_heads", "int"),),
+    logits_transform="return logits + alibi_slope(qo_head_idx, params.alibi_num_heads) * float(kv_idx - qo_pos);",
+    numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_num_heads"])[pos.qo_head_idx]
+           * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
+
+SINK = Variant(
+    "sink", params=(("sinks", "float*"),),
+    sink="return params.sinks[qo_head_idx];",
+    numpy={"sink": lambda p, pos: np.asarray(p["sinks"], np.float32)[pos.qo_head_idx]})
+
+
+# ---------------------------------------------------------------------------- composition
+
+
+@dataclass(frozen=True)
+class Composite:
+    """The variant pieces of one call, in order; what a kernel spec carries."""
+    pieces: tuple = ()
+
+    def __post_init__(self):
+        names = [p[0] for v in self.pieces for p in v.params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant parameters must have distinct names across the combined variants, got {names}")
+        if sum(v.sink is not None for v in self.pieces) > 1:
+            raise ValueError("at most one variant may define a sink")
+        if any(not v.use_softmax for v in self.pieces) and len(self.pieces) > 1:
+            raise ValueError("a use_softmax=False variant cannot be combined with other variants")
+
+    @property
+    def is_default(self) -> bool:
+        return not self.pieces
+
+    @property
+    def params(self) -> tuple:
+        return tuple(p for v in self.pieces for p in v.params)
+
+    def has(self, hook: str) -> bool:
+        return any(getattr(v, hook) is not None for v in self.pieces)
+
+    @property
+    def use_softmax(self) -> bool:
+        return all(v.use_softmax for v in self.pieces)
+
+    @property
+    def name(self) -> str:
+        """"" for plain attention, else "_v" + piece names + a short hash of the code."""
+        if not self.pieces:
+            return ""
+        digest = hashlib.sha256(repr([v.code for v in self.pieces]).encode()).hexdigest()[:8]
+        return "_v" + "-".join(v.name for v in self.pieces) + "-" + digest
+
+    @property
+    def arg_kinds(self) -> str:
+        """Launcher letters of the kernel's variant arguments: sm_scale, then each parameter."""
+        return "f" + "".join(PARAM_KINDS[k][1] for _, k in self.params)
+
+    def scale_log2(self, sm_scale: float) -> float:
+        """The factor the kernels apply to a raw dot product before exp2: the logits transform
+        sees natural-unit logits (the kernel multiplies by sm_scale first), so only log2(e) is left."""
+        return LOG2E if self.has("logits_transform") else sm_scale * LOG2E
+
+    def prelude(self, tu_name: str) -> str:
+        """CUDA source put before the kernel file: the helpers of ``common/variant_base.cuh``, the
+        Params struct, the hooks (each under a ``#line`` naming the variant and hook, so NVRTC
+        reports an error at the snippet's own line), their composition and the launch macros."""
+        from .jit import assemble_source
+        lines = ["// ---- attention variant (generated by cuattn/variants.py)"]
+        lines += assemble_source("common/variant_base.cuh").splitlines()
+        lines += ["namespace cuattn { namespace variant {", "struct Params {", "  float sm_scale;"]
+        lines += [f"  {PARAM_KINDS[k][0].replace(' __restrict__', '')} {n};" for n, k in self.params]
+        lines.append("};")
+        calls: dict[str, list[str]] = {h: [] for h in HOOKS}
+        for i, v in enumerate(self.pieces):
+            for hook in HOOKS:
+                body = getattr(v, hook)
+                if body is None:
+                    continue
+                ret, args = _SIGNATURES[hook]
+                fname = f"{hook}_{i}_{v.name}"
+                lines += [f"__device__ __forceinline__ {ret} {fname}({args}) {{",
+                          f'#line 1 "variant {v.name}: {hook}"'] + body.splitlines()
+                lines += [f'#line {len(lines) + 2} "{tu_name}"', "}"]     # back to the TU's own numbering
+                calls[hook].append(fname)
+        t = calls["logits_transform"]
+        lines += [f"__device__ __forceinline__ float logits_transform(const Params& params, float logits, {_POS_ARGS}) {{"]
+        lines += [f"  logits = {f}(params, logits, {_POS_NAMES});" for f in t] + ["  return logits;", "}"]
+        m = calls["logits_mask"]
+        lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, {_POS_ARGS}) {{",
+                  "  return " + (" && ".join(f"{f}(params, {_POS_NAMES})" for f in m) or "true") + ";", "}"]
+        b = calls["kv_begin"]
+        lines += ["__device__ __forceinline__ int kv_begin(const Params& params, int batch_idx, int qo_pos, "
+                  "int qo_len, int kv_len) {", "  int lo = 0;"]
+        lines += [f"  lo = max(lo, {f}(params, batch_idx, qo_pos, qo_len, kv_len));" for f in b]
+        lines += ["  return lo;", "}"]
+        s = calls["sink"]
+        lines += ["__device__ __forceinline__ float sink(const Params& params, int batch_idx, int qo_idx, "
+                  "int qo_head_idx) {",
+                  f"  return {s[0]}(params, batch_idx, qo_idx, qo_head_idx);" if s else
+                  "  return __int_as_float(0xff800000);", "}"]
+        lines += [f"constexpr bool HAS_TRANSFORM = {str(bool(t)).lower()};",
+                  f"constexpr bool HAS_MASK = {str(bool(m)).lower()};",
+                  f"constexpr bool HAS_KV_BEGIN = {str(bool(b)).lower()};",
+                  f"constexpr bool HAS_SINK = {str(bool(s)).lower()};",
+                  f"constexpr bool USE_SOFTMAX = {str(self.use_softmax).lower()};",
+                  "constexpr bool NEEDS_POSITION = HAS_TRANSFORM || HAS_MASK || HAS_KV_BEGIN;",
+                  "}}  // namespace cuattn::variant"]
+        decl = "".join(f", {PARAM_KINDS[k][0]} vp_{n}" for n, k in self.params)
+        init = "".join(f", vp_{n}" for n, _ in self.params)
+        lines += [f"#define CUATTN_VARIANT_ARGS , float vp_sm_scale{decl}",
+                  f"#define CUATTN_VARIANT_PARAMS {{vp_sm_scale{init}}}", ""]
+        return "\n".join(lines)
+
+    # -- NumPy path
+
+    def numpy_hook(self, hook: str, fn: str) -> list[tuple[Variant, Callable]]:
+        out = []
+        for v in self.pieces:
+            if getattr(v, hook) is None:
+                continue
+            f = v.numpy.get(hook)
+            if f is None:
+                raise UnsupportedError(f"{fn}: variant {v.name!r} has no NumPy version of its {hook} hook, so the "
+                                       f"CPU path cannot run it; pass numpy={{'{hook}': ...}} to cuattn.Variant")
+            out.append((v, f))
+        return out
+
+
+LOG2E = 1.4426950408889634
+DEFAULT = Composite()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A call's variant and the values of its parameters: ``fixed`` from plan()'s options,
+    the rest (``runtime``, by name in order) passed to run() positionally."""
+    composite: Composite
+    fixed: dict
+    runtime: tuple
+
+    def values(self, args: tuple, fn: str) -> dict:
+        """Parameter values by name: the fixed ones and ``args`` (run()'s extra positional arguments)."""
+        if len(args) != len(self.runtime):
+            if not self.runtime:
+                raise TypeError(f"{fn}: got {len(args)} unexpected positional argument(s) after the cache; this "
+                                f"plan's variant takes none")
+            raise TypeError(f"{fn}: the variant's parameters {list(self.runtime)} must be passed positionally "
+                            f"after the cache, got {len(args)} value(s)")
+        return {**self.fixed, **dict(zip(self.runtime, args))}
+
+    def kernel_args(self, sm_scale: float, values: dict, fn: str) -> tuple:
+        """The kernels' variant arguments (``Composite.arg_kinds``): sm_scale, then each parameter;
+        arrays must be contiguous 1-D GPU arrays of float32 ("float*") or int32 ("int*")."""
+        from . import arrays
+        out = [float(sm_scale)]
+        for name, kind in self.composite.params:
+            v = values[name]
+            if kind == "float":
+                out.append(_number(v, name, fn))
+            elif kind == "int":
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise TypeError(f"{fn}: variant parameter {name} must be an int, got {v!r}")
+                out.append(int(v))
+            else:
+                want = np.float32 if kind == "float*" else np.int32
+                if not arrays.is_device_array(v):
+                    raise TypeError(f"{fn}: variant parameter {name} must be a GPU array ({np.dtype(want)}) on a GPU "
+                                    f"call, got {type(v).__name__}")
+                t = arrays.device_tensor(v, name, fn)
+                if t.dtype != want or t.ndim != 1 or not t.is_contiguous():
+                    raise ValueError(f"{fn}: variant parameter {name} must be a contiguous 1-D {np.dtype(want)} "
+                                     f"array, got shape {t.shape} dtype {t.dtype}")
+                out.append(t.ptr)
+        return tuple(out)
+
+    def host_values(self, values: dict, fn: str) -> dict:
+        """The parameter values for the NumPy path (arrays copied to the host)."""
+        from . import arrays
+        out = dict(values)
+        for name, kind in self.composite.params:
+            if kind.endswith("*"):
+                out[name] = np.asarray(arrays.to_host(values[name], name, fn))
+        return out
+
+    def check_lse(self, return_lse: bool, lse, fn: str) -> None:
+        if (return_lse or lse is not None) and not self.composite.use_softmax:
+            raise ValueError(f"{fn}: return_lse / lse need softmax attention; this variant has use_softmax=False "
+                             f"(no log-sum-exp)")
+
+    def check_sinks(self, values: dict, num_qo_heads: int, fn: str) -> None:
+        """The built-in sink's array: one float32 logit per query head."""
+        if "sinks" in values and any(p is SINK for p in self.composite.pieces):
+            shape = tuple(getattr(values["sinks"], "shape", ()))
+            if shape != (num_qo_heads,):
+                raise ValueError(f"{fn}: sinks must have shape (num_qo_heads,) = ({num_qo_heads},), got {shape}")
+
+
+def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", window_left: Any = -1,
+            logits_soft_cap: Any = None, use_fp16_qk_reduction: Any = False, rope_scale: Any = None,
+            rope_theta: Any = None, variant: Variant | None = None, sinks: bool = False) -> Bound:
+    """The one option check: FlashInfer's attention options and a user variant -> a Bound variant.
+
+    Order of the pieces: user variant, ALiBi, soft-cap (applied to the biased logits), window,
+    sink. Raises ValueError / TypeError naming the argument, UnsupportedError for what has no kernel.
+    """
+    pieces, fixed = [], {}
+    if variant is not None:
+        if not isinstance(variant, Variant):
+            raise TypeError(f"{fn}: variant must be a cuattn.Variant, got {type(variant).__name__}")
+        pieces.append(variant)
+    mode = "NONE" if pos_encoding_mode is None else pos_encoding_mode
+    if mode == "ALIBI":
+        pieces.append(ALIBI)
+        fixed["alibi_num_heads"] = int(num_qo_heads)
+    elif mode in ("ROPE_LLAMA",):
+        raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) has no kernel yet; apply RoPE "
+                               f"to q and k before the call (supported: 'NONE', 'ALIBI')")
+    elif mode != "NONE":
+        raise ValueError(f"{fn}: pos_encoding_mode must be 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {pos_encoding_mode!r}")
+    if rope_scale is not None or rope_theta is not None:
+        raise UnsupportedError(f"{fn}: rope_scale / rope_theta belong to pos_encoding_mode='ROPE_LLAMA', which has "
+                               f"no kernel yet")
+    if logits_soft_cap not in (None, 0, 0.0):
+        cap = _number(logits_soft_cap, "logits_soft_cap", fn)
+        if not cap > 0 or not math.isfinite(cap):
+            raise ValueError(f"{fn}: logits_soft_cap must be a positive finite float (or None / 0: off), got "
+                             f"{logits_soft_cap!r}")
+        pieces.append(SOFT_CAP)
+        fixed["logits_soft_cap"] = cap
+    if window_left is None:
+        window_left = -1
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):
+        raise TypeError(f"{fn}: window_left must be an int (-1: no window), got {window_left!r}")
+    if window_left < -1:
+        raise ValueError(f"{fn}: window_left must be -1 (no window) or >= 0, got {window_left}")
+    if window_left >= 0:
+        pieces.append(SLIDING_WINDOW)
+        fixed["window_left"] = int(window_left)
+    if use_fp16_qk_reduction:
+        raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel: Q K^T accumulates in fp32 (the "
+                               f"fp16 accumulation of FlashInfer's fa2 saves no time on sm_80+ tensor cores here)")
+    if sinks:
+        pieces.append(SINK)
+    composite = Composite(tuple(pieces))
+    runtime = tuple(n for n, _ in composite.params if n not in fixed)
+    return Bound(composite, fixed, runtime)
+
+
+def _number(x, name, fn) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{fn}: {name} must be a float, got {x!r}")
+    return float(x)
+
+
+def numpy_positions(batch_idx: int, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int):
+    """Broadcastable index grids over (head, query, key) for the NumPy hooks."""
+    group = num_qo_heads // num_kv_heads
+    qh = np.arange(num_qo_heads, dtype=np.int64)[:, None, None]
+    qi = np.arange(qo_len, dtype=np.int64)[None, :, None]
+    return SimpleNamespace(batch_idx=np.int64(batch_idx), qo_idx=qi, qo_pos=qi + (kv_len - qo_len),
+                           kv_idx=np.arange(kv_len, dtype=np.int64)[None, None, :], qo_head_idx=qh,
+                           kv_head_idx=qh // group, qo_len=np.int64(qo_len), kv_len=np.int64(kv_len))
