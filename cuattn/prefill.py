@@ -92,7 +92,9 @@ class PrefillSpec:
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
               variant: variants.Composite = variants.DEFAULT) -> PrefillSpec:
-    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask, paged)
+    # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
+    # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
+    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform"), paged)
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
                        variant=variant)
 

@@ -75,7 +75,7 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
     vh = np.repeat(vf, group, axis=1)                                      # [kv_len, num_qo_heads, d]
     if not softmax:
         out = np.einsum("hqk,khd->qhd", np.where(keep, logits, 0).astype(np.float32), vh, optimize=True)
-        return out.astype(np.float32), np.zeros((qo_len, num_qo_heads), np.float32)
+        return np.ascontiguousarray(out, np.float32), np.zeros((qo_len, num_qo_heads), np.float32)
     logits = np.where(keep, logits, -np.inf)
     m = logits.max(axis=-1, keepdims=True) if kv_len else np.full(logits.shape[:-1] + (1,), -np.inf, np.float32)
     if sink is not None:
@@ -88,7 +88,7 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
     out = np.einsum("hqk,khd->qhd", p / np.where(denom > 0, denom, 1), vh, optimize=True)
     with np.errstate(divide="ignore"):
         lse = (np.log(denom) + m_safe)[..., 0]           # -inf where the row is fully masked
-    return out.astype(np.float32), lse.T.astype(np.float32)
+    return np.ascontiguousarray(out, np.float32), np.ascontiguousarray(lse.T, np.float32)
 
 
 def merge_state(v_a, s_a, v_b, s_b):

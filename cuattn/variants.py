@@ -20,7 +20,7 @@ qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx`
 ``kv_len``. ``logits_transform`` also sees ``logits``. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
-``fast_sigmoid``, ``alibi_slope``) are in scope.
+``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
 
 The built-in options (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode="ALIBI"``,
 sinks) are ``Variant`` objects made with the same class a user calls; a call's pieces are
@@ -153,9 +153,11 @@ def _alibi_slopes_np(num_heads: int) -> np.ndarray:
     return np.where(h < n, m0 ** (h + 1), m1 ** (2 * (h - n) + 1)).astype(np.float32)
 
 
+# logits_soft_cap_inv = 1 / cap (resolve() sets it): a multiply per logit, not a division (the
+# kernels' special-function unit already evaluates exp2 once per logit; tanh is a second use)
 SOFT_CAP = Variant(
-    "softcap", params=(("logits_soft_cap", "float"),),
-    logits_transform="return params.logits_soft_cap * fast_tanh(logits * (1.f / params.logits_soft_cap));",
+    "softcap", params=(("logits_soft_cap", "float"), ("logits_soft_cap_inv", "float")),
+    logits_transform="return params.logits_soft_cap * fast_tanh(logits * params.logits_soft_cap_inv);",
     numpy={"logits_transform": lambda p, pos, logits: p["logits_soft_cap"] * np.tanh(logits / p["logits_soft_cap"])})
 
 SLIDING_WINDOW = Variant(
@@ -163,10 +165,14 @@ SLIDING_WINDOW = Variant(
     kv_begin="return qo_pos - params.window_left;",
     numpy={"kv_begin": lambda p, pos: pos.qo_pos - p["window_left"]})
 
+# slope of head h: 2^(alibi_a * (h + 1)) below the largest power of two p <= num heads, else
+# 2^(alibi_b * (2 (h - p) + 1)); resolve() sets p, a = -8 / p, b = -4 / p (no division per logit);
+# key - query distances of up to 2^22 tokens (small_int_to_float)
 ALIBI = Variant(
-    "alibi", params=(("alibi_num_heads", "int"),),
-    logits_transform="return logits + alibi_slope(qo_head_idx, params.alibi_num_heads) * float(kv_idx - qo_pos);",
-    numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_num_heads"])[pos.qo_head_idx]
+    "alibi", params=(("alibi_p", "int"), ("alibi_a", "float"), ("alibi_b", "float")),
+    logits_transform="return fmaf(alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b), "
+                     "small_int_to_float(kv_idx - qo_pos), logits);",
+    numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_heads"])[pos.qo_head_idx]
            * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
 
 SINK = Variant(
@@ -376,7 +382,8 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
     mode = "NONE" if pos_encoding_mode is None else pos_encoding_mode
     if mode == "ALIBI":
         pieces.append(ALIBI)
-        fixed["alibi_num_heads"] = int(num_qo_heads)
+        p = 1 << (int(num_qo_heads).bit_length() - 1)
+        fixed.update(alibi_heads=int(num_qo_heads), alibi_p=p, alibi_a=-8.0 / p, alibi_b=-4.0 / p)
     elif mode in ("ROPE_LLAMA",):
         raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) has no kernel yet; apply RoPE "
                                f"to q and k before the call (supported: 'NONE', 'ALIBI')")
@@ -391,7 +398,7 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
             raise ValueError(f"{fn}: logits_soft_cap must be a positive finite float (or None / 0: off), got "
                              f"{logits_soft_cap!r}")
         pieces.append(SOFT_CAP)
-        fixed["logits_soft_cap"] = cap
+        fixed.update(logits_soft_cap=cap, logits_soft_cap_inv=1.0 / cap)
     if window_left is None:
         window_left = -1
     if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)):

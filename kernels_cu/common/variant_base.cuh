@@ -12,11 +12,19 @@ __device__ __forceinline__ float fast_tanh(float x) {
 }
 // 1 / (1 + exp(-x)) = 0.5 * tanh(x / 2) + 0.5
 __device__ __forceinline__ float fast_sigmoid(float x) { return fmaf(0.5f, fast_tanh(0.5f * x), 0.5f); }
-// ALiBi slope of head h of n (Press et al.; heads past the largest power of two p <= n take the odd
-// powers of 2^(-4/p)), as FlashInfer and the models that use ALiBi compute it
-__device__ __forceinline__ float alibi_slope(int h, int n) {
-  const int p = 1 << (31 - __clz(n));
-  return h < p ? exp2f(-8.f * float(h + 1) / float(p)) : exp2f(-4.f * float(2 * (h - p) + 1) / float(p));
+// float(x) for |x| < 2^22 on the FMA pipe (an integer add and a float subtract) instead of the
+// quarter-rate conversion unit that exp2 already keeps busy once per logit
+__device__ __forceinline__ float small_int_to_float(int x) {
+  return __int_as_float(0x4B400000 + x) - 12582912.f;   // 1.5 * 2^23
+}
+// ALiBi slope of head h (Press et al.: heads past the largest power of two p <= the head count take
+// the odd powers of 2^(-4/p)), as FlashInfer and the models that use ALiBi compute it, from
+// a = -8 / p and b = -4 / p: one exp2 per head, no division
+__device__ __forceinline__ float alibi_slope(int h, int p, float a, float b) {
+  const float e = h < p ? a * float(h + 1) : b * float(2 * (h - p) + 1);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(e));
+  return y;
 }
 
 }}  // namespace cuattn::variant
