@@ -1,7 +1,6 @@
 """Attention variants (cuattn/variants.py): built-in soft-cap, sliding window, ALiBi, sinks, and
 user-defined variants, on the NumPy path and (marker gpu) in every kernel, against the independent
 float64 oracle in tests/oracle.py."""
-import math
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +9,6 @@ import pytest
 import cuattn
 from cuattn import jit, variants
 from cuattn.errors import CompileError, UnsupportedError
-from tests.conftest import requires_sm
 from tests.oracle import alibi_slopes, rel_err, variant_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -302,7 +300,7 @@ def test_prefill_variants_match_oracle_on_gpu(case, name, opts, ref, backend):
     results = []
     # ragged (fa2 or fa3)
     kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    k_r = np.concatenate([k for k, _ in per_req]) if per_req else None
+    k_r = np.concatenate([k for k, _ in per_req])
     v_r = np.concatenate([v for _, v in per_req])
     sink_variant = cuattn.Variant("sinkp", params=(("s", "float*"),), sink="return params.s[qo_head_idx];")
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
