@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/device_run.sh tests   every GPU test (+ the slow decode grid), precompile
 #        bash benchmarks/device_run.sh bench   host probe, full decode and prefill benchmarks
 #        bash benchmarks/device_run.sh quick   GPU tests, then a subset of both benchmarks
-#        bash benchmarks/device_run.sh variants  GPU tests, then the attention-variant benchmark
+#        bash benchmarks/device_run.sh variants  GPU tests (TESTS=paths: those), variant and JIT benchmarks
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
@@ -53,6 +53,7 @@ if [ "$mode" = quick ]; then
       | tee "$OUT/prefill.log" | tail -12
 fi
 if [ "$mode" = variants ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   python3 benchmarks/bench_variants.py --out "$OUT/variants.json" 2>&1 | tee "$OUT/variants.log" | tail -40
+  python3 benchmarks/bench_jit.py --flashinfer --out "$OUT/jit.json" 2>&1 | tee "$OUT/jit.log" | tail -12
 fi

@@ -4,6 +4,9 @@ A variant is a small set of device hooks that every kernel family (decode, prefi
 fa3) calls at the same points, plus the scalars and arrays those hooks read:
 
 - ``logits_transform``: a logit in natural units (``q . k * sm_scale``) in, a logit out;
+- ``row_state``: a float computed once per query row (per head and position) and passed to the
+  transform as ``row``: what does not depend on the key (an ALiBi slope) is not recomputed per
+  logit (ptxas recomputed such a value per logit when the transform computed it: 6.9x there);
 - ``logits_mask``: false drops the key (its logit becomes -inf);
 - ``kv_begin``: the first key a query may see (keys before it are dropped; kernels skip the
   tiles wholly before it, so a sliding window reads only the window);
@@ -17,7 +20,8 @@ Each hook is a CUDA function body that returns a value. It sees ``params`` (a st
 ``batch_idx``; ``qo_idx`` (the query's index among its request's queries, as in FlashInfer; 0 in
 decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
 qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
-``kv_len``. ``logits_transform`` also sees ``logits``. ``sink`` sees ``params``, ``batch_idx``,
+``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``; ``row_state`` sees the same
+positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
@@ -46,18 +50,19 @@ import numpy as np
 
 from .errors import UnsupportedError
 
-HOOKS = ("logits_transform", "logits_mask", "kv_begin", "sink")
+HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink")
 # parameter kinds: C type, launcher letter (jit.Launcher), Python check
 PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
                "int*": ("const int* __restrict__", "p")}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RESERVED = {"sm_scale", "params", "logits", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
+_RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
              "kv_head_idx", "qo_len", "kv_len"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
 _SIGNATURES = {
-    "logits_transform": ("float", f"const Params& params, float logits, {_POS_ARGS}"),
+    "logits_transform": ("float", f"const Params& params, float row, float logits, {_POS_ARGS}"),
+    "row_state": ("float", f"const Params& params, {_POS_ARGS}"),
     "logits_mask": ("bool", f"const Params& params, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
     "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
@@ -75,7 +80,7 @@ class Variant:
     params : sequence of (name, kind)
         Extra parameters in the order ``run()`` takes them positionally; kind is "float", "int",
         "float*" (a float32 GPU array, e.g. per-head values) or "int*".
-    logits_transform, logits_mask, kv_begin, sink : str, optional
+    logits_transform, row_state, logits_mask, kv_begin, sink : str, optional
         CUDA function bodies (see the module docstring for what each sees and returns).
     use_softmax : bool
         False: the transformed logits are the attention weights (no softmax; no LSE).
@@ -89,6 +94,7 @@ class Variant:
     name: str
     params: tuple = ()
     logits_transform: str | None = None
+    row_state: str | None = None
     logits_mask: str | None = None
     kv_begin: str | None = None
     sink: str | None = None
@@ -116,6 +122,8 @@ class Variant:
         unknown = set(self.numpy) - set(HOOKS)
         if unknown:
             raise ValueError(f"{fn}: numpy hooks must be named from {HOOKS}, got {sorted(unknown)}")
+        if self.row_state is not None and self.logits_transform is None:
+            raise ValueError(f"{fn}: row_state is read by the logits_transform; give one")
         if not self.use_softmax and self.logits_transform is None:
             raise ValueError(f"{fn}: use_softmax=False needs a logits_transform (the attention weight)")
         if not self.use_softmax and self.sink is not None:
@@ -125,7 +133,7 @@ class Variant:
     @property
     def code(self) -> tuple:
         """What the kernel depends on (equality and hashing: two objects with the same code are one variant)."""
-        return (self.name, self.params, self.logits_transform, self.logits_mask, self.kv_begin, self.sink,
+        return (self.name, self.params, self.logits_transform, self.row_state, self.logits_mask, self.kv_begin, self.sink,
                 self.use_softmax)
 
     def __eq__(self, other):
@@ -170,8 +178,8 @@ SLIDING_WINDOW = Variant(
 # key - query distances of up to 2^22 tokens (small_int_to_float)
 ALIBI = Variant(
     "alibi", params=(("alibi_p", "int"), ("alibi_a", "float"), ("alibi_b", "float")),
-    logits_transform="return fmaf(alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b), "
-                     "small_int_to_float(kv_idx - qo_pos), logits);",
+    row_state="return alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b);",
+    logits_transform="return fmaf(row, small_int_to_float(kv_idx - qo_pos), logits);",
     numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_heads"])[pos.qo_head_idx]
            * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
 
@@ -253,9 +261,19 @@ class Composite:
                           f'#line 1 "variant {v.name}: {hook}"'] + body.splitlines()
                 lines += [f'#line {len(lines) + 2} "{tu_name}"', "}"]     # back to the TU's own numbering
                 calls[hook].append(fname)
+        # -- one float of row state per piece that has a transform (0 where it has no row_state)
         t = calls["logits_transform"]
-        lines += [f"__device__ __forceinline__ float logits_transform(const Params& params, float logits, {_POS_ARGS}) {{"]
-        lines += [f"  logits = {f}(params, logits, {_POS_NAMES});" for f in t] + ["  return logits;", "}"]
+        rows = {i: f"row_state_{i}_{v.name}" if v.row_state is not None else None
+                for i, v in enumerate(self.pieces) if v.logits_transform is not None}
+        lines += ["struct RowState {"] + [f"  float r{i};" for i in rows] + ["};"]
+        lines += [f"__device__ __forceinline__ RowState row_state(const Params& params, {_POS_ARGS}) {{",
+                  "  RowState rs;"]
+        lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES});" if f else f"  rs.r{i} = 0.f;" for i, f in rows.items()]
+        lines += ["  return rs;", "}"]
+        lines += ["__device__ __forceinline__ float logits_transform(const Params& params, const RowState& rs, "
+                  f"float logits, {_POS_ARGS}) {{"]
+        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});" for i, f in zip(rows, t)]
+        lines += ["  return logits;", "}"]
         m = calls["logits_mask"]
         lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, {_POS_ARGS}) {{",
                   "  return " + (" && ".join(f"{f}(params, {_POS_NAMES})" for f in m) or "true") + ";", "}"]

@@ -331,6 +331,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   float acc[HEAD_DIM / 8][4];
 #pragma unroll
   for (int i = 0; i < HEAD_DIM / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  // -- the variant's per-row state of rows lane/4 and lane/4 + 8 (padding rows ask about the group's
+  //    last head)
+  variant::RowState rs[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    rs[h] = variant::row_state(vp, req, 0, kv_len - 1, 0, head0 + min(lane / 4 + 8 * h, rows - 1), kv_head, 1, kv_len);
   // rows lane/4 and lane/4 + 8, base-2 scaled units (without softmax: 0, the weights are final)
   float m_i[2] = {variant::USE_SOFTMAX ? neg_inf() : 0.f, variant::USE_SOFTMAX ? neg_inf() : 0.f};
   float l_i[2] = {0.f, 0.f};               // this thread's partial row sums
@@ -394,8 +400,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         const int tok = tok0 + nt * 8 + (lane % 4) * 2 + (i & 1);
         float x = s[nt][i];
         if (variant::NEEDS_POSITION)   // padding rows (past the group) ask about the group's last head
-          x = variant_score(vp, x, req, 0, kv_len - 1, tok, head0 + min(lane / 4 + 8 * (i >> 1), rows - 1), kv_head,
-                            1, kv_len, row_lo);
+          x = variant_score(vp, rs[i >> 1], x, req, 0, kv_len - 1, tok, head0 + min(lane / 4 + 8 * (i >> 1), rows - 1),
+                            kv_head, 1, kv_len, row_lo);
         if (!variant::USE_SOFTMAX) {
           s[nt][i] = tok < kv_end && x != neg_inf() ? x : 0.f;
           continue;

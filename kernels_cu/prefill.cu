@@ -312,6 +312,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.f;
   }
 
+  // -- the variant's per-row state (rows are fixed for the CTA: computed once)
+  variant::RowState rs[NUM_MMA_Q][2];
+#pragma unroll
+  for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
+      rs[i][h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
+                                    qo_len, kv_len);
+    }
+
   for (int it = 0; it < num_tiles; ++it) {
     const int kv0 = kv_lo + it * BLOCK_N;     // first key of the tile
     const int stage = it % STAGES;
@@ -403,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
               if (!keep)
                 s[i][n][2 * h + e] = NEG_INF;
               else if (variant::NEEDS_POSITION)
-                s[i][n][2 * h + e] = variant_score(vp, s[i][n][2 * h + e], req, qpos, qpos + causal_shift, kpos,
+                s[i][n][2 * h + e] = variant_score(vp, rs[i][h], s[i][n][2 * h + e], req, qpos, qpos + causal_shift, kpos,
                                                    kvh * group + pr % group, kvh, qo_len, kv_len, row_lo);
             }
         }

@@ -171,6 +171,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
                                 qo_len, kv_len);
   float acc[64];
   float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};
+  variant::RowState rs[2];                 // the variant's per-row state, once per row
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pr = my_row0 + 8 * h;
+    rs[h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
+                               qo_len, kv_len);
+  }
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
   uint32_t p[BLOCK_N / 16][4];
@@ -218,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           if (!keep)
             s[4 * n + 2 * h + e] = NEG_INF;
           else if (variant::NEEDS_POSITION)
-            s[4 * n + 2 * h + e] = variant_score(vp, s[4 * n + 2 * h + e], req, qpos, qpos + causal_shift, kpos,
+            s[4 * n + 2 * h + e] = variant_score(vp, rs[h], s[4 * n + 2 * h + e], req, qpos, qpos + causal_shift, kpos,
                                                  kvh * group + pr % group, kvh, qo_len, kv_len, row_lo);
         }
     }

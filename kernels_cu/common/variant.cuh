@@ -2,6 +2,7 @@
 // the call's attention variant: cuattn/variants.py generates cuattn::variant (Params, the hooks and
 // HAS_* / USE_SOFTMAX flags) and the CUATTN_VARIANT_ARGS / CUATTN_VARIANT_PARAMS launch macros in a
 // prelude before the kernel file. A kernel calls, at one site each:
+//   row_state()  once per query row, before the key loop (what a transform needs per row only);
 //   score()      on every logit of a tile: the logits transform (natural units in and out: the raw
 //                dot product times sm_scale) and the masks, before its online softmax;
 //   tile_needs_mask() to skip the per-element masks on tiles the variant leaves whole;
@@ -16,12 +17,14 @@ constexpr float VARIANT_LN2 = 0.69314718055994531f;
 
 // A logit: the raw dot product s of (query at qo_idx / qo_pos, key kv_idx) -> the value the kernel's
 // softmax multiplies by its scale_log2 (variants.Composite.scale_log2: log2 e when there is a
-// transform, sm_scale * log2 e otherwise), or -inf when the variant drops the key.
-__device__ __forceinline__ float variant_score(const variant::Params& vp, float s, int batch, int qo_idx, int qo_pos,
-                                               int kv_idx, int qo_head, int kv_head, int qo_len, int kv_len,
-                                               int kv_lo) {
+// transform, sm_scale * log2 e otherwise), or -inf when the variant drops the key. rs: the row's
+// variant::row_state(), computed once per query row by the kernel (before its key loop).
+__device__ __forceinline__ float variant_score(const variant::Params& vp, const variant::RowState& rs, float s,
+                                               int batch, int qo_idx, int qo_pos, int kv_idx, int qo_head,
+                                               int kv_head, int qo_len, int kv_len, int kv_lo) {
   if (variant::HAS_TRANSFORM)
-    s = variant::logits_transform(vp, s * vp.sm_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len);
+    s = variant::logits_transform(vp, rs, s * vp.sm_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                  kv_len);
   bool keep = true;
   if (variant::HAS_KV_BEGIN) keep = kv_idx >= kv_lo;
   if (variant::HAS_MASK)
