@@ -184,7 +184,7 @@ def is_device_array(x: Any) -> bool:
 def _check_strides(shape, strides, name: str, fn: str) -> None:
     if strides and min(strides) < 0:
         raise ValueError(f"{fn}: {name} must not have negative strides, got strides {tuple(strides)}")
-    if shape and shape[-1] > 1 and strides[-1] != 1:
+    if shape and shape[-1] > 1 and strides[-1] != 1 and all(shape):    # an empty array addresses nothing
         raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
                          f"got stride {strides[-1]} (elements); call .contiguous()/ascontiguousarray")
 
@@ -417,3 +417,17 @@ def export(ctx: Context, x: Any, dtype: np.dtype | None = None):
             out = jax.lax.bitcast_convert_type(out, logical)
         return out
     raise TypeError(f"cannot export to framework {ctx.framework}")
+
+
+def fill(ctx: Context, x: Any, value: float, name: str, fn: str) -> None:
+    """Set every element of the device array ``x`` to ``value`` on the call's stream (results that
+    need no kernel: empty KV gives output 0 and LSE -inf)."""
+    t = device_tensor(x, name, fn)
+    if not all(t.shape):
+        return
+    cp = cupy_module()
+    with cp.cuda.Device(t.device), ctx.stream:
+        view = cupy_view(t)
+        if value != 0 and view.dtype != np.float32:
+            raise TypeError(f"{fn}: fill({name}, {value}) needs a float32 array (0 fills any dtype)")
+        view.fill(value)          # 0: all-zero bits, 0 in every float type (bf16 / fp8 raw views included)

@@ -17,15 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan, reference, variants
+from . import arrays, jit, plan as _plan, reference, support, variants
 from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "decode.cu"
 _ENTRY = "cuattn_decode_paged"
 _MERGE_ENTRY = "cuattn_decode_merge"
-HEAD_DIMS = (64, 128, 256)
-_GPU_DTYPES = (np.dtype(np.float16), arrays.bfloat16)
+HEAD_DIMS = support.TABLE["decode"]["head_dims"]
 _M_TILE = 16                  # query heads per CTA (mma M)
 _THREADS = 128
 _TMA_ARCH = "sm_90a"
@@ -264,6 +263,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_indices = idx_t.shape[0]
             indices_h = None
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
+        support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
         if indices_h is not None and len(indices_h) and indices_h.min() < 0:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
         max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
@@ -286,15 +286,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._max_index = max_index
         self._indptr_h, self._lpl_h = indptr_h, lpl_h
         self._indices_h, self._indices_src = indices_h, indices
-        self._gpu_error = None
-        if head_dim not in HEAD_DIMS:
-            self._gpu_error = f"{fn}: head_dim={head_dim} has no GPU kernel; supported: 64, 128, 256"
-        elif q_dtype not in _GPU_DTYPES or kv_dtype not in _GPU_DTYPES:
-            self._gpu_error = (f"{fn}: q/kv dtypes {q_dtype}/{kv_dtype} have no GPU kernel; "
-                               f"supported: float16, bfloat16")
         self._bound = bound
         self._variants: dict[bool, tuple] = {}     # run()'s (launcher, bound) with / without sinks=
-        self._spec = None if self._gpu_error else _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype),
+        self._spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype),
                                                              self._tuned("num_stages"), 4,
                                                              self._tuned("l2_prefetch"), False, bound.composite)
         self._planned = True
@@ -516,8 +510,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         bound.check_sinks(values, self._num_qo_heads, fn)
         if not arrays.is_device_array(q):
             return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn))
-        if self._gpu_error:
-            raise UnsupportedError(self._gpu_error)
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
         num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
         if self._max_index >= num_pages:
@@ -631,6 +623,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _launch(self, launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool,
                 vargs: tuple):
+        if not self._grid_work:       # an empty batch: nothing to launch (a grid of 0 is invalid)
+            return
         launcher(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
                  q_ptr, out_ptr, lse_ptr, q_strides[0], q_strides[1], out_strides[0], out_strides[1], *vargs, pdl=pdl)
         if self._m_launch is not None:
@@ -760,10 +754,18 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     hq, d, hkv = _check_single(fn, tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout)
     kv_len = kt.shape[0] if kv_layout == "NHD" else kt.shape[1]
-    if kv_len == 0:
-        raise ValueError(f"{fn}: k and v must hold at least one token, got kv_len=0")
     if not arrays.same_storage(vt.dtype, kt.dtype):
         raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
+    if kv_len == 0:       # no key: output 0 and LSE -inf, as for a fully masked row
+        q_dtype = arrays.logical_dtype(qt.dtype)
+        if not ctx.on_gpu:
+            o, s = np.zeros((hq, d), np.float32), np.full(hq, -np.inf, np.float32)
+            return _host_results(ctx, o, s, None, None, return_lse, q_dtype, fn)
+        out, lse = arrays.empty(ctx, (hq, d), q_dtype), arrays.empty(ctx, (hq,), np.float32)
+        arrays.fill(ctx, out, 0, "out", fn)
+        arrays.fill(ctx, lse, -np.inf, "lse", fn)
+        result = arrays.export(ctx, out, q_dtype)
+        return (result, arrays.export(ctx, lse)) if return_lse else result
     # -- a batch of one: the contiguous K/V is one page of kv_len tokens
     w = _single_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype), kv_layout, ctx.on_gpu,
                         ctx.device if ctx.on_gpu else None, tuple(sorted(options.items(), key=lambda kv: kv[0])))

@@ -152,8 +152,8 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
         raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
     indptr64 = indptr.astype(np.int64)
     pages = indptr64[1:] - indptr64[:-1]          # np.diff costs ~5 µs more per plan()
-    if batch and indptr[0] < 0:
-        raise ValueError(f"{fn}: {n_indptr} must start at >= 0, got {n_indptr}[0]={int(indptr[0])}")
+    if int(indptr[0]) != 0:
+        raise ValueError(f"{fn}: {n_indptr}[0] must be 0 (CSR offsets into {n_indices}), got {int(indptr[0])}")
     min_pages = int(pages.min()) if batch else 1
     if min_pages < 0:
         bad = int(np.argmax(pages < 0))

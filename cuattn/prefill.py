@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, prefill_sm90, reference, variants
+from . import arrays, jit, prefill_sm90, reference, support, variants
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
 _SOURCE = "prefill.cu"
 _ENTRY = "cuattn_prefill"
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = support.TABLE["prefill"]["head_dims"]
 DTYPES = ("f16", "bf16")
 BACKENDS = ("auto", "fa2", "fa3")
 _NUM_THREADS = 128
@@ -294,6 +294,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     if not ctx.on_gpu:
         qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
+        support.check("prefill", fn, head_dim=d, q_dtype=qa.dtype, kv_dtype=ka.dtype)        # as on the GPU
         bound = variants.resolve(fn, num_qo_heads=hq, **options)
         values = bound.host_values(bound.values(tuple(variant_args), fn), fn)
         bound.check_lse(return_lse, None, fn)
@@ -312,6 +313,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
 
     qt, kt, vt = (arrays.device_tensor(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     qo_len, hq, d, kv_len, hkv = _single_dims(qt.shape, kt.shape, vt.shape, kv_layout, fn)
+    support.check("prefill", fn, head_dim=d, q_dtype=arrays.logical_dtype(qt.dtype),
+                  kv_dtype=arrays.logical_dtype(kt.dtype))
     dt = _check_dtypes(qt, kt, vt, fn)
     _check_head_dim(d, fn)
     bound = variants.resolve(fn, num_qo_heads=hq, **options)
@@ -443,6 +446,7 @@ class _BatchPrefillBase:
                 mask_host = m
         q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
         kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
+        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt)     # every path
         group = num_qo_heads // num_kv_heads
         spec = None
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 
 from . import jit, variants
 
@@ -106,6 +108,16 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
     ``meta`` = device pointers (qo_indptr, kv_indptr, work) in batch mode, zeros for a single request."""
     if num_work == 0 or num_kv_heads == 0:
+        return
+    if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
+        from . import arrays
+        cp = arrays.cupy_module()
+        with cp.cuda.Device(ctx.device), ctx.stream:
+            arrays.cupy_view(out).fill(0)
+            if lse_ptr:
+                cp.ndarray((out.shape[0], out.shape[1]), cp.float32,
+                           cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(lse_ptr, out.shape[0] * out.shape[1] * 4, None), 0)
+                           ).fill(-np.inf)
         return
     tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
     tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)

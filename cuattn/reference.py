@@ -44,13 +44,15 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
     masked row gives out 0 and LSE -inf. Returns (out float32 [qo_len, num_qo_heads, head_dim],
     lse float32 [qo_len, num_qo_heads]); without softmax (variant.use_softmax False) the LSE is 0.
     """
-    qo_len, num_qo_heads, _ = q.shape
+    qo_len, num_qo_heads, head_dim = q.shape
     kv_len, num_kv_heads, head_dim_v = v.shape
     group = num_qo_heads // num_kv_heads
-    qf = q.astype(np.float32).reshape(qo_len, num_kv_heads, group, -1)
-    kf, vf = k.astype(np.float32), v.astype(np.float32)
-    # [num_qo_heads, qo_len, kv_len]: qo head h = kv head * group + g
-    logits = np.einsum("qhgd,khd->hgqk", qf, kf, optimize=True).reshape(num_qo_heads, qo_len, kv_len)
+    # [num_kv_heads, group * qo_len, head_dim] @ [num_kv_heads, head_dim, kv_len]: one BLAS batch;
+    # qo head h = kv head * group + g, so the result reshapes to [num_qo_heads, qo_len, kv_len]
+    qf = np.ascontiguousarray(q.astype(np.float32).transpose(1, 0, 2)).reshape(num_kv_heads, group * qo_len, head_dim)
+    kf = k.astype(np.float32).transpose(1, 2, 0)
+    vf = v.astype(np.float32).transpose(1, 0, 2)                                  # [num_kv_heads, kv_len, d]
+    logits = np.matmul(qf, kf).reshape(num_qo_heads, qo_len, kv_len)
     logits *= np.float32(sm_scale)
     keep = np.ones((1, qo_len, kv_len), bool)
     if causal:
@@ -71,21 +73,26 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
         for _, f in variant.numpy_hook("sink", fn):
             sink = np.broadcast_to(np.asarray(f(values, pos), np.float32), (num_qo_heads, qo_len, 1))
         softmax = variant.use_softmax
-    keep = np.broadcast_to(keep, logits.shape)
-    vh = np.repeat(vf, group, axis=1)                                      # [kv_len, num_qo_heads, d]
+
+    def weighted_sum(w):      # [num_qo_heads, qo_len, kv_len] weights @ V -> [qo_len, num_qo_heads, d]
+        o = np.matmul(w.reshape(num_kv_heads, group * qo_len, kv_len), vf)
+        return o.reshape(num_qo_heads, qo_len, head_dim_v).transpose(1, 0, 2)
+
+    drop = ~keep
     if not softmax:
-        out = np.einsum("hqk,khd->qhd", np.where(keep, logits, 0).astype(np.float32), vh, optimize=True)
-        return np.ascontiguousarray(out, np.float32), np.zeros((qo_len, num_qo_heads), np.float32)
-    logits = np.where(keep, logits, -np.inf)
+        np.copyto(logits, np.float32(0), where=drop)
+        return np.ascontiguousarray(weighted_sum(logits), np.float32), np.zeros((qo_len, num_qo_heads), np.float32)
+    np.copyto(logits, np.float32(-np.inf), where=drop)
     m = logits.max(axis=-1, keepdims=True) if kv_len else np.full(logits.shape[:-1] + (1,), -np.inf, np.float32)
     if sink is not None:
         m = np.maximum(m, sink)
     m_safe = np.where(np.isfinite(m), m, 0).astype(np.float32)
-    p = np.exp(logits - m_safe)
+    logits -= m_safe
+    p = np.exp(logits, out=logits)
     denom = p.sum(axis=-1, keepdims=True)
     if sink is not None:
         denom = denom + np.exp(sink - m_safe)
-    out = np.einsum("hqk,khd->qhd", p / np.where(denom > 0, denom, 1), vh, optimize=True)
+    out = weighted_sum(p) / np.where(denom > 0, denom, 1).transpose(1, 0, 2)
     with np.errstate(divide="ignore"):
         lse = (np.log(denom) + m_safe)[..., 0]           # -inf where the row is fully masked
     return np.ascontiguousarray(out, np.float32), np.ascontiguousarray(lse.T, np.float32)

@@ -77,7 +77,7 @@ CPU_CASES = [  # (batch, kv_len, page_size, qo_heads, kv_heads, head_dim, layout
     (1, 1, 1, 4, 4, 64, "NHD", "one", "float16"),
     (3, 37, 5, 8, 2, 64, "HND", "pair", "bfloat16"),
     (2, 300, 16, 12, 2, 128, "NHD", "pair", "float16"),
-    (4, 97, 64, 7, 1, 32, "HND", "one", "float16"),
+    (4, 97, 64, 7, 1, 64, "HND", "one", "float16"),
 ]
 
 

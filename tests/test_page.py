@@ -77,7 +77,7 @@ def _append_args(c):
 @pytest.mark.parametrize("index,bad,match", [
     (0, lambda c: c["k"][:, :2], "append_key must have shape"),
     (1, lambda c: c["v"].astype(np.float32), "append_value must have the cache's dtype"),
-    (6, lambda c: c["kv_indptr"][::-1].copy(), "kv_indptr must start at 0|non-decreasing"),
+    (6, lambda c: c["kv_indptr"][::-1].copy(), "kv_indptr\\[0\\] must be 0|non-decreasing"),
     (7, lambda c: c["last"] + 16, "kv_last_page_len must be in 1..page_size"),
     (5, lambda c: c["kv_indices"] + 100, "kv_indices must be in"),
     (3, lambda c: np.full(c["nnz"], 10**6, np.int32), "positions must lie within"),

@@ -127,7 +127,7 @@ def test_builtin_variants_compile_for_every_family(arch, tmp_cache_dir):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_single_prefill_variants_match_oracle_on_cpu(name, opts, ref, causal):
     rng = np.random.default_rng(hash(name) % 1000)
-    qo, kv, hq, hkv, d = 7, 23, 12, 4, 32
+    qo, kv, hq, hkv, d = 7, 23, 12, 4, 64
     q, k, v = _rand(rng, (qo, hq, d), scale=2), _rand(rng, (kv, hkv, d), scale=2), _rand(rng, (kv, hkv, d))
     out, lse = cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, return_lse=True, **opts)
     want, want_lse = variant_attention(q, k, v, causal=causal, **ref)
@@ -136,7 +136,7 @@ def test_single_prefill_variants_match_oracle_on_cpu(name, opts, ref, causal):
 
 def test_alibi_for_40_heads_matches_oracle_on_cpu():
     rng = np.random.default_rng(4)
-    q, k, v = _rand(rng, (5, 40, 16)), _rand(rng, (30, 8, 16)), _rand(rng, (30, 8, 16))
+    q, k, v = _rand(rng, (5, 40, 64)), _rand(rng, (30, 8, 64)), _rand(rng, (30, 8, 64))
     out = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, pos_encoding_mode="ALIBI")
     _check(out, variant_attention(q, k, v, causal=True, alibi=True)[0])
 
@@ -158,7 +158,7 @@ def _paged_case(rng, lens, page_size, hkv, d, dtype=np.float16):
 @pytest.mark.parametrize("name,opts,ref", BUILTINS + [("sinks", {}, {})], ids=IDS + ["sinks"])
 def test_batch_decode_variants_match_oracle_on_cpu(name, opts, ref):
     rng = np.random.default_rng(7)
-    lens, hq, hkv, d, ps = [1, 37, 64], 8, 2, 32, 16
+    lens, hq, hkv, d, ps = [1, 37, 64], 8, 2, 64, 16
     indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, ps, hkv, d)
     q = _rand(rng, (len(lens), hq, d), scale=2)
     w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
@@ -190,7 +190,7 @@ def test_sink_wrapper_matches_oracle_on_cpu():
 
 def test_user_variant_equals_builtin_softcap_on_cpu():
     rng = np.random.default_rng(3)
-    q, k, v = _rand(rng, (6, 8, 32), scale=3), _rand(rng, (40, 2, 32), scale=3), _rand(rng, (40, 2, 32))
+    q, k, v = _rand(rng, (6, 8, 64), scale=3), _rand(rng, (40, 2, 64), scale=3), _rand(rng, (40, 2, 64))
     builtin = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=4.0)
     user = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, variant=USER_SOFTCAP, variant_args=(4.0,))
     assert np.array_equal(builtin, user)
@@ -199,9 +199,9 @@ def test_user_variant_equals_builtin_softcap_on_cpu():
 def test_sigmoid_variant_matches_oracle_on_cpu():
     rng = np.random.default_rng(5)
     qo_indptr, kv_indptr = np.array([0, 3, 8], np.int32), np.array([0, 10, 31], np.int32)
-    q, k, v = _rand(rng, (8, 4, 32)), _rand(rng, (31, 4, 32)), _rand(rng, (31, 4, 32))
+    q, k, v = _rand(rng, (8, 4, 64)), _rand(rng, (31, 4, 64)), _rand(rng, (31, 4, 64))
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
-    w.plan(qo_indptr, kv_indptr, 4, 4, 32, causal=True, variant=SIGMOID)
+    w.plan(qo_indptr, kv_indptr, 4, 4, 64, causal=True, variant=SIGMOID)
     out = w.run(q, k, v, -1.5)
     for b in range(2):
         want, _ = variant_attention(q[qo_indptr[b]:qo_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
@@ -213,22 +213,22 @@ def test_sigmoid_variant_matches_oracle_on_cpu():
 
 def test_run_checks_variant_arguments():
     rng = np.random.default_rng(0)
-    q, k, v = _rand(rng, (3, 4, 32)), _rand(rng, (9, 4, 32)), _rand(rng, (9, 4, 32))
+    q, k, v = _rand(rng, (3, 4, 64)), _rand(rng, (9, 4, 64)), _rand(rng, (9, 4, 64))
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
-    w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 32)
+    w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 64)
     with pytest.raises(TypeError, match="unexpected positional"):
         w.run(q, k, v, 1.0)
-    w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 32, variant=USER_SOFTCAP)
+    w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 64, variant=USER_SOFTCAP)
     with pytest.raises(TypeError, match=r"\['cap'\] must be passed positionally"):
         w.run(q, k, v)
     with pytest.raises(TypeError, match="unexpected keyword argument 'block_tables'"):
-        w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 32, block_tables=None)
+        w.plan(np.array([0, 3]), np.array([0, 9]), 4, 4, 64, block_tables=None)
 
 
 def test_variant_without_numpy_hooks_is_refused_on_cpu():
     cuda_only = cuattn.Variant("cuda_only", logits_mask="return kv_idx % 2 == 0;")
     rng = np.random.default_rng(0)
-    q, k, v = _rand(rng, (3, 4, 32)), _rand(rng, (9, 4, 32)), _rand(rng, (9, 4, 32))
+    q, k, v = _rand(rng, (3, 4, 64)), _rand(rng, (9, 4, 64)), _rand(rng, (9, 4, 64))
     with pytest.raises(UnsupportedError, match="no NumPy version of its logits_mask"):
         cuattn.single_prefill_with_kv_cache(q, k, v, variant=cuda_only)
 

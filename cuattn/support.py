@@ -1,0 +1,55 @@
+"""What cuattn runs: one table that every plan() and single_* call checks, on the GPU and the NumPy
+path alike, so a serving loop tested on a laptop runs unchanged on a GPU. The README's support
+matrix is this table's ``markdown()`` (tests/test_support.py keeps them equal).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays
+from .errors import UnsupportedError
+
+# family -> what its kernels take; every entry also runs on the NumPy path (and nothing else does)
+TABLE = {
+    "decode": dict(
+        api="BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache",
+        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"), kv_dtypes=("float16", "bfloat16"),
+        layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1 (TMA on sm_90 when page_size % 16 == 0)",
+        archs="sm_80+ (sm_90a: TMA loads)"),
+    "prefill": dict(
+        api="BatchPrefillWith{Paged,Ragged}KVCacheWrapper, single_prefill_with_kv_cache, "
+            "BatchAttentionWithAttentionSinkWrapper",
+        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"), kv_dtypes=("same as q",),
+        layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
+        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, contiguous K/V, no custom mask"),
+}
+VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
+            "(every family); not yet: pos_encoding_mode='ROPE_LLAMA', use_fp16_qk_reduction")
+
+
+def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype) -> None:
+    """Raise UnsupportedError naming the first limit the call hits (the same message on every path)."""
+    t = TABLE[family]
+    if head_dim not in t["head_dims"]:
+        raise UnsupportedError(f"{fn}: head_dim={head_dim} has no kernel; supported: "
+                               f"{', '.join(map(str, t['head_dims']))}")
+    q, kv = np.dtype(q_dtype), np.dtype(kv_dtype)
+    q_ok = [np.dtype(arrays.as_dtype(d, "q", fn)) for d in t["q_dtypes"]]
+    if q not in q_ok:
+        raise UnsupportedError(f"{fn}: q dtype {q} has no kernel; supported: {', '.join(t['q_dtypes'])}")
+    kv_ok = [q] if t["kv_dtypes"] == ("same as q",) else [np.dtype(arrays.as_dtype(d, "kv", fn)) for d in t["kv_dtypes"]]
+    if kv not in kv_ok:
+        raise UnsupportedError(f"{fn}: kv dtype {kv} with q dtype {q} has no kernel; supported kv dtypes: "
+                               f"{', '.join(t['kv_dtypes'])} (fp8 / fp32 KV: not yet)")
+
+
+def markdown() -> str:
+    """The support matrix as the README shows it."""
+    rows = ["| family | API | head_dim | q dtype | kv dtype | layouts | page_size | arch |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for family, t in TABLE.items():
+        rows.append(f"| {family} | {t['api']} | {', '.join(map(str, t['head_dims']))} | {', '.join(t['q_dtypes'])} | "
+                    f"{', '.join(t['kv_dtypes'])} | {t['layouts']} | {t['page_sizes']} | {t['archs']} |")
+    rows.append("")
+    rows.append(f"Variants: {VARIANTS}.")
+    return "\n".join(rows)
