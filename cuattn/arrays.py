@@ -75,15 +75,26 @@ def _torch_to_numpy_dtype(dtype) -> np.dtype:
 
 
 @functools.cache
+def install_hint() -> str:
+    """How to add the CUDA extra to this installation: a source checkout (kernels_cu/ beside the
+    package) reinstalls itself editable; an installed wheel names the package."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "kernels_cu").is_dir():
+        return (f'install the CUDA extra into this checkout: pip install -e "{root}[cu12]" (CUDA 12 driver) '
+                f'or -e "{root}[cu13]" (CUDA 13 driver), never both')
+    return 'install cuattn with a CUDA extra: pip install "cuattn[cu12]" (CUDA 12 driver) or "cuattn[cu13]" ' \
+           '(CUDA 13 driver), never both'
+
+
 def cupy_module():
     """CuPy, or DeviceUnavailableError saying what to install."""
     try:
         import cupy
     except ImportError as e:
         raise DeviceUnavailableError(
-            'CuPy is not installed, so GPU arrays cannot be used; install cuattn with a CUDA extra: '
-            'pip install "cuattn[cu12]" (CUDA 12 driver) or "cuattn[cu13]" (CUDA 13 driver). '
-            'NumPy arrays run the CPU path without it.') from e
+            f"CuPy is not installed, so GPU arrays cannot be used; {install_hint()}. "
+            f"NumPy arrays run the CPU path without it.") from e
     return cupy
 
 
@@ -149,11 +160,23 @@ _MODULE_FRAMEWORK = {"numpy": "numpy", "cupy": "cupy", "torch": "torch", "jax": 
 _FRAMEWORK_OF_TYPE: dict[type, str] = {}     # filled by framework_of for types of those modules
 
 
-def framework_of(x: Any) -> str:
+def framework_of(x: Any, name: str | None = None, fn: str | None = None) -> str:
+    """"numpy", "cupy", "torch", "jax", "cai", "dlpack" or "unknown".
+
+    A JAX tracer (the abstract value an array becomes inside ``jax.jit``, ``vmap`` or ``grad``)
+    raises TypeError here, at the boundary, naming ``name`` and ``fn`` when the caller gives them:
+    cuattn reads concrete buffers, so without this the call would fail deeper inside with JAX's
+    ConcretizationTypeError. Tracer types are never cached, so the fast path stays one lookup.
+    """
     fw = _FRAMEWORK_OF_TYPE.get(type(x))      # run() calls this per argument: one dict lookup
     if fw is not None:
         return fw
     fw = _MODULE_FRAMEWORK.get(type(x).__module__.partition(".")[0])
+    if fw == "jax" and isinstance(x, _jax_tracer_type()):
+        raise TypeError(
+            f"{fn or 'cuattn'}: {name or 'an array argument'} must be a concrete array, got a JAX tracer "
+            f"of shape {tuple(x.shape)} {x.dtype} (an abstract value inside jax.jit, vmap or grad); cuattn "
+            f"cannot be traced by jax.jit: call it outside jit (or, on the CPU path, through jax.pure_callback)")
     if fw is not None:
         _FRAMEWORK_OF_TYPE[type(x)] = fw
         return fw
@@ -166,8 +189,14 @@ def framework_of(x: Any) -> str:
     return "unknown"
 
 
-def is_device_array(x: Any) -> bool:
-    fw = framework_of(x)
+@functools.cache
+def _jax_tracer_type() -> type:
+    import jax.core      # only reached for objects of JAX's modules: JAX is imported already
+    return jax.core.Tracer
+
+
+def is_device_array(x: Any, name: str | None = None, fn: str | None = None) -> bool:
+    fw = framework_of(x, name, fn)
     if fw == "numpy":
         return False
     if fw == "torch":
@@ -207,7 +236,7 @@ def pointer_layout(x: Any) -> tuple | None:
 
 def device_tensor(x: Any, name: str, fn: str) -> Tensor:
     """Describe a GPU array without copying it."""
-    fw = framework_of(x)
+    fw = framework_of(x, name, fn)
     if fw == "cupy":
         itemsize, data = x.itemsize, x.data
         strides = tuple([s // itemsize for s in x.strides])
@@ -240,7 +269,7 @@ def device_tensor(x: Any, name: str, fn: str) -> Tensor:
 
 def host_array(x: Any, name: str, fn: str) -> np.ndarray:
     """A NumPy view of a CPU array (NumPy, PyTorch-CPU, JAX-CPU, any __dlpack__ exporter)."""
-    fw = framework_of(x)
+    fw = framework_of(x, name, fn)
     if fw == "numpy":
         arr = np.asarray(x)
     elif fw == "torch":
@@ -276,7 +305,7 @@ def cupy_view(t: Tensor, dtype=None):
 
 def to_host(x: Any, name: str, fn: str) -> np.ndarray:
     """A NumPy array of ``x``: a view for CPU arrays, a copy (a sync) for GPU arrays."""
-    if is_device_array(x):
+    if is_device_array(x, name, fn):
         return cupy_view(device_tensor(x, name, fn)).get()
     return host_array(x, name, fn)
 
@@ -310,7 +339,7 @@ def context_of(fn: str, arrays: dict[str, Any], stream: Any = None) -> Context:
     named = [(k, v) for k, v in arrays.items() if v is not None]
     if not named:
         raise ValueError(f"{fn}: no array arguments")
-    kinds = {k: (framework_of(v), is_device_array(v)) for k, v in named}
+    kinds = {k: (framework_of(v, k, fn), is_device_array(v, k, fn)) for k, v in named}
     first_name, (fw, on_gpu) = named[0][0], kinds[named[0][0]]
     for k, (kfw, kgpu) in kinds.items():
         if kgpu != on_gpu:

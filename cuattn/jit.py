@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ._version import __version__
+from .arrays import install_hint
 from .errors import CompileError, DeviceUnavailableError
 
 # A wheel carries the sources inside the package; a checkout has them beside it.
@@ -39,7 +40,6 @@ SHIPPED_ARCHS = ("sm_80", "sm_90a")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _MAGIC = b"CUATTN1\n"
 _log = logging.getLogger("cuattn")
-_INSTALL_HINT = 'install cuattn with a CUDA extra: pip install "cuattn[cu12]" (or "cuattn[cu13]")'
 
 
 class KernelSpec(Protocol):
@@ -94,11 +94,11 @@ class _Nvrtc:
         try:
             from cuda import pathfinder
         except ImportError as e:
-            raise DeviceUnavailableError(f"cuda-pathfinder is not installed; {_INSTALL_HINT}") from e
+            raise DeviceUnavailableError(f"cuda-pathfinder is not installed; {install_hint()}") from e
         try:
             loaded = pathfinder.load_nvidia_dynamic_lib("nvrtc")
         except Exception as e:  # pathfinder raises several not-found types
-            raise DeviceUnavailableError(f"NVRTC library not found ({e}); {_INSTALL_HINT}") from e
+            raise DeviceUnavailableError(f"NVRTC library not found ({e}); {install_hint()}") from e
         self.path = loaded.abs_path
         lib = ctypes.CDLL(loaded.abs_path)
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p

@@ -66,3 +66,12 @@ def test_demo_and_precompile_on_the_gpu(tmp_cache_dir):
     out = run_cli("precompile", env=env)
     assert out.returncode == 0, out.stderr
     assert "sm_90a" in out.stdout or "sm_80" in out.stdout
+
+
+def test_missing_cupy_says_what_to_install_for_a_checkout():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "from cuattn import arrays\n"
+            "try:\n    arrays.cupy_module()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "DeviceUnavailableError" in out.stdout
+    assert 'pip install -e "' in out.stdout and '[cu12]"' in out.stdout, out.stdout   # this is a checkout
