@@ -1,10 +1,12 @@
 """The framework boundary: the only module that knows NumPy, CuPy, PyTorch and JAX apart.
 
-Every public op calls ``import_arrays`` on its array arguments. GPU arrays become ``Tensor``
+Every public op calls ``context_of`` on its array arguments. GPU arrays become ``Tensor``
 descriptors (pointer, shape, strides, logical dtype) without a copy; CPU arrays from PyTorch or
 JAX become NumPy views (the reference path). Results go back with ``export``: an array that
 cuattn allocated with ``empty`` in the caller's framework, or a zero-copy DLPack view.
 bf16 and fp8 cross DLPack as uint16 / uint8 views; ``Tensor.dtype`` keeps the logical type.
+Arrays the caller gives cuattn to write (``out=``, ``lse=``, a KV cache) pass ``writable`` first
+(JAX arrays are immutable); JAX tracers (inside ``jax.jit``) are refused by ``framework_of``.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ def install_hint() -> str:
            '(CUDA 13 driver), never both'
 
 
+@functools.cache
 def cupy_module():
     """CuPy, or DeviceUnavailableError saying what to install."""
     try:
@@ -409,6 +412,24 @@ def _numpy_to_torch_dtype(dtype: np.dtype):
 def _torch_device(index: int):
     import torch
     return torch.device("cuda", index)
+
+
+def writable(x: Any, name: str, fn: str, hint: str | None = None) -> None:
+    """Refuse an array that the caller gives cuattn to write in place (``out=``, ``lse=``, a paged
+    KV cache) when it cannot be written: a JAX array (immutable; on the GPU a kernel would change
+    a buffer JAX assumes constant, on the CPU NumPy would say "assignment destination is
+    read-only") raises TypeError, a read-only NumPy array ValueError. ``hint`` replaces the
+    default advice (leave ``name`` out and use the returned array). None passes."""
+    if x is None:
+        return
+    fw = framework_of(x, name, fn)
+    if fw == "jax":
+        raise TypeError(f"{fn}: {name} must be a mutable array (NumPy, CuPy or PyTorch) to be written in place, "
+                        f"got a JAX array (JAX arrays are immutable); "
+                        f"{hint or f'pass a mutable array, or leave out {name}= and use the returned array'}")
+    if fw == "numpy" and isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{fn}: {name} must be writable to be written in place, got a read-only NumPy array "
+                         f"(flags.writeable is False); pass a writable copy (np.array(...))")
 
 
 def empty(ctx: Context, shape: tuple, dtype: np.dtype):

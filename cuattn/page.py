@@ -243,14 +243,23 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
 
     On the GPU, a token whose position lies beyond its request's pages, or whose page index is
     out of range, is skipped rather than written out of bounds; NumPy inputs raise ValueError.
+
+    Raises
+    ------
+    TypeError
+        If the cache is a JAX array (immutable: it cannot be written in place) or a JAX tracer
+        (cuattn cannot run inside ``jax.jit``).
     """
     fn = "append_paged_kv_cache"
     check_kv_layout(kv_layout, fn)
     named = {"append_key": append_key, "append_value": append_value, "batch_indices": batch_indices,
              "positions": positions, "kv_indices": kv_indices, "kv_indptr": kv_indptr,
              "kv_last_page_len": kv_last_page_len}
-    k0, v0, _ = _split_cache(paged_kv_cache, fn)
+    k0, v0, combined = _split_cache(paged_kv_cache, fn)
     ctx = arrays.context_of(fn, {**named, "paged_kv_cache": k0, "v_cache": v0}, stream)
+    hint = "keep the KV cache in a NumPy, CuPy or PyTorch array (cuattn.PagedKVCache allocates one)"
+    arrays.writable(k0, "paged_kv_cache" if combined else "paged_kv_cache[0]", fn, hint)
+    arrays.writable(v0, "paged_kv_cache[1]", fn, hint)
     if not ctx.on_gpu:
         _append_host(fn, kv_layout, paged_kv_cache, **named)
         return

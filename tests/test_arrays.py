@@ -90,7 +90,7 @@ def test_import_and_cpu_path_work_without_cupy_and_gpu_calls_say_what_to_install
         "    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "ERR" in out.stdout and 'pip install "cuattn[cu12]"' in out.stdout
+    assert "ERR" in out.stdout and "pip install" in out.stdout and '[cu12]"' in out.stdout   # checkout or wheel form
 
 
 @pytest.mark.skipif(arrays.gpu_available(), reason="checks the no-GPU message")
@@ -99,3 +99,74 @@ def test_gpu_cache_without_a_gpu_raises_a_clear_error():
     import cuattn
     with pytest.raises(cuattn.DeviceUnavailableError, match="no usable CUDA GPU"):
         cuattn.PagedKVCache(1, 1, 8, 4, 4, device="cuda")
+
+
+# ---------------------------------------------------------------------------- JAX: immutable, traced
+
+
+def _jax_cpu(x):
+    jax = pytest.importorskip("jax")
+    return jax.device_put(np.asarray(x), jax.devices("cpu")[0])
+
+
+def _append_args(cache):
+    """append_paged_kv_cache arguments: 3 tokens of one request into page 0 of ``cache``."""
+    k = np.ones((3, 1, 8), np.float16)
+    return (k, k, np.zeros(3, np.int32), np.arange(3, dtype=np.int32), cache, np.array([0], np.int32),
+            np.array([0, 1], np.int32), np.array([3], np.int32))
+
+
+def test_writable_refuses_jax_and_read_only_arrays_and_passes_mutable_ones():
+    arrays.writable(None, "lse", "f")
+    arrays.writable(np.zeros(3), "out", "f")
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"f: out must be writable to be written in place, got a read-only NumPy"):
+        arrays.writable(frozen, "out", "f")
+    x = _jax_cpu(np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match=r"f: out must be a mutable array \(NumPy, CuPy or PyTorch\) to be written in "
+                                        r"place, got a JAX array \(JAX arrays are immutable\); pass a mutable array, "
+                                        r"or leave out out= and use the returned array"):
+        arrays.writable(x, "out", "f")
+
+
+def test_append_into_a_jax_cache_says_jax_arrays_are_immutable():
+    import cuattn
+    cache = np.zeros((2, 2, 4, 1, 8), np.float16)
+    jcache = _jax_cpu(cache)
+    with pytest.raises(TypeError, match=r"append_paged_kv_cache: paged_kv_cache must be a mutable array .* got a JAX "
+                                        r"array \(JAX arrays are immutable\); keep the KV cache in a NumPy"):
+        cuattn.append_paged_kv_cache(*_append_args(jcache))
+    with pytest.raises(TypeError, match=r"paged_kv_cache\[1\] must be a mutable array"):
+        cuattn.append_paged_kv_cache(*_append_args((cache[:, 0].copy(), _jax_cpu(cache[:, 1]))))
+    np.testing.assert_array_equal(np.asarray(jcache), cache)     # untouched
+    cuattn.append_paged_kv_cache(*_append_args(cache))           # the same call into NumPy storage writes
+    assert np.all(cache[0, :, :3] == 1) and not cache[0, :, 3:].any()
+
+
+def test_cuattn_inside_jax_jit_says_to_call_it_outside_jit():
+    jax = pytest.importorskip("jax")
+    import cuattn
+    rng = np.random.default_rng(0)
+    q = _jax_cpu(rng.standard_normal((3, 4, 64)).astype(np.float16))
+    cache = _jax_cpu(rng.standard_normal((2, 2, 16, 1, 64)).astype(np.float16))
+    page_table = np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([5], np.int32)
+    prefill = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    prefill.plan(np.array([0, 3], np.int32), *page_table, 4, 1, 64, 16)
+    traced = r"must be a concrete array, got a JAX tracer .*cannot be traced by jax.jit: call it outside jit"
+    with pytest.raises(TypeError, match=r"BatchPrefillWithPagedKVCacheWrapper.run: q " + traced):
+        jax.jit(prefill.run)(q, cache)
+    with pytest.raises(TypeError, match=r"BatchPrefillWithPagedKVCacheWrapper.run: paged_kv_cache\[c\] " + traced):
+        jax.jit(lambda c: prefill.run(q, c))(cache)
+    decode = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    decode.plan(*page_table, 4, 1, 64, 16)
+    with pytest.raises(TypeError, match=traced):
+        jax.jit(decode.run)(q[:1], cache)
+    with pytest.raises(TypeError, match=r"BatchDecodeWithPagedKVCacheWrapper.plan: indptr " + traced):
+        jax.jit(lambda indptr: decode.plan(indptr, *page_table[1:], 4, 1, 64, 16))(page_table[0])
+    with pytest.raises(TypeError, match=r"merge_state: v_a " + traced):
+        jax.vmap(lambda v: cuattn.merge_state(v, np.zeros((2, 4), np.float32), v, np.zeros((2, 4), np.float32)))(
+            _jax_cpu(np.zeros((3, 2, 4, 64), np.float16)))
+    with pytest.raises(TypeError, match=r"append_paged_kv_cache: paged_kv_cache " + traced):
+        jax.jit(lambda c: cuattn.append_paged_kv_cache(*_append_args(c)))(_jax_cpu(np.zeros((2, 2, 4, 1, 8), np.float16)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(q)), np.asarray(q) + 1)   # JAX itself unharmed
