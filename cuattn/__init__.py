@@ -6,6 +6,7 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_ca
 from .page import PagedKVCache, append_paged_kv_cache, get_batch_indices_positions
 from .prefill import (BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithPagedKVCacheWrapper,
                       BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache)
+from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
 from .variants import Variant
 from .mask import packbits, segment_packbits
 
@@ -16,5 +17,6 @@ __all__ = [
     "PagedKVCache", "append_paged_kv_cache", "get_batch_indices_positions",
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
-    "BatchAttentionWithAttentionSinkWrapper", "Variant",
+    "BatchAttentionWithAttentionSinkWrapper", "Variant", "MultiLevelCascadeAttentionWrapper",
+    "merge_state_in_place",
 ]

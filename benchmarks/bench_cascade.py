@@ -1,0 +1,126 @@
+"""Shared-prefix decode: MultiLevelCascadeAttentionWrapper against plain batch decode over the same
+tokens, and FlashInfer's cascade wrapper when importable, all in this process.
+
+Shapes (the cascade issue's): a 32768-token shared prefix, 128 requests with 256 unique tokens each
+(2 levels), and a 3-level case (a 4096-token system prompt, 8 users x 16 requests with 8192-token
+per-user prefixes, 256 unique each). 32:8 heads, head_dim 128, fp16, page 16, random page order.
+Timing: CUDA events around each run() (every level's launch and the merges), 256 MB L2 read-flush
+before every timed call, 5 warm-up + N timed, median. Floor: the bytes of every level's K and V read
+once, at the read bandwidth measured in the run.
+
+    python benchmarks/bench_cascade.py [--reps 30] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cupy as cp  # noqa: E402
+
+import cuattn  # noqa: E402
+from bench_decode import ceilings, fill_random, l2_flush, time_events  # noqa: E402
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+
+
+def build(levels, rng):
+    """levels: list of (query groups, kv length per group) -> per-level page tables, cache pages."""
+    tables, next_page = [], 0
+    for groups, lens in levels:
+        pages = [-(-n // PS) for n in lens]
+        ids = (next_page + rng.permutation(sum(pages))).astype(np.int32)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        last = np.array([n - (p - 1) * PS for n, p in zip(lens, pages)], np.int32)
+        qo = np.concatenate([[0], np.cumsum(groups)]).astype(np.int32)
+        tables.append((qo, indptr, ids, last))
+        next_page += sum(pages)
+    return tables, next_page
+
+
+def flat_table(tables):
+    """Plain decode's page table: each query's pages of every level, concatenated in level order."""
+    num_q = int(tables[0][0][-1])
+    per_q = [[] for _ in range(num_q)]
+    last = np.zeros(num_q, np.int32)
+    for qo, indptr, ids, lpl in tables:
+        for g in range(len(qo) - 1):
+            for i in range(qo[g], qo[g + 1]):
+                per_q[i].append(ids[indptr[g]:indptr[g + 1]])
+                last[i] = lpl[g]
+    # -- every level but the last must fill its pages for the concatenation to be the same tokens
+    indices = np.concatenate([np.concatenate(p) for p in per_q]).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum([sum(len(x) for x in p) for p in per_q])]).astype(np.int32)
+    return indptr, indices, last
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    read_tbs, _ = ceilings(10)
+    print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, read ceiling {read_tbs:.2f} TB/s")
+    flush = l2_flush()
+    cases = {
+        "2-level 32768 + 128 x 256": [([128], [32768]), ([1] * 128, [256] * 128)],
+        "3-level 4096 + 8 x 8192 + 128 x 256": [([128], [4096]), ([16] * 8, [8192] * 8), ([1] * 128, [256] * 128)],
+    }
+    try:
+        import flashinfer
+        import torch
+    except ImportError:
+        flashinfer = None
+    rows = []
+    for name, levels in cases.items():
+        rng = np.random.default_rng(0)
+        tables, num_pages = build(levels, rng)
+        cache = cp.empty((num_pages, 2, PS, HKV, D), cp.uint16)
+        fill_random(cache, "float16", 1)
+        cache = cache.view(cp.float16)
+        q = cp.empty((128, HQ, D), cp.uint16)
+        fill_random(q, "float16", 2)
+        q = q.view(cp.float16)
+        w = cuattn.MultiLevelCascadeAttentionWrapper(len(levels))
+        w.plan([t[0] for t in tables], [t[1] for t in tables], [t[2] for t in tables], [t[3] for t in tables],
+               HQ, HKV, D, PS)
+        out = cp.empty_like(q)
+        cascade_us = time_events(lambda: w.run(q, cache, out=out), args.reps, flush)
+        indptr, indices, last = flat_table(tables)
+        dw = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+        dw.plan(indptr, indices, last, HQ, HKV, D, PS)
+        plain_us = time_events(lambda: dw.run(q, cache, out=out), args.reps, flush)
+        # check: cascade equals plain decode over the same tokens
+        a = cp.asnumpy(w.run(q, cache)).astype(np.float32)
+        b = cp.asnumpy(dw.run(q, cache)).astype(np.float32)
+        err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        kv_bytes = sum(sum(lens) for _, lens in levels) * HKV * D * 2 * 2
+        floor_us = kv_bytes / (read_tbs * 1e12) * 1e6
+        row = dict(case=name, cascade_us=round(cascade_us, 1), plain_decode_us=round(plain_us, 1),
+                   kv_bytes_levels=kv_bytes, floor_us=round(floor_us, 1), rel_diff_vs_plain=err)
+        if flashinfer is not None:
+            fw = flashinfer.MultiLevelCascadeAttentionWrapper(
+                len(levels), torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+            tt = lambda x: torch.as_tensor(x, device="cuda")     # noqa: E731
+            fw.plan([tt(t[0]) for t in tables], [tt(t[1]) for t in tables], [tt(t[2]) for t in tables],
+                    [tt(t[3]) for t in tables], HQ, HKV, D, PS)
+            tq, tc = torch.from_dlpack(q), torch.from_dlpack(cache)
+            row["flashinfer_cascade_us"] = round(time_events(lambda: fw.run(tq, tc), args.reps, flush), 1)
+        rows.append(row)
+        print(f"{name:<38} cascade {cascade_us:8.1f} us   plain decode {plain_us:8.1f} us   "
+              f"floor {floor_us:6.1f} us   FlashInfer {row.get('flashinfer_cascade_us', '-')}   "
+              f"|cascade - plain| / |plain| {err:.1e}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), read_tbs=read_tbs,
+                                                  method=__doc__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
