@@ -14,6 +14,7 @@ each K/V tile once for the whole group.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -129,24 +130,6 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
         return "fa3"
     return "fa3" if reason is None and arch is not None else "fa2"
-
-
-def _run_single_fa3(ctx, fn, qt, kt, vt, *, kv_layout, causal, dt, sm_scale, return_lse, bound, variant_args):
-    """single_prefill_with_kv_cache on the fa3 kernel (contiguous K/V, no mask)."""
-    qo_len, hq, d = qt.shape
-    kv_len, hkv, _ = _kv_dims(kt.shape, kv_layout, "k", fn)
-    spec = prefill_sm90.make_spec(dt, causal, bound.composite)
-    out, ot, _, _ = _check_out(ctx, None, None, qo_len, hq, d, qt.dtype, fn)
-    lse = arrays.empty(ctx, (qo_len, hq), np.float32) if return_lse else None
-    lse_ptr = arrays.device_tensor(lse, "lse", fn).ptr if lse is not None else 0
-    group = hq // hkv
-    tok, head = (0, 1) if kv_layout == "NHD" else (1, 0)
-    prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
-                        v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kv_len, out=ot, lse_ptr=lse_ptr,
-                        num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
-                        sm_scale=sm_scale, fn=fn, single=(qo_len, kv_len), variant_args=variant_args)
-    o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
-    return (o, arrays.export(ctx, lse)) if return_lse else o
 
 
 # ---------------------------------------------------------------------------- validation
@@ -277,6 +260,11 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     backend : "auto" | "fa2" | "fa3"
         "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128, no custom mask;
         UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90, else fa2.
+    window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant, variant_args :
+        attention variants (``cuattn.variants``); ``variant_args`` are the variant's parameters
+        not fixed by the options, in order.
+
+    Runs as a batch of one through ``BatchPrefillWithRaggedKVCacheWrapper``.
 
     Returns
     -------
@@ -291,61 +279,31 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     check_kv_layout(kv_layout, fn)
     select_backend(backend, fn)
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
-    if not ctx.on_gpu:
-        qa, ka, va = (arrays.host_array(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        qo_len, hq, d, kv_len, hkv = _single_dims(qa.shape, ka.shape, va.shape, kv_layout, fn)
-        support.check("prefill", fn, head_dim=d, q_dtype=qa.dtype, kv_dtype=ka.dtype)        # as on the GPU
-        bound = variants.resolve(fn, num_qo_heads=hq, **options)
-        values = bound.host_values(bound.values(tuple(variant_args), fn), fn)
-        bound.check_lse(return_lse, None, fn)
-        resolve_backend(backend, fn, arch=None, head_dim=d, dtype=arrays.SHORT_NAME.get(arrays.logical_dtype(qa.dtype)),
-                        custom_mask=custom_mask is not None or packed_custom_mask is not None, paged=False)
-        if kv_layout == "HND":
-            ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
-        mask = _host_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn)
-        if packed_custom_mask is not None:
-            mask = _unpack_checked(mask, qo_len * kv_len, "packed_custom_mask", fn)
-        o, s = reference.attention(qa, ka, va, sm_scale=sm_scale or 1 / math.sqrt(d), causal=causal,
-                                   mask=None if mask is None else mask.reshape(qo_len, kv_len),
-                                   variant=bound.composite, values=values, fn=fn)
-        o = o.astype(qa.dtype)
-        return (arrays.export(ctx, o), arrays.export(ctx, s)) if return_lse else arrays.export(ctx, o)
+    describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
+    qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qo_len, hq, d, kv_len, hkv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
+    q_dt, kv_dt = arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype)
+    if arrays.logical_dtype(vt.dtype) != kv_dt:
+        raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
+    # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
+    #    there is no mask: a plan depends on nothing else)
+    key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
+           tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    if custom_mask is None and packed_custom_mask is None:
+        w = _single_wrapper(*key)
+    else:
+        w = _single_wrapper.__wrapped__(*key, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
+    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=stream)
 
-    qt, kt, vt = (arrays.device_tensor(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    qo_len, hq, d, kv_len, hkv = _single_dims(qt.shape, kt.shape, vt.shape, kv_layout, fn)
-    support.check("prefill", fn, head_dim=d, q_dtype=arrays.logical_dtype(qt.dtype),
-                  kv_dtype=arrays.logical_dtype(kt.dtype))
-    dt = _check_dtypes(qt, kt, vt, fn)
-    _check_head_dim(d, fn)
-    bound = variants.resolve(fn, num_qo_heads=hq, **options)
-    bound.check_lse(return_lse, None, fn)
-    values = bound.values(tuple(variant_args), fn)
-    bound.check_sinks(values, hq, fn)
-    scale = sm_scale or 1 / math.sqrt(d)
-    variant_args = bound.kernel_args(scale, values, fn)
-    has_mask = custom_mask is not None or packed_custom_mask is not None
-    if resolve_backend(backend, fn, arch=jit.device_arch(ctx.device), head_dim=d, dtype=dt, custom_mask=has_mask,
-                       paged=False) == "fa3":
-        cp = arrays.cupy_module()
-        with cp.cuda.Device(ctx.device), ctx.stream:
-            return _run_single_fa3(ctx, fn, qt, kt, vt, kv_layout=kv_layout, causal=causal, dt=dt, sm_scale=scale,
-                                   return_lse=return_lse, bound=bound, variant_args=variant_args)
-    spec = make_spec(d, dt, causal, has_mask, False, bound.composite)
-    cp = arrays.cupy_module()
-    with cp.cuda.Device(ctx.device), ctx.stream:
-        mask_dev = _device_mask(custom_mask, packed_custom_mask, qo_len * kv_len, fn) if has_mask else None
-        out, ot, _, _ = _check_out(ctx, None, None, qo_len, hq, d, qt.dtype, fn)
-        lse = arrays.empty(ctx, (qo_len, hq), np.float32) if return_lse else None
-        lse_ptr = arrays.device_tensor(lse, "lse", fn).ptr if lse is not None else 0
-        group = hq // hkv
-        tok, head = (0, 1) if kv_layout == "NHD" else (1, 0)
-        _launch(ctx, spec, q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
-                num_work=-(-qo_len * group // spec.block_m), num_kv_heads=hkv, group=group,
-                k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                sm_scale=scale, variant_args=variant_args,
-                single=(qo_len, kv_len, mask_dev.data.ptr if mask_dev is not None else 0))
-    o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
-    return (o, arrays.export(ctx, lse)) if return_lse else o
+
+@functools.lru_cache(maxsize=64)
+def _single_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
+                    causal, sm_scale, options, custom_mask=None, packed_custom_mask=None):
+    w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
+    w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads, head_dim,
+           custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
+           q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
+    return w
 
 
 def _single_dims(qs, ks, vs, kv_layout, fn):
@@ -367,32 +325,6 @@ def _check_dtypes(qt, kt, vt, fn) -> str:
             raise UnsupportedError(f"{fn}: {name} must have the dtype of q ({qt.dtype}), got {t.dtype}; "
                                    f"mixed q/kv dtypes (fp8 KV) have no prefill kernel")
     return dt
-
-
-def _unpack_checked(packed: np.ndarray, total: int, name: str, fn: str) -> np.ndarray:
-    if packed.size != (total + 7) // 8:
-        raise ValueError(f"{fn}: {name} must have {(total + 7) // 8} bytes (ceil(qo_len * kv_len / 8)), "
-                         f"got {packed.size}")
-    return unpack_host(packed, total)
-
-
-def _device_mask(custom_mask, packed_custom_mask, total: int, fn: str):
-    """Packed uint8 CuPy mask on the current device and stream."""
-    cp = arrays.cupy_module()
-    if custom_mask is not None and packed_custom_mask is not None:
-        raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
-    if custom_mask is not None:
-        mt = arrays.device_tensor(custom_mask, "custom_mask", fn)
-        if math.prod(mt.shape) != total:
-            raise ValueError(f"{fn}: custom_mask must have {total} entries (qo_len * kv_len), got {math.prod(mt.shape)}")
-        return cp.packbits(arrays.cupy_view(mt).ravel() != 0, bitorder="little")
-    pt = arrays.device_tensor(packed_custom_mask, "packed_custom_mask", fn)
-    if pt.dtype != np.uint8:
-        raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {pt.dtype}")
-    if math.prod(pt.shape) != (total + 7) // 8:
-        raise ValueError(f"{fn}: packed_custom_mask must have {(total + 7) // 8} bytes (ceil(qo_len * kv_len / 8)), "
-                         f"got {math.prod(pt.shape)}")
-    return cp.ascontiguousarray(arrays.cupy_view(pt).ravel())
 
 
 # ---------------------------------------------------------------------------- batches
