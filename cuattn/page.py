@@ -174,8 +174,8 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
     if indices is not None and len(indices):
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or (num_pages is not None and hi >= num_pages):
-            limit = f"0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
-            raise ValueError(f"{fn}: {n_indices} must be in {limit}, got values in {lo}..{hi}")
+            limit = f"in 0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
+            raise ValueError(f"{fn}: {n_indices} must be {limit}, got values in {lo}..{hi}")
     return kv_lens
 
 
