@@ -418,8 +418,9 @@ def writable(x: Any, name: str, fn: str, hint: str | None = None) -> None:
     """Refuse an array that the caller gives cuattn to write in place (``out=``, ``lse=``, a paged
     KV cache) when it cannot be written: a JAX array (immutable; on the GPU a kernel would change
     a buffer JAX assumes constant, on the CPU NumPy would say "assignment destination is
-    read-only") raises TypeError, a read-only NumPy array ValueError. ``hint`` replaces the
-    default advice (leave ``name`` out and use the returned array). None passes."""
+    read-only") or a read-only NumPy array raises TypeError, the one error for "cuattn cannot
+    write into this". ``hint`` replaces the default advice (leave ``name`` out and use the
+    returned array). None passes."""
     if x is None:
         return
     fw = framework_of(x, name, fn)
@@ -428,8 +429,8 @@ def writable(x: Any, name: str, fn: str, hint: str | None = None) -> None:
                         f"got a JAX array (JAX arrays are immutable); "
                         f"{hint or f'pass a mutable array, or leave out {name}= and use the returned array'}")
     if fw == "numpy" and isinstance(x, np.ndarray) and not x.flags.writeable:
-        raise ValueError(f"{fn}: {name} must be writable to be written in place, got a read-only NumPy array "
-                         f"(flags.writeable is False); pass a writable copy (np.array(...))")
+        raise TypeError(f"{fn}: {name} must be writable to be written in place, got a read-only NumPy array "
+                        f"(flags.writeable is False); pass a writable copy (np.array(...))")
 
 
 def empty(ctx: Context, shape: tuple, dtype: np.dtype):

@@ -121,7 +121,7 @@ def test_writable_refuses_jax_and_read_only_arrays_and_passes_mutable_ones():
     arrays.writable(np.zeros(3), "out", "f")
     frozen = np.zeros(3)
     frozen.flags.writeable = False
-    with pytest.raises(ValueError, match=r"f: out must be writable to be written in place, got a read-only NumPy"):
+    with pytest.raises(TypeError, match=r"f: out must be writable to be written in place, got a read-only NumPy"):
         arrays.writable(frozen, "out", "f")
     x = _jax_cpu(np.zeros(3, np.float32))
     with pytest.raises(TypeError, match=r"f: out must be a mutable array \(NumPy, CuPy or PyTorch\) to be written in "
