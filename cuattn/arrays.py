@@ -482,3 +482,25 @@ def fill(ctx: Context, x: Any, value: float, name: str, fn: str) -> None:
         if value != 0 and view.dtype != np.float32:
             raise TypeError(f"{fn}: fill({name}, {value}) needs a float32 array (0 fills any dtype)")
         view.fill(value)          # 0: all-zero bits, 0 in every float type (bf16 / fp8 raw views included)
+
+
+def host_results(ctx: Context, o: np.ndarray, s: np.ndarray, out, lse, return_lse: bool, q_dtype, fn: str):
+    """The NumPy path's results in the caller's framework: ``o`` (float32, cast to ``q_dtype``) and
+    ``s`` (the LSE) written into ``out`` / ``lse`` when given (checked), else exported."""
+    o = o.astype(q_dtype)
+    if out is not None:
+        oa = host_array(out, "out", fn)
+        if oa.shape != o.shape or oa.dtype != q_dtype:
+            raise ValueError(f"{fn}: out must have shape {o.shape} and dtype {q_dtype}, got {oa.shape} {oa.dtype}")
+        oa[...] = o
+        result = out
+    else:
+        result = export(ctx, o, q_dtype)
+    if lse is not None:
+        la = host_array(lse, "lse", fn)
+        if la.shape != s.shape or la.dtype != np.float32:
+            raise ValueError(f"{fn}: lse must be float32 of shape {s.shape}, got {la.shape} {la.dtype}")
+        la[...] = s
+    if return_lse:
+        return result, (lse if lse is not None else export(ctx, s))
+    return result

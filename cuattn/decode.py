@@ -502,13 +502,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{fn}: plan() must be called before run()")
         if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
             raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) are not implemented")
+        arrays.writable(out, "out", fn)
+        arrays.writable(lse, "lse", fn)
         launcher, bound = self._variant_state(sinks is not None, fn)
         if sinks is not None:
             args = args + (sinks,)
         values = bound.values(args, fn)
         bound.check_lse(return_lse, lse, fn)
         bound.check_sinks(values, self._num_qo_heads, fn)
-        if not arrays.is_device_array(q):
+        if not arrays.is_device_array(q, "q", fn):
             return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn))
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
         num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
@@ -660,7 +662,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale, variant=bound.composite,
                                          values=values, batch_idx=b, fn=fn)
             o[b], s[b] = ob[0], sb[0]
-        return _host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
+        return arrays.host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
 
 
 def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
@@ -670,26 +672,6 @@ def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
     if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:     # elems divides every stride
         raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
                          f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")
-
-
-def _host_results(ctx, o, s, out, lse, return_lse, q_dtype, fn):
-    o = o.astype(q_dtype)
-    if out is not None:
-        oa = arrays.host_array(out, "out", fn)
-        if oa.shape != o.shape or oa.dtype != q_dtype:
-            raise ValueError(f"{fn}: out must have shape {o.shape} and dtype {q_dtype}, got {oa.shape} {oa.dtype}")
-        oa[...] = o
-        result = out
-    else:
-        result = arrays.export(ctx, o, q_dtype)
-    if lse is not None:
-        la = arrays.host_array(lse, "lse", fn)
-        if la.shape != s.shape or la.dtype != np.float32:
-            raise ValueError(f"{fn}: lse must be float32 of shape {s.shape}, got {la.shape} {la.dtype}")
-        la[...] = s
-    if return_lse:
-        return result, (lse if lse is not None else arrays.export(ctx, s))
-    return result
 
 
 # ---------------------------------------------------------------------------- single request
@@ -760,7 +742,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         q_dtype = arrays.logical_dtype(qt.dtype)
         if not ctx.on_gpu:
             o, s = np.zeros((hq, d), np.float32), np.full(hq, -np.inf, np.float32)
-            return _host_results(ctx, o, s, None, None, return_lse, q_dtype, fn)
+            return arrays.host_results(ctx, o, s, None, None, return_lse, q_dtype, fn)
         out, lse = arrays.empty(ctx, (hq, d), q_dtype), arrays.empty(ctx, (hq,), np.float32)
         arrays.fill(ctx, out, 0, "out", fn)
         arrays.fill(ctx, lse, -np.inf, "lse", fn)

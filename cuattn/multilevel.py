@@ -36,12 +36,11 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None, *, stream: Any = Non
     """
     fn = "merge_state_in_place"
     ctx = arrays.context_of(fn, {"v": v, "s": s, "v_other": v_other, "s_other": s_other}, stream)
+    arrays.writable(v, "v", fn, "use merge_state for the returning form")
+    arrays.writable(s, "s", fn, "use merge_state for the returning form")
     merged_v, merged_s = merge_state(v, s, v_other, s_other, stream=stream)
     if not ctx.on_gpu:
         vh, sh = arrays.host_array(v, "v", fn), arrays.host_array(s, "s", fn)
-        if not vh.flags.writeable or not sh.flags.writeable:
-            raise TypeError(f"{fn}: v and s must be writable arrays (merged in place), got read-only ones; "
-                            f"use merge_state for the returning form")
         mv, ms = arrays.host_array(merged_v, "v", fn), arrays.host_array(merged_s, "s", fn)
         rows = slice(None) if mask is None else _host_mask(mask, vh.shape[0], fn)
         vh[rows], sh[rows] = mv[rows], ms[rows]

@@ -318,13 +318,11 @@ def _single_dims(qs, ks, vs, kv_layout, fn):
     return qo_len, hq, d, kv_len, hkv
 
 
-def _check_dtypes(qt, kt, vt, fn) -> str:
-    dt = _short_dtype(qt.dtype, "q", fn)
-    for name, t in (("k", kt), ("v", vt)):
-        if arrays.logical_dtype(t.dtype) != arrays.logical_dtype(qt.dtype):
-            raise UnsupportedError(f"{fn}: {name} must have the dtype of q ({qt.dtype}), got {t.dtype}; "
-                                   f"mixed q/kv dtypes (fp8 KV) have no prefill kernel")
-    return dt
+def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
+    """K and V have the plan's kv_data_type (both paths)."""
+    for dt in (k_dtype, v_dtype):
+        if arrays.logical_dtype(dt) != plan["kv_dtype"]:
+            raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan), got {dt}")
 
 
 # ---------------------------------------------------------------------------- batches
@@ -442,11 +440,13 @@ class _BatchPrefillBase:
         scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
         return scale, (bound.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
 
-    def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values):
+    def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values, out_arg, lse_arg):
         qa = arrays.host_array(q, "q", fn)
         _check_q(qa.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
+        if qa.dtype != plan["q_dtype"]:
+            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qa.dtype}")
         rows = qa.shape[0]
-        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim"]), qa.dtype)
+        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim"]), np.float32)
         lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
         qo = plan["qo_indptr"]
         for b in range(plan["batch"]):
@@ -459,10 +459,9 @@ class _BatchPrefillBase:
                     int(plan["qo_lens"][b]), int(plan["kv_lens"][b]))
             o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan["causal"], mask=mask,
                                        variant=plan["bound"].composite, values=values, batch_idx=b, fn=fn)
-            out[qo[b]:qo[b + 1]] = o.astype(qa.dtype)
+            out[qo[b]:qo[b + 1]] = o
             lse[qo[b]:qo[b + 1]] = s
-        o = arrays.export(ctx, out)
-        return (o, arrays.export(ctx, lse)) if return_lse else o
+        return arrays.host_results(ctx, out, lse, out_arg, lse_arg, return_lse, qa.dtype, fn)
 
 
 def _work_list(qo_lens, kv_lens, group: int, spec, causal: bool) -> np.ndarray:
@@ -543,19 +542,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         fn = f"{self._fn}.run"
         plan = self._require_plan(fn)
         ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
+        arrays.writable(out, "out", fn)
+        arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu)
         if not ctx.on_gpu:
             ka, va = arrays.host_array(k, "k", fn), arrays.host_array(v, "v", fn)
             self._check_kv(ka.shape, va.shape, plan, fn)
+            _check_kv_dtype(plan, ka.dtype, va.dtype, "k and v", fn)
             if self._kv_layout == "HND":
                 ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
             kvp = plan["kv_indptr"]
             return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
-                                       return_lse, fn, scale, vargs)
+                                       return_lse, fn, scale, vargs, out, lse)
         qt, dt = self._run_checks(fn, q, plan)
         kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
         self._check_kv(kt.shape, vt.shape, plan, fn)
-        _check_dtypes(qt, kt, vt, fn)
+        _check_kv_dtype(plan, kt.dtype, vt.dtype, "k and v", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if self._run_backend(ctx, fn, plan, paged=False) == "fa3":
@@ -665,18 +667,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) have no prefill kernel")
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
         ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
+        arrays.writable(out, "out", fn)
+        arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu, sm_scale)
         if not ctx.on_gpu:
             kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
+            _check_kv_dtype(plan, kp.dtype, vp.dtype, "paged_kv_cache", fn)
             return self._reference_run(
                 ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
                                                                   plan["last_page_len"], b), return_lse, fn,
-                scale, vargs)
+                scale, vargs, out, lse)
         qt, dt = self._run_checks(fn, q, plan)
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
-        _check_dtypes(qt, kv.k, kv.v, fn)
+        _check_kv_dtype(plan, kv.k.dtype, kv.v.dtype, "paged_kv_cache", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
                                        "mask_indptr", "work"))

@@ -199,15 +199,7 @@ MUTATIONS = {
     "qo_indptr_decreasing": ({"prefill": "qo_indptr"}, ValueError),
 }
 # (kind, mutation, path) -> what happens instead; each has a strict xfail below (test_known_gap_is_still_open)
-KNOWN_GAPS = {
-    ("prefill", "q_dtype", "numpy"):
-        "accepted: the NumPy path never compares q's dtype with plan(q_data_type=...) and returns q's dtype",
-    ("prefill", "cache_dtype", "numpy"):
-        "accepted: the NumPy path never compares the cache's dtype with the plan's kv_data_type",
-    ("prefill", "cache_dtype", "gpu"):
-        "UnsupportedError naming k ('k must have the dtype of q'), where decode raises ValueError naming "
-        "paged_kv_cache",
-}
+KNOWN_GAPS: dict = {}   # the three prefill gaps found here (q / cache dtype on both paths) are closed
 
 
 @st.composite
