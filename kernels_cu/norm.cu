@@ -1,0 +1,191 @@
+// norm.cu — launched by cuattn/norm.py (NormSpec).
+// Compile-time: DTYPE (0: f16, 1: bf16), the storage type of input, residual, weight and output;
+// MAX_GROUPS, the groups of 8 elements one thread keeps in registers (as raw 16-bit values: 4
+// registers a group), so a row has at most 8 * MAX_GROUPS * 1024 elements (NormSpec.max_hidden).
+// Grid (rows); block T = NormSpec.threads(hidden): the fewest warps, at most 1024 threads, with
+// 8 * MAX_GROUPS * T >= hidden (each thread has up to MAX_GROUPS 16-byte loads in flight). One block per
+// row: the row is read once into registers, a block reduction gives its sum of squares in fp32
+// (layernorm: its mean, then its variance about it), then it is scaled and written. vec != 0 (the launcher checked 16-byte aligned bases and row strides that are multiples of
+// 8 elements): 16-byte loads and stores, a scalar tail when hidden % 8 != 0; vec == 0: coalesced
+// 2-byte accesses (rows of odd length or misaligned starts). See common/row_io.cuh.
+#include "common/dtypes.cuh"
+#include "common/grid_dependency.cuh"
+#include "common/row_io.cuh"
+
+namespace cuattn {
+#if DTYPE == 0
+typedef f16 elem_t;
+#else
+typedef bf16 elem_t;
+#endif
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// -- sum of x over the block, returned to every thread; red holds 33 floats of shared memory
+__device__ __forceinline__ float block_sum(float x, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  x = warp_sum(x);
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = warp_sum(lane < (blockDim.x >> 5) ? red[lane] : 0.f);
+    if (lane == 0) red[32] = x;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+__device__ __forceinline__ int groups_of(int hidden) {
+  return (hidden + GROUP * blockDim.x - 1) / (GROUP * blockDim.x);
+}
+}  // namespace cuattn
+
+using namespace cuattn;
+
+// RMSNorm of rows of input (batch, heads, hidden) at b*in_s0 + h*in_s1 (heads = 1 for 2-D input):
+//   out = input / sqrt(mean(input^2) + eps) * (weight_bias + weight),
+// weight_bias 0 for rmsnorm, 1 for gemma_rmsnorm. out may be input (each row is read before it is written).
+extern "C" __global__ void __launch_bounds__(1024) cuattn_rmsnorm(
+    const elem_t* input, const elem_t* __restrict__ weight, elem_t* out, int hidden, int heads,
+    int64_t in_s0, int64_t in_s1, int64_t out_s0, int64_t out_s1, float weight_bias, float eps, int vec) {
+  __shared__ float red[33];
+  const int64_t b = blockIdx.x / heads, h = blockIdx.x % heads;
+  const elem_t* x_row = input + b * in_s0 + h * in_s1;
+  elem_t* o_row = out + b * out_s0 + h * out_s1;
+  const int groups = groups_of(hidden);
+  wait_prior_grids();
+  // -- read the row, sum of squares
+  uint32_t xb[MAX_GROUPS][4];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP];
+      load_bits(x_row, hidden, g, vec, xb[g]);
+      unpack_group<elem_t>(xb[g], x);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) sum_sq += x[k] * x[k];
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq, red) / float(hidden) + eps);
+  allow_next_grid();
+  // -- scale and write
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP], w[GROUP];
+      unpack_group<elem_t>(xb[g], x);
+      load_group(weight, hidden, g, vec, w);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) x[k] = x[k] * inv_rms * (weight_bias + w[k]);
+      store_group(o_row, hidden, g, vec, x);
+    }
+  }
+}
+
+// Fused residual add and RMSNorm, in place on rows (batch, hidden) of input and residual:
+//   x = input + residual (fp32);  residual = x (rounded to DTYPE);
+//   input = x / sqrt(mean(x^2) + eps) * (weight_bias + weight)   (the fp32 x, as FlashInfer's kernel).
+extern "C" __global__ void __launch_bounds__(1024) cuattn_fused_add_rmsnorm(
+    elem_t* __restrict__ input, elem_t* __restrict__ residual, const elem_t* __restrict__ weight, int hidden,
+    int64_t in_s, int64_t res_s, float weight_bias, float eps, int vec) {
+  __shared__ float red[33];
+  elem_t* x_row = input + int64_t(blockIdx.x) * in_s;
+  elem_t* r_row = residual + int64_t(blockIdx.x) * res_s;
+  const int groups = groups_of(hidden);
+  wait_prior_grids();
+  // -- x = input + residual, written back to residual, sum of squares; both operands stay in
+  //    registers as raw bits, so the fp32 x is recomputed exactly below
+  uint32_t ib[MAX_GROUPS][4], rb[MAX_GROUPS][4];
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP], r[GROUP];
+      load_bits(x_row, hidden, g, vec, ib[g]);
+      load_bits(r_row, hidden, g, vec, rb[g]);
+      unpack_group<elem_t>(ib[g], x);
+      unpack_group<elem_t>(rb[g], r);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) {
+        x[k] += r[k];
+        sum_sq += x[k] * x[k];
+      }
+      store_group(r_row, hidden, g, vec, x);
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq, red) / float(hidden) + eps);
+  allow_next_grid();
+  // -- normalized x into input
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP], r[GROUP], w[GROUP];
+      unpack_group<elem_t>(ib[g], x);
+      unpack_group<elem_t>(rb[g], r);
+      load_group(weight, hidden, g, vec, w);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) x[k] = (x[k] + r[k]) * inv_rms * (weight_bias + w[k]);
+      store_group(x_row, hidden, g, vec, x);
+    }
+  }
+}
+
+// LayerNorm of rows (batch, hidden), gamma and beta float32 (FlashInfer's layernorm):
+//   out = (x - mean) / sqrt(var + eps) * gamma + beta,  var = mean((x - mean)^2) (two passes over registers).
+extern "C" __global__ void __launch_bounds__(1024) cuattn_layernorm(
+    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
+    int hidden, int64_t in_s, int64_t out_s, float eps, int vec) {
+  __shared__ float red[33];
+  const elem_t* x_row = input + int64_t(blockIdx.x) * in_s;
+  elem_t* o_row = out + int64_t(blockIdx.x) * out_s;
+  const int groups = groups_of(hidden);
+  wait_prior_grids();
+  // -- read the row, mean
+  uint32_t xb[MAX_GROUPS][4];
+  float sum = 0.f;
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP];
+      load_bits(x_row, hidden, g, vec, xb[g]);
+      unpack_group<elem_t>(xb[g], x);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) sum += x[k];
+    }
+  }
+  const float mean = block_sum(sum, red) / float(hidden);
+  // -- variance about the mean (elements past the row's end count nothing)
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP];
+      unpack_group<elem_t>(xb[g], x);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) {
+        const float d = group_elem(g, k, vec) < hidden ? x[k] - mean : 0.f;
+        sum_sq += d * d;
+      }
+    }
+  }
+  const float inv_std = rsqrtf(block_sum(sum_sq, red) / float(hidden) + eps);
+  allow_next_grid();
+  // -- normalize, scale, shift, write
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      float x[GROUP], gm[GROUP], bt[GROUP];
+      unpack_group<elem_t>(xb[g], x);
+      load_group(gamma, hidden, g, vec, gm);
+      load_group(beta, hidden, g, vec, bt);
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) x[k] = (x[k] - mean) * inv_std * gm[k] + bt[k];
+      store_group(o_row, hidden, g, vec, x);
+    }
+  }
+}

@@ -1,0 +1,301 @@
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuattn import jit, norm
+from cuattn.errors import UnsupportedError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16]
+DTYPE_IDS = ["f16", "bf16"]
+HIDDEN = [128, 4099, 16384]          # 4099: not a multiple of 8 (scalar path, misaligned rows)
+TOL = {np.dtype(np.float16): 2e-3, BF16: 1e-2}
+
+
+# ---------------------------------------------------------------------------- float64 oracle
+
+
+def rmsnorm64(x, w, eps, weight_bias=0.0):
+    x = np.asarray(x, np.float64)
+    rms = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x / rms * (np.asarray(w, np.float64) + weight_bias)
+
+
+def layernorm64(x, gamma, beta, eps):
+    x = np.asarray(x, np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
+
+
+def assert_close(got, ref, dtype):
+    """Elementwise: |got - ref| <= tol * (|ref| + rms(ref)), and the error's norm <= tol * ||ref||."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    if not ref.size:
+        return
+    tol = TOL[np.dtype(dtype)]
+    assert np.all(np.isfinite(got)), "non-finite values (unwritten NaN poison?)"
+    scale = math.sqrt(np.mean(ref * ref))
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err - tol * (np.abs(ref) + scale)), ref.shape)
+    assert np.all(err <= tol * (np.abs(ref) + scale)), (worst, got[worst], ref[worst])
+    assert np.linalg.norm(got - ref) <= tol * np.linalg.norm(ref)
+
+
+def randn(rng, shape, dtype, scale=1.0, shift=0.0):
+    """Random values that are never all zero: normal * scale + shift, rounded to dtype."""
+    return (rng.standard_normal(shape) * scale + shift).astype(dtype)
+
+
+# ---------------------------------------------------------------------------- NumPy path
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma"])
+def test_rmsnorm_matches_float64_formula(gemma, dtype, hidden):
+    rng = np.random.default_rng(hidden)
+    x = randn(rng, (5, hidden), dtype, scale=3.0)
+    w = randn(rng, (hidden,), dtype)
+    op = norm.gemma_rmsnorm if gemma else norm.rmsnorm
+    y = op(x, w, 1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, rmsnorm64(x, w, 1e-5, 1.0 if gemma else 0.0), dtype)
+
+
+def test_rmsnorm_of_heads_takes_a_strided_3d_view():
+    rng = np.random.default_rng(1)
+    qkv = randn(rng, (6, 3 * 4, 128), np.float16)
+    q = qkv[:, :4]                                  # (tokens, heads, head_dim), non-contiguous rows
+    w = randn(rng, (128,), np.float16)
+    y = norm.rmsnorm(q, w)
+    assert y.shape == (6, 4, 128)
+    assert_close(y, rmsnorm64(q, w, 1e-6), np.float16)
+
+
+def test_rmsnorm_writes_out_in_place_and_returns_it():
+    rng = np.random.default_rng(2)
+    x = randn(rng, (3, 4099), BF16)
+    w = randn(rng, (4099,), BF16)
+    ref = rmsnorm64(x, w, 1e-6)
+    out = np.full_like(x, np.nan)
+    assert norm.rmsnorm(x, w, out=out) is out
+    assert_close(out, ref, BF16)
+    assert norm.rmsnorm(x, w, out=x) is x           # out may be the input itself
+    assert_close(x, ref, BF16)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
+def test_fused_add_rmsnorm_updates_residual_and_input(gemma, dtype, hidden):
+    rng = np.random.default_rng(hidden + 1)
+    x = randn(rng, (4, hidden), dtype)
+    r = randn(rng, (4, hidden), dtype, scale=2.0, shift=0.5)
+    w = randn(rng, (hidden,), dtype)
+    total = x.astype(np.float64) + r.astype(np.float64)
+    op = norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm
+    assert op(x, r, w, 1e-6) is None
+    assert_close(r, total, dtype)                                   # residual += input
+    assert_close(x, rmsnorm64(total, w, 1e-6, 1.0 if gemma else 0.0), dtype)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layernorm_matches_float64_formula(dtype, hidden):
+    rng = np.random.default_rng(hidden + 2)
+    x = randn(rng, (5, hidden), dtype, scale=2.0, shift=3.0)          # a mean far from 0
+    gamma = randn(rng, (hidden,), np.float32)
+    beta = randn(rng, (hidden,), np.float32)
+    y = norm.layernorm(x, gamma, beta, 1e-5)
+    assert y.dtype == dtype
+    assert_close(y, layernorm64(x, gamma, beta, 1e-5), dtype)
+
+
+def test_norms_of_zero_rows_return_empty_results():
+    w = np.ones(4099, np.float16)
+    x = np.empty((0, 4099), np.float16)
+    assert norm.rmsnorm(x, w).shape == (0, 4099)
+    assert norm.gemma_rmsnorm(np.empty((0, 8, 4099), np.float16), w).shape == (0, 8, 4099)
+    assert norm.fused_add_rmsnorm(x, np.empty_like(x), w) is None
+    assert norm.layernorm(x, np.ones(4099, np.float32), np.zeros(4099, np.float32)).shape == (0, 4099)
+
+
+def test_norms_reject_bad_inputs_naming_the_argument():
+    x = np.ones((2, 64), np.float16)
+    w = np.ones(64, np.float16)
+    with pytest.raises(ValueError, match="rmsnorm: weight must have shape"):
+        norm.rmsnorm(x, np.ones(63, np.float16))
+    with pytest.raises(TypeError, match="rmsnorm: weight must have the dtype of input"):
+        norm.rmsnorm(x, w.astype(BF16))
+    with pytest.raises(TypeError, match="rmsnorm: input must be float16 or bfloat16"):
+        norm.rmsnorm(x.astype(np.float32), w)
+    with pytest.raises(ValueError, match="rmsnorm: input must have shape"):
+        norm.rmsnorm(np.ones(64, np.float16), w)
+    with pytest.raises(ValueError, match="gemma_rmsnorm: out must have the shape"):
+        norm.gemma_rmsnorm(x, w, out=np.empty((2, 65), np.float16))
+    with pytest.raises(TypeError, match="rmsnorm: out must have the dtype"):
+        norm.rmsnorm(x, w, out=np.empty((2, 64), np.float32))
+    with pytest.raises(ValueError, match="hidden_size .* must be >= 1"):
+        norm.rmsnorm(np.ones((2, 0), np.float16), np.ones(0, np.float16))
+    with pytest.raises(UnsupportedError, match="hidden_size=32776 has no kernel"):
+        norm.rmsnorm(np.ones((1, 32776), np.float16), np.ones(32776, np.float16))
+
+
+def test_fused_add_rmsnorm_rejects_bad_and_unwritable_arrays_naming_the_argument():
+    x = np.ones((2, 64), BF16)
+    w = np.ones(64, BF16)
+    with pytest.raises(ValueError, match="fused_add_rmsnorm: residual must have the shape"):
+        norm.fused_add_rmsnorm(x, np.ones((3, 64), BF16), w)
+    with pytest.raises(TypeError, match="fused_add_rmsnorm: residual must have the dtype"):
+        norm.fused_add_rmsnorm(x, np.ones((2, 64), np.float16), w)
+    with pytest.raises(ValueError, match="input must have shape \\(batch, hidden_size\\)"):
+        norm.fused_add_rmsnorm(np.ones((2, 2, 64), BF16), np.ones((2, 2, 64), BF16), w)
+    with pytest.raises(ValueError, match="input and residual must be different arrays"):
+        norm.fused_add_rmsnorm(x, x, w)
+    frozen = np.ones((2, 64), BF16)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="gemma_fused_add_rmsnorm: residual must be writable"):
+        norm.gemma_fused_add_rmsnorm(x, frozen, w)
+    with pytest.raises(TypeError, match="fused_add_rmsnorm: input must be writable"):
+        norm.fused_add_rmsnorm(frozen, x, w)
+
+
+def test_in_place_norms_refuse_jax_arrays_naming_the_argument():
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.ones((2, 64), np.float16)
+    w = np.ones(64, np.float16)
+    with pytest.raises(TypeError, match="fused_add_rmsnorm: input must be a mutable array"):
+        norm.fused_add_rmsnorm(jnp.asarray(x), np.ones_like(x), w)
+    with pytest.raises(TypeError, match="rmsnorm: out must be a mutable array"):
+        norm.rmsnorm(x, w, out=jnp.asarray(x))
+    y = norm.rmsnorm(jnp.asarray(x), jnp.asarray(w))          # the returning form hands back JAX
+    assert type(y).__module__.startswith("jax") and y.shape == (2, 64)
+
+
+def test_layernorm_rejects_bad_inputs_naming_the_argument():
+    x = np.ones((2, 64), BF16)
+    g, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+    with pytest.raises(TypeError, match="layernorm: gemma must be float32"):
+        norm.layernorm(x, g.astype(BF16), b)
+    with pytest.raises(ValueError, match="layernorm: beta must have shape"):
+        norm.layernorm(x, g, np.zeros(65, np.float32))
+    with pytest.raises(TypeError, match="layernorm: input must be float16 or bfloat16"):
+        norm.layernorm(x.astype(np.float32), g, b)
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_shipped_norm_kernels_compile_without_spills(arch):
+    for spec in norm.shipped_specs():
+        resources = jit.compile_kernel(spec, arch).resources
+        assert set(resources) >= {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm"} or not resources
+        for entry, r in resources.items():
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def to_gpu(x):
+    import cupy
+    x = np.ascontiguousarray(x)
+    return cupy.asarray(x.view(np.uint16) if x.dtype == BF16 else x)
+
+
+def from_gpu(y, dtype):
+    import cupy
+    y = cupy.asnumpy(y)
+    return y.view(BF16) if dtype == BF16 else y
+
+
+def nan_like(shape, dtype):
+    """A device array of NaN (bf16 as its uint16 bits 0x7fc0)."""
+    import cupy
+    if dtype == BF16:
+        return cupy.full(shape, 0x7FC0, cupy.uint16)
+    return cupy.full(shape, np.nan, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", HIDDEN + [4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma"])
+def test_rmsnorm_gpu_matches_float64_formula(gemma, dtype, hidden):
+    rng = np.random.default_rng(hidden + 10)
+    x = randn(rng, (37, hidden), dtype, scale=3.0)
+    w = randn(rng, (hidden,), dtype)
+    op = norm.gemma_rmsnorm if gemma else norm.rmsnorm
+    ref = rmsnorm64(x, w, 1e-5, 1.0 if gemma else 0.0)
+    out = nan_like(x.shape, dtype)
+    assert op(to_gpu(x), to_gpu(w), 1e-5, out=out) is out
+    assert_close(from_gpu(out, dtype), ref, dtype)
+    assert_close(from_gpu(op(to_gpu(x), to_gpu(w), 1e-5, enable_pdl=False), dtype), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rmsnorm_gpu_strided_heads_and_misaligned_rows(dtype):
+    rng = np.random.default_rng(11)
+    # (tokens, heads, head_dim) view of a fused qkv array: 16-byte path with two row strides
+    qkv = to_gpu(randn(rng, (9, 3 * 8, 128), dtype))
+    q = qkv[:, :8]
+    w = randn(rng, (128,), dtype)
+    out = nan_like(q.shape, dtype)
+    norm.rmsnorm(q, to_gpu(w), out=out)
+    assert_close(from_gpu(out, dtype), rmsnorm64(from_gpu(q, dtype), w, 1e-6), dtype)
+    # rows that start 2 bytes past a 16-byte boundary, of a stride that is no multiple of 8
+    big = to_gpu(randn(rng, (7, 4100), dtype))
+    x = big[:, 1:]
+    w = randn(rng, (4099,), dtype)
+    y = norm.rmsnorm(x, to_gpu(w))
+    assert_close(from_gpu(y, dtype), rmsnorm64(from_gpu(x, dtype), w, 1e-6), dtype)
+    # in place: out is the input
+    ref = rmsnorm64(from_gpu(x, dtype), w, 1e-6)
+    norm.rmsnorm(x, to_gpu(w), out=x)
+    assert_close(from_gpu(x, dtype), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
+def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden):
+    rng = np.random.default_rng(hidden + 12)
+    x = randn(rng, (33, hidden), dtype)
+    r = randn(rng, (33, hidden), dtype, scale=2.0, shift=0.5)
+    w = randn(rng, (hidden,), dtype)
+    total = x.astype(np.float64) + r.astype(np.float64)
+    dx, dr = to_gpu(x), to_gpu(r)
+    op = norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm
+    assert op(dx, dr, to_gpu(w), 1e-6) is None
+    assert_close(from_gpu(dr, dtype), total, dtype)
+    assert_close(from_gpu(dx, dtype), rmsnorm64(total, w, 1e-6, 1.0 if gemma else 0.0), dtype)
+    # the NumPy path computes the same residual exactly (one rounding of the float32 sum)
+    norm.fused_add_rmsnorm(x, r, w, 1e-6) if not gemma else norm.gemma_fused_add_rmsnorm(x, r, w, 1e-6)
+    np.testing.assert_array_equal(from_gpu(dr, dtype).view(np.uint16), r.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layernorm_gpu_matches_float64_formula(dtype, hidden):
+    rng = np.random.default_rng(hidden + 13)
+    x = randn(rng, (19, hidden), dtype, scale=2.0, shift=3.0)
+    gamma = randn(rng, (hidden,), np.float32)
+    beta = randn(rng, (hidden,), np.float32)
+    import cupy
+    y = norm.layernorm(to_gpu(x), cupy.asarray(gamma), cupy.asarray(beta), 1e-5)
+    assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
+
+
+@pytest.mark.gpu
+def test_norms_gpu_of_zero_rows_launch_nothing():
+    import cupy
+    x = cupy.empty((0, 4099), cupy.float16)
+    w = cupy.ones(4099, cupy.float16)
+    assert norm.rmsnorm(x, w).shape == (0, 4099)
+    assert norm.fused_add_rmsnorm(x, cupy.empty_like(x), w) is None
+    assert norm.layernorm(x, cupy.ones(4099, cupy.float32), cupy.zeros(4099, cupy.float32)).shape == (0, 4099)
