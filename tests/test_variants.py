@@ -235,10 +235,10 @@ def test_variant_without_numpy_hooks_is_refused_on_cpu():
 
 # ---------------------------------------------------------------------------- GPU: every kernel
 
-GPU_DECODE = [  # (head_dim, qo_heads, kv_heads, page_size, kv lens)
-    (64, 7, 7, 1, [1, 45, 300]),
+GPU_DECODE = [  # (head_dim, qo_heads, kv_heads, page_size, kv lens); head_dim 64 / 256 under --runslow
+    pytest.param((64, 7, 7, 1, [1, 45, 300]), marks=pytest.mark.slow),
     (128, 32, 8, 16, [17, 2000, 600]),
-    (256, 28, 4, 16, [100, 1]),
+    pytest.param((256, 28, 4, 16, [100, 1]), marks=pytest.mark.slow),
     (128, 28, 4, 1, [5000]),
 ]
 
@@ -253,7 +253,7 @@ def _poisoned_like(cp, shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_DECODE, ids=[f"hd{c[0]}-{c[1]}:{c[2]}-ps{c[3]}" for c in GPU_DECODE])
+@pytest.mark.parametrize("case", GPU_DECODE, ids=lambda c: f"hd{c[0]}-{c[1]}:{c[2]}-ps{c[3]}")
 @pytest.mark.parametrize("name,opts,ref", BUILTINS + [("sinks", {}, {})], ids=IDS + ["sinks"])
 def test_batch_decode_variants_match_oracle_on_gpu(case, name, opts, ref):
     cp = _cp()
@@ -274,15 +274,16 @@ def test_batch_decode_variants_match_oracle_on_gpu(case, name, opts, ref):
         _check(out[b:b + 1], want, lse[b:b + 1], want_lse)
 
 
-GPU_PREFILL = [  # (head_dim, qo_heads, kv_heads, page_size, qo lens, kv lens)
-    (64, 4, 4, 1, [33, 1], [33, 70]),
+GPU_PREFILL = [  # (head_dim, qo_heads, kv_heads, page_size, qo lens, kv lens); hd 64 / 256 under --runslow
+    pytest.param((64, 4, 4, 1, [33, 1], [33, 70]), marks=pytest.mark.slow),
     (128, 28, 4, 16, [130, 7], [300, 7]),
-    (256, 8, 8, 16, [40], [100]),
+    (128, 7, 7, 1, [33, 1], [33, 70]),
+    pytest.param((256, 8, 8, 16, [40], [100]), marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_PREFILL, ids=[f"hd{c[0]}-{c[1]}:{c[2]}-ps{c[3]}" for c in GPU_PREFILL])
+@pytest.mark.parametrize("case", GPU_PREFILL, ids=lambda c: f"hd{c[0]}-{c[1]}:{c[2]}-ps{c[3]}")
 @pytest.mark.parametrize("name,opts,ref", BUILTINS + [("sinks", {}, {})], ids=IDS + ["sinks"])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 def test_prefill_variants_match_oracle_on_gpu(case, name, opts, ref, backend):
