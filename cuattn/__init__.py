@@ -6,6 +6,8 @@ from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_ca
 from .page import PagedKVCache, append_paged_kv_cache, get_batch_indices_positions
 from .prefill import (BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithPagedKVCacheWrapper,
                       BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache)
+from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
+from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, layernorm, rmsnorm
 from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
 from .variants import Variant
 from .mask import packbits, segment_packbits
@@ -19,4 +21,6 @@ __all__ = [
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
     "BatchAttentionWithAttentionSinkWrapper", "Variant", "MultiLevelCascadeAttentionWrapper",
     "merge_state_in_place",
+    "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm",
+    "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
 ]
