@@ -10,7 +10,7 @@ Runs only where CuPy sees a GPU.
 
     python benchmarks/bench_norm_act.py [--rows 1 16 256 4096 16384] [--hidden 4096 8192 16384 4099]
         [--dtype bfloat16|float16] [--ops rmsnorm fused_add_rmsnorm ...] [--reps 50] [--check]
-        [--flashinfer] [--out results.json]
+        [--flashinfer] [--latency-elements N] [--out results.json]
 """
 from __future__ import annotations
 
@@ -152,11 +152,16 @@ def main():
     p.add_argument("--no-flush", action="store_true")
     p.add_argument("--check", action="store_true", help="compare with the NumPy path (rows <= 256)")
     p.add_argument("--flashinfer", action="store_true")
+    p.add_argument("--latency-elements", type=int, help="tuning: calls of at most this many elements (rows x "
+                   "hidden) run the norms with a thread per 8 elements (cuattn.norm._LATENCY_ELEMENTS; 0: never)")
     p.add_argument("--out")
     args = p.parse_args()
     if not arrays.gpu_available():
         sys.exit("bench_norm_act: no CUDA GPU visible to CuPy; this benchmark runs only on a GPU")
+    if args.latency_elements is not None:
+        norm._LATENCY_ELEMENTS = args.latency_elements
     env = print_env(args.flashinfer)
+    env["latency_elements"] = norm._LATENCY_ELEMENTS
     ceiling = copy_gbps(20)
     print(f"copy ceiling {ceiling:.0f} GB/s (1 GiB device-to-device, read + written)\n")
     flush = None if args.no_flush else l2_flush()
@@ -180,7 +185,9 @@ def main():
                         fi = flashinfer_call(op, args.dtype, arrs)
                         row["flashinfer_us"] = time_events(fi, args.reps, flush, warmup=10)
                         line += f"{row['flashinfer_us']:>9.2f}{row['flashinfer_us'] / us:>7.2f}"
-                    except Exception as e:   # noqa: BLE001 -- FlashInfer refuses rows that are not 16-byte multiples (ValueError), its JIT may fail otherwise: record either, keep timing ours
+                    # FlashInfer refuses rows that are not 16-byte multiples (ValueError) and its JIT may
+                    # fail otherwise: record either and keep timing ours
+                    except Exception as e:   # noqa: BLE001
                         row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:200]
                         line += f"{'refused':>9}{'':>7}"
                 if args.check and rows <= 256:

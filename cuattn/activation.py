@@ -106,8 +106,8 @@ def gelu_tanh_and_mul(input, out=None, enable_pdl: bool | None = None, *, stream
 
 
 def _act_and_mul(fn: str, act: str, input, out, enable_pdl, stream):
-    ctx = arrays.context_of(fn, {"input": input, "out": out}, stream)
     arrays.writable(out, "out", fn)
+    ctx = arrays.context_of(fn, {"input": input, "out": out}, stream)
     if not ctx.on_gpu:
         x = arrays.host_array(input, "input", fn)
         o = None if out is None else arrays.host_array(out, "out", fn)

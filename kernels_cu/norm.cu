@@ -1,13 +1,17 @@
 // norm.cu — launched by cuattn/norm.py (NormSpec).
 // Compile-time: DTYPE (0: f16, 1: bf16), the storage type of input, residual, weight and output;
-// MAX_GROUPS, the groups of 8 elements one thread keeps in registers (as raw 16-bit values: 4
-// registers a group), so a row has at most 8 * MAX_GROUPS * 1024 elements (NormSpec.max_hidden).
-// Grid (rows); block T = NormSpec.threads(hidden): the fewest warps, at most 1024 threads, with
-// 8 * MAX_GROUPS * T >= hidden (each thread has up to MAX_GROUPS 16-byte loads in flight). One block per
-// row: the row is read once into registers, a block reduction gives its sum of squares in fp32
-// (layernorm: its mean, then its variance about it), then it is scaled and written. vec != 0 (the launcher checked 16-byte aligned bases and row strides that are multiples of
-// 8 elements): 16-byte loads and stores, a scalar tail when hidden % 8 != 0; vec == 0: coalesced
-// 2-byte accesses (rows of odd length or misaligned starts). See common/row_io.cuh.
+// MAX_GROUPS, the groups of 8 elements one thread keeps in registers (as raw 16-bit values: 4 registers
+// a group); MAX_THREADS (1024), the largest block. A row has at most 8 * MAX_GROUPS * MAX_THREADS
+// elements (NormSpec.max_hidden).
+// Grid (rows); block T = NormSpec.threads(hidden, rows), a multiple of 32 up to MAX_THREADS with
+// 8 * MAX_GROUPS * T >= hidden: for small calls a thread per 8 elements (the shortest dependent chain),
+// for large ones the fewest warps (each thread keeps up to MAX_GROUPS 16-byte loads in flight).
+// One block per row: every load of the row (and of the weight, for rmsnorm) is issued before the first
+// use, a block reduction gives the row's sum of squares in fp32 (layernorm: its mean, then its variance
+// about it), then the row is scaled from registers and written.
+// vec != 0 (the launcher checked 16-byte aligned bases and row strides that are multiples of 8
+// elements): 16-byte loads and stores, a scalar tail when hidden % 8 != 0; vec == 0: coalesced 2-byte
+// accesses (rows of odd length or misaligned starts). See common/row_io.cuh.
 #include "common/dtypes.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/row_io.cuh"
@@ -49,7 +53,7 @@ using namespace cuattn;
 // RMSNorm of rows of input (batch, heads, hidden) at b*in_s0 + h*in_s1 (heads = 1 for 2-D input):
 //   out = input / sqrt(mean(input^2) + eps) * (weight_bias + weight),
 // weight_bias 0 for rmsnorm, 1 for gemma_rmsnorm. out may be input (each row is read before it is written).
-extern "C" __global__ void __launch_bounds__(1024) cuattn_rmsnorm(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_rmsnorm(
     const elem_t* input, const elem_t* __restrict__ weight, elem_t* out, int hidden, int heads,
     int64_t in_s0, int64_t in_s1, int64_t out_s0, int64_t out_s1, float weight_bias, float eps, int vec) {
   __shared__ float red[33];
@@ -58,14 +62,20 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_rmsnorm(
   elem_t* o_row = out + b * out_s0 + h * out_s1;
   const int groups = groups_of(hidden);
   wait_prior_grids();
-  // -- read the row, sum of squares
-  uint32_t xb[MAX_GROUPS][4];
+  // -- issue the loads of the row and of the weight
+  uint32_t xb[MAX_GROUPS][4], wb[MAX_GROUPS][4];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g)
+    if (g < groups) load_bits(x_row, hidden, g, vec, xb[g]);
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g)
+    if (g < groups) load_bits(weight, hidden, g, vec, wb[g]);
+  // -- sum of squares
   float sum_sq = 0.f;
 #pragma unroll
   for (int g = 0; g < MAX_GROUPS; ++g) {
     if (g < groups) {
       float x[GROUP];
-      load_bits(x_row, hidden, g, vec, xb[g]);
       unpack_group<elem_t>(xb[g], x);
 #pragma unroll
       for (int k = 0; k < GROUP; ++k) sum_sq += x[k] * x[k];
@@ -79,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_rmsnorm(
     if (g < groups) {
       float x[GROUP], w[GROUP];
       unpack_group<elem_t>(xb[g], x);
-      load_group(weight, hidden, g, vec, w);
+      unpack_group<elem_t>(wb[g], w);
 #pragma unroll
       for (int k = 0; k < GROUP; ++k) x[k] = x[k] * inv_rms * (weight_bias + w[k]);
       store_group(o_row, hidden, g, vec, x);
@@ -90,7 +100,8 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_rmsnorm(
 // Fused residual add and RMSNorm, in place on rows (batch, hidden) of input and residual:
 //   x = input + residual (fp32);  residual = x (rounded to DTYPE);
 //   input = x / sqrt(mean(x^2) + eps) * (weight_bias + weight)   (the fp32 x, as FlashInfer's kernel).
-extern "C" __global__ void __launch_bounds__(1024) cuattn_fused_add_rmsnorm(
+// input and residual stay in registers as raw bits, so the fp32 x is recomputed exactly for the second use.
+extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_fused_add_rmsnorm(
     elem_t* __restrict__ input, elem_t* __restrict__ residual, const elem_t* __restrict__ weight, int hidden,
     int64_t in_s, int64_t res_s, float weight_bias, float eps, int vec) {
   __shared__ float red[33];
@@ -98,16 +109,24 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_fused_add_rmsnorm(
   elem_t* r_row = residual + int64_t(blockIdx.x) * res_s;
   const int groups = groups_of(hidden);
   wait_prior_grids();
-  // -- x = input + residual, written back to residual, sum of squares; both operands stay in
-  //    registers as raw bits, so the fp32 x is recomputed exactly below
+  // -- issue the loads of both rows; the weight towards L2 (in registers too it would spill)
   uint32_t ib[MAX_GROUPS][4], rb[MAX_GROUPS][4];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      load_bits(x_row, hidden, g, vec, ib[g]);
+      load_bits(r_row, hidden, g, vec, rb[g]);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g)
+    if (g < groups) prefetch_l2(weight, hidden, g);
+  // -- x = input + residual, written back to residual; sum of squares
   float sum_sq = 0.f;
 #pragma unroll
   for (int g = 0; g < MAX_GROUPS; ++g) {
     if (g < groups) {
       float x[GROUP], r[GROUP];
-      load_bits(x_row, hidden, g, vec, ib[g]);
-      load_bits(r_row, hidden, g, vec, rb[g]);
       unpack_group<elem_t>(ib[g], x);
       unpack_group<elem_t>(rb[g], r);
 #pragma unroll
@@ -137,7 +156,9 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_fused_add_rmsnorm(
 
 // LayerNorm of rows (batch, hidden), gamma and beta float32 (FlashInfer's layernorm):
 //   out = (x - mean) / sqrt(var + eps) * gamma + beta,  var = mean((x - mean)^2) (two passes over registers).
-extern "C" __global__ void __launch_bounds__(1024) cuattn_layernorm(
+// gamma and beta (8 floats a group each) are loaded after the reductions; an L2 prefetch issued with the
+// row's loads takes their DRAM latency off that path.
+extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_layernorm(
     const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
     int hidden, int64_t in_s, int64_t out_s, float eps, int vec) {
   __shared__ float red[33];
@@ -145,14 +166,22 @@ extern "C" __global__ void __launch_bounds__(1024) cuattn_layernorm(
   elem_t* o_row = out + int64_t(blockIdx.x) * out_s;
   const int groups = groups_of(hidden);
   wait_prior_grids();
-  // -- read the row, mean
+  // -- issue the loads of the row; gamma and beta towards L2
   uint32_t xb[MAX_GROUPS][4];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      load_bits(x_row, hidden, g, vec, xb[g]);
+      prefetch_l2(gamma, hidden, g);
+      prefetch_l2(beta, hidden, g);
+    }
+  }
+  // -- mean
   float sum = 0.f;
 #pragma unroll
   for (int g = 0; g < MAX_GROUPS; ++g) {
     if (g < groups) {
       float x[GROUP];
-      load_bits(x_row, hidden, g, vec, xb[g]);
       unpack_group<elem_t>(xb[g], x);
 #pragma unroll
       for (int k = 0; k < GROUP; ++k) sum += x[k];

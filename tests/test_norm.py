@@ -12,6 +12,14 @@ DTYPES = [np.dtype(np.float16), BF16]
 DTYPE_IDS = ["f16", "bf16"]
 HIDDEN = [128, 4099, 16384]          # 4099: not a multiple of 8 (scalar path, misaligned rows)
 TOL = {np.dtype(np.float16): 2e-3, BF16: 1e-2}
+MODES = ["latency", "throughput"]     # the two block shapes of NormSpec.threads: a thread per 8 / per 32 elements
+
+
+def rows_for(mode, hidden):
+    """Rows that make a call of ``hidden`` take the block shape ``mode``."""
+    rows = 37 if mode == "latency" else norm._LATENCY_ELEMENTS // hidden + 3
+    assert (rows * hidden <= norm._LATENCY_ELEMENTS) == (mode == "latency")
+    return rows
 
 
 # ---------------------------------------------------------------------------- float64 oracle
@@ -164,15 +172,19 @@ def test_fused_add_rmsnorm_rejects_bad_and_unwritable_arrays_naming_the_argument
         norm.fused_add_rmsnorm(frozen, x, w)
 
 
+def jax_cpu(x):
+    jax = pytest.importorskip("jax")
+    return jax.device_put(np.asarray(x), jax.devices("cpu")[0])
+
+
 def test_in_place_norms_refuse_jax_arrays_naming_the_argument():
-    jnp = pytest.importorskip("jax.numpy")
     x = np.ones((2, 64), np.float16)
     w = np.ones(64, np.float16)
     with pytest.raises(TypeError, match="fused_add_rmsnorm: input must be a mutable array"):
-        norm.fused_add_rmsnorm(jnp.asarray(x), np.ones_like(x), w)
+        norm.fused_add_rmsnorm(jax_cpu(x), np.ones_like(x), w)
     with pytest.raises(TypeError, match="rmsnorm: out must be a mutable array"):
-        norm.rmsnorm(x, w, out=jnp.asarray(x))
-    y = norm.rmsnorm(jnp.asarray(x), jnp.asarray(w))          # the returning form hands back JAX
+        norm.rmsnorm(x, w, out=jax_cpu(x))
+    y = norm.rmsnorm(jax_cpu(x), jax_cpu(w))                  # the returning form hands back JAX
     assert type(y).__module__.startswith("jax") and y.shape == (2, 64)
 
 
@@ -220,12 +232,13 @@ def nan_like(shape, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hidden", HIDDEN + [4096])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma"])
-def test_rmsnorm_gpu_matches_float64_formula(gemma, dtype, hidden):
+def test_rmsnorm_gpu_matches_float64_formula(gemma, dtype, hidden, mode):
     rng = np.random.default_rng(hidden + 10)
-    x = randn(rng, (37, hidden), dtype, scale=3.0)
+    x = randn(rng, (rows_for(mode, hidden), hidden), dtype, scale=3.0)
     w = randn(rng, (hidden,), dtype)
     op = norm.gemma_rmsnorm if gemma else norm.rmsnorm
     ref = rmsnorm64(x, w, 1e-5, 1.0 if gemma else 0.0)
@@ -259,13 +272,15 @@ def test_rmsnorm_gpu_strided_heads_and_misaligned_rows(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
-def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden):
+def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden, mode):
     rng = np.random.default_rng(hidden + 12)
-    x = randn(rng, (33, hidden), dtype)
-    r = randn(rng, (33, hidden), dtype, scale=2.0, shift=0.5)
+    rows = rows_for(mode, hidden)
+    x = randn(rng, (rows, hidden), dtype)
+    r = randn(rng, (rows, hidden), dtype, scale=2.0, shift=0.5)
     w = randn(rng, (hidden,), dtype)
     total = x.astype(np.float64) + r.astype(np.float64)
     dx, dr = to_gpu(x), to_gpu(r)
@@ -279,16 +294,38 @@ def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_layernorm_gpu_matches_float64_formula(dtype, hidden):
+def test_layernorm_gpu_matches_float64_formula(dtype, hidden, mode):
     rng = np.random.default_rng(hidden + 13)
-    x = randn(rng, (19, hidden), dtype, scale=2.0, shift=3.0)
+    x = randn(rng, (rows_for(mode, hidden), hidden), dtype, scale=2.0, shift=3.0)
     gamma = randn(rng, (hidden,), np.float32)
     beta = randn(rng, (hidden,), np.float32)
     import cupy
     y = norm.layernorm(to_gpu(x), cupy.asarray(gamma), cupy.asarray(beta), 1e-5)
     assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
+
+
+@pytest.mark.gpu
+def test_norms_gpu_take_torch_tensors_and_refuse_jax_in_place():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(14)
+    x = randn(rng, (5, 4099), BF16)
+    r = randn(rng, (5, 4099), BF16)
+    w = randn(rng, (4099,), BF16)
+    tx, tr, tw = (torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).cuda() for a in (x, r, w))  # exact
+    y = norm.rmsnorm(tx, tw)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and y.is_cuda
+    assert_close(y.float().cpu().numpy(), rmsnorm64(x, w, 1e-6), BF16)
+    total = x.astype(np.float64) + r.astype(np.float64)
+    norm.fused_add_rmsnorm(tx, tr, tw)
+    assert_close(tr.float().cpu().numpy(), total, BF16)
+    assert_close(tx.float().cpu().numpy(), rmsnorm64(total, w, 1e-6), BF16)
+    jax = pytest.importorskip("jax")
+    jx = jax.device_put(np.ones((2, 64), np.float16), jax.devices("gpu")[0])
+    with pytest.raises(TypeError, match="fused_add_rmsnorm: input must be a mutable array"):
+        norm.fused_add_rmsnorm(jx, jx, jax.device_put(np.ones(64, np.float16), jax.devices("gpu")[0]))
 
 
 @pytest.mark.gpu

@@ -48,6 +48,14 @@ __device__ __forceinline__ void unpack_group(const uint32_t (&w)[4], float (&v)[
     v[2 * i + 1] = f.y;
   }
 }
+// f16: convert the two halves of each word in place (mov.b32 {lo, hi}), no shifted or masked copies
+template <>
+__device__ __forceinline__ void unpack_group<f16>(const uint32_t (&w)[4], float (&v)[GROUP]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm("{.reg .f16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f32.f16 %0, lo;\n cvt.f32.f16 %1, hi;}"
+        : "=f"(v[2 * i]), "=f"(v[2 * i + 1]) : "r"(w[i]));
+}
 
 template <class T>
 __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, int g, bool vec, float (&v)[GROUP]) {
@@ -72,6 +80,14 @@ __device__ __forceinline__ void load_group(const float* __restrict__ row, int n,
     const int e = group_elem(g, k, vec);
     v[k] = e < n ? row[e] : 0.f;
   }
+}
+
+// -- ask L2 for the elements [8 * T * g, 8 * T * (g + 1)) of a row, 8 a thread: those group g of the
+//    block reads in either mapping (a hint: it holds no registers and never faults)
+template <class T>
+__device__ __forceinline__ void prefetch_l2(const T* row, int n, int g) {
+  const int e = group_elem(g, 0, true);
+  if (e < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e));
 }
 
 template <class T>
