@@ -49,6 +49,7 @@ def variant_table(kv_len):
         "alibi": (dict(pos_encoding_mode="ALIBI"), ()),
         "sinks": ({}, "sinks"),
         "user softcap": (dict(variant=USER_SOFTCAP), (30.0,)),
+        "rope": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), ()),
     }
 
 
@@ -91,6 +92,8 @@ def prefill_rows(args, hq=32, hkv=8, d=128):
             continue
         calls = {}
         for name, (opts, extra) in variant_table(length).items():
+            if name == "rope" and backend == "fa3":
+                continue              # fa3 has no fused RoPE (auto runs fa2 for it)
             if extra == "sinks":
                 opts, extra = dict(variant=sink_v), (sinks,)
             calls[name] = (lambda opts=opts, extra=extra: cuattn.single_prefill_with_kv_cache(
@@ -117,7 +120,7 @@ def compile_rows():
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CUATTN_CACHE_DIR"] = tmp
         for name, (opts, _) in variant_table(4096).items():
-            if name == "window 1k":
+            if name in ("window 1k", "rope"):
                 continue
             comp = variants.resolve("bench", num_qo_heads=32, sinks=name == "sinks", **opts).composite
             for spec in (cuattn.decode.DecodeSpec(128, "f16", "f16", variant=comp),

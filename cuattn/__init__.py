@@ -8,6 +8,9 @@ from .prefill import (BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithPa
                       BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache)
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, layernorm, rmsnorm
+from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31_rope_pos_ids,
+                   apply_llama31_rope_pos_ids_inplace, apply_rope, apply_rope_inplace, apply_rope_pos_ids,
+                   apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace)
 from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
 from .variants import Variant
 from .mask import packbits, segment_packbits
@@ -23,4 +26,7 @@ __all__ = [
     "merge_state_in_place",
     "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm",
     "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
+    "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",
+    "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace",
+    "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
 ]

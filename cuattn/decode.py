@@ -204,7 +204,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
              logits_soft_cap: float | None = None, q_data_type: Any = "float16", kv_data_type: Any = None,
              data_type: Any = None, sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, non_blocking: bool = True, *, fixed_split_size: int | None = None,
-             disable_split_kv: bool = False, check_page_indices: bool = False, variant=None) -> None:
+             disable_split_kv: bool = False, check_page_indices: bool = False, variant=None,
+             rotary_dim: int | None = None) -> None:
         """Build the work list for one decode step (reused by every layer's ``run()``).
 
         The work list goes to the GPU asynchronously on the current stream of the caller's
@@ -235,8 +236,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
         self._options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                              logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                             variant=variant)
-        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, **self._options)
+                             variant=variant, rotary_dim=rotary_dim)
+        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **self._options)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -613,7 +614,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return getattr(self, "_k_launch", None), self._bound
         hit = self._variants.get(True)
         if hit is None:
-            bound = variants.resolve(fn, num_qo_heads=self._num_qo_heads, sinks=True, **self._options)
+            bound = variants.resolve(fn, num_qo_heads=self._num_qo_heads, head_dim=self._head_dim, sinks=True,
+                                     **self._options)
             launcher = None
             if self._spec is not None and self._device is not None and self._work is not None:
                 s = self._spec
@@ -699,7 +701,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                                 use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
                                 window_left: int = -1, logits_soft_cap: float | None = None, *,
                                 sm_scale: float | None = None, rope_scale=None, rope_theta=None,
-                                return_lse: bool = False, variant=None, variant_args: tuple = (),
+                                return_lse: bool = False, variant=None, variant_args: tuple = (), rotary_dim=None,
                                 stream: Any = None):
     """Attention of one new token over one request's contiguous KV.
 
@@ -727,7 +729,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
     fn = "single_decode_with_kv_cache"
     check_kv_layout(kv_layout, fn)
     options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
+                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
+                   rotary_dim=rotary_dim)
     variants.resolve(fn, num_qo_heads=1, **{k: v for k, v in options.items() if k != "sm_scale"})
     if any(s not in (None, 1.0) for s in (q_scale, k_scale, v_scale)):
         raise UnsupportedError(f"{fn}: q_scale/k_scale/v_scale (fp8) are not implemented")

@@ -95,7 +95,8 @@ def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged:
               variant: variants.Composite = variants.DEFAULT) -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
-    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform"), paged)
+    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_rope,
+                                             paged)
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
                        variant=variant)
 
@@ -119,12 +120,12 @@ def select_backend(backend: str, fn: str) -> str:
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool) -> str:
+                    custom_mask: bool, paged: bool, rope: bool = False) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device."""
     if backend == "fa2":
         return "fa2"
-    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged)
+    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope)
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
@@ -241,7 +242,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                                  use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
                                  window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False,
-                                 *, variant=None, variant_args: tuple = (), stream=None):
+                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, stream=None):
     """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
 
     Parameters
@@ -274,7 +275,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     fn = "single_prefill_with_kv_cache"
     options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                    use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                   variant=variant)
+                   variant=variant, rotary_dim=rotary_dim)
     variants.resolve(fn, num_qo_heads=1, **options)       # options checked before any array
     check_kv_layout(kv_layout, fn)
     select_backend(backend, fn)
@@ -354,7 +355,7 @@ class _BatchPrefillBase:
             raise ValueError(f"{fn}: qo_indptr and the kv page table / kv_indptr must describe the same batch, "
                              f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
         _check_group(num_qo_heads, num_kv_heads, fn)
-        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, **options)
+        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
         if head_dim_vo not in (None, head_dim_qk):
             raise UnsupportedError(f"{fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
         qo_lens = np.diff(qo)
@@ -383,7 +384,7 @@ class _BatchPrefillBase:
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite)
         work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
-                        custom_mask=has_mask, paged=paged)      # fa3 asked where it has no kernel
+                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
@@ -394,7 +395,7 @@ class _BatchPrefillBase:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
-                                       paged=paged)
+                                       paged=paged, rope=plan["bound"].composite.has_rope)
         return self.backend
 
     def _require_plan(self, fn):
@@ -495,7 +496,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
              logits_soft_cap=None, sm_scale: float | None = None, rope_scale=None, rope_theta=None,
-             q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, variant=None) -> None:
+             q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, variant=None,
+             rotary_dim=None) -> None:
         """Build the work list for a batch.
 
         Parameters
@@ -512,7 +514,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         fn = f"{self._fn}.plan"
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                       variant=variant)
+                       variant=variant, rotary_dim=rotary_dim)
         kv = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
         if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
             raise ValueError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, got {kv[:8]}")
@@ -626,13 +628,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type="float16",
-             kv_data_type=None, non_blocking: bool = True, *, variant=None) -> None:
+             kv_data_type=None, non_blocking: bool = True, *, variant=None, rotary_dim=None) -> None:
         """Build the work list for a batch over the page table (arrays int32, host or device).
         Variant options as in ``BatchPrefillWithRaggedKVCacheWrapper.plan``."""
         fn = f"{self._fn}.plan"
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                       variant=variant, sinks=self._sinks)
+                       variant=variant, sinks=self._sinks, rotary_dim=rotary_dim)
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
         indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn).astype(np.int64)

@@ -73,7 +73,7 @@ def shipped_specs() -> list[Sm90PrefillSpec]:
 
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
-                       paged: bool) -> str | None:
+                       paged: bool, rope: bool = False) -> str | None:
     """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
@@ -85,6 +85,8 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return "fa3 has no custom-mask kernel"
     if paged:
         return "fa3 has no paged-KV kernel (BatchPrefillWithPagedKVCacheWrapper)"
+    if rope:
+        return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA')"
     return None
 
 

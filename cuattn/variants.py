@@ -51,6 +51,7 @@ import numpy as np
 from .errors import UnsupportedError
 
 HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink")
+_NUMPY_ONLY = ("qk_transform",)      # the built-in RoPE's NumPy side (its CUDA side is built into the kernels)
 # parameter kinds: C type, launcher letter (jit.Launcher), Python check
 PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
                "int*": ("const int* __restrict__", "p")}
@@ -119,7 +120,7 @@ class Variant:
             body = getattr(self, hook)
             if body is not None and not isinstance(body, str):
                 raise TypeError(f"{fn}: {hook} must be a CUDA function body (str), got {type(body).__name__}")
-        unknown = set(self.numpy) - set(HOOKS)
+        unknown = set(self.numpy) - set(HOOKS) - set(_NUMPY_ONLY)
         if unknown:
             raise ValueError(f"{fn}: numpy hooks must be named from {HOOKS}, got {sorted(unknown)}")
         if self.row_state is not None and self.logits_transform is None:
@@ -183,6 +184,29 @@ ALIBI = Variant(
     numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_heads"])[pos.qo_head_idx]
            * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
 
+# Fused RoPE (pos_encoding_mode="ROPE_LLAMA"): q rotated at its position (qo_pos; kv_len - 1 in
+# decode), each key at its own, NeoX / Llama pairs (j, j + rotary_dim / 2), kernels_cu/common/rope.cuh's
+# formula and float-float frequencies (rope.py's _kernel_freq: 10 floats). Query and key transforms are
+# built in only: the kernels rotate K tiles in shared memory (variant.cuh rope_rotate_rows).
+_ROPE_FREQ = ("rope_step_hi", "rope_step_lo", "rope_sa_hi", "rope_sa_lo", "rope_sb_hi", "rope_sb_lo",
+              "rope_scaled_pi_hi", "rope_scaled_pi_lo", "rope_unscaled_pi_hi", "rope_unscaled_pi_lo")
+
+
+def _rope_np(p, x, pos):
+    """x [n, heads, head_dim] rotated at positions pos [n] (float64 math, float32 out)."""
+    rot, half = p["rotary_dim"], p["rotary_dim"] // 2
+    inv_freq = (1.0 / p["rope_scale"]) * (1.0 / p["rope_theta"]) ** (2.0 * np.arange(half) / rot)
+    ang = np.asarray(pos, np.float64)[:, None] * inv_freq[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    y = x.astype(np.float64)
+    a, b = y[..., :half].copy(), y[..., half:rot].copy()
+    y[..., :half], y[..., half:rot] = a * c - b * s, b * c + a * s
+    return y.astype(np.float32)
+
+
+ROPE_LLAMA = Variant("rope", params=tuple((n, "float") for n in _ROPE_FREQ) + (("rotary_dim", "int"),),
+                     numpy={"qk_transform": _rope_np})
+
 SINK = Variant(
     "sink", params=(("sinks", "float*"),),
     sink="return params.sinks[qo_head_idx];",
@@ -218,6 +242,10 @@ class Composite:
         return any(getattr(v, hook) is not None for v in self.pieces)
 
     @property
+    def has_rope(self) -> bool:
+        return any(v is ROPE_LLAMA for v in self.pieces)
+
+    @property
     def use_softmax(self) -> bool:
         return all(v.use_softmax for v in self.pieces)
 
@@ -238,6 +266,10 @@ class Composite:
         """The factor the kernels apply to a raw dot product before exp2: the logits transform
         sees natural-unit logits (the kernel multiplies by sm_scale first), so only log2(e) is left."""
         return LOG2E if self.has("logits_transform") else sm_scale * LOG2E
+
+    def numpy_qk_transform(self):
+        """The built-in RoPE's NumPy rotation (values, x, positions) -> rotated x, or None."""
+        return _rope_np if self.has_rope else None
 
     def prelude(self, tu_name: str) -> str:
         """CUDA source put before the kernel file: the helpers of ``common/variant_base.cuh``, the
@@ -292,11 +324,13 @@ class Composite:
                   f"constexpr bool HAS_KV_BEGIN = {str(bool(b)).lower()};",
                   f"constexpr bool HAS_SINK = {str(bool(s)).lower()};",
                   f"constexpr bool USE_SOFTMAX = {str(self.use_softmax).lower()};",
-                  "constexpr bool NEEDS_POSITION = HAS_TRANSFORM || HAS_MASK || HAS_KV_BEGIN;",
+                  f"constexpr bool HAS_ROPE = {str(self.has_rope).lower()};",
+                  "constexpr bool NEEDS_POSITION = HAS_TRANSFORM || HAS_MASK || HAS_KV_BEGIN || HAS_ROPE;",
                   "}}  // namespace cuattn::variant"]
         decl = "".join(f", {PARAM_KINDS[k][0]} vp_{n}" for n, k in self.params)
         init = "".join(f", vp_{n}" for n, _ in self.params)
-        lines += [f"#define CUATTN_VARIANT_ARGS , float vp_sm_scale{decl}",
+        lines += [f"#define CUATTN_VARIANT_ROPE {int(self.has_rope)}",
+                  f"#define CUATTN_VARIANT_ARGS , float vp_sm_scale{decl}",
                   f"#define CUATTN_VARIANT_PARAMS {{vp_sm_scale{init}}}", ""]
         return "\n".join(lines)
 
@@ -386,7 +420,8 @@ class Bound:
 
 def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", window_left: Any = -1,
             logits_soft_cap: Any = None, use_fp16_qk_reduction: Any = False, rope_scale: Any = None,
-            rope_theta: Any = None, variant: Variant | None = None, sinks: bool = False) -> Bound:
+            rope_theta: Any = None, variant: Variant | None = None, sinks: bool = False,
+            head_dim: int | None = None, rotary_dim: Any = None) -> Bound:
     """The one option check: FlashInfer's attention options and a user variant -> a Bound variant.
 
     Order of the pieces: user variant, ALiBi, soft-cap (applied to the biased logits), window,
@@ -402,14 +437,14 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
         pieces.append(ALIBI)
         p = 1 << (int(num_qo_heads).bit_length() - 1)
         fixed.update(alibi_heads=int(num_qo_heads), alibi_p=p, alibi_a=-8.0 / p, alibi_b=-4.0 / p)
-    elif mode in ("ROPE_LLAMA",):
-        raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) has no kernel yet; apply RoPE "
-                               f"to q and k before the call (supported: 'NONE', 'ALIBI')")
+    elif mode == "ROPE_LLAMA":
+        pieces.append(ROPE_LLAMA)
+        fixed.update(_rope_values(fn, head_dim, rotary_dim, rope_scale, rope_theta))
     elif mode != "NONE":
         raise ValueError(f"{fn}: pos_encoding_mode must be 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {pos_encoding_mode!r}")
-    if rope_scale is not None or rope_theta is not None:
-        raise UnsupportedError(f"{fn}: rope_scale / rope_theta belong to pos_encoding_mode='ROPE_LLAMA', which has "
-                               f"no kernel yet")
+    if mode != "ROPE_LLAMA" and (rope_scale is not None or rope_theta is not None or rotary_dim is not None):
+        raise ValueError(f"{fn}: rope_scale / rope_theta / rotary_dim belong to pos_encoding_mode='ROPE_LLAMA', "
+                         f"got pos_encoding_mode={pos_encoding_mode!r}")
     if logits_soft_cap not in (None, 0, 0.0):
         cap = _number(logits_soft_cap, "logits_soft_cap", fn)
         if not cap > 0 or not math.isfinite(cap):
@@ -434,6 +469,29 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
     composite = Composite(tuple(pieces))
     runtime = tuple(n for n, _ in composite.params if n not in fixed)
     return Bound(composite, fixed, runtime)
+
+
+def _rope_values(fn, head_dim, rotary_dim, rope_scale, rope_theta) -> dict:
+    """The fixed parameters of the fused RoPE: rotary_dim (default head_dim) a power of two >= 16
+    and <= head_dim (the kernels rotate 8-element chunk pairs, a fixed chunk per thread), and
+    rope.cuh's float-float frequencies."""
+    from .rope import _Freq, _kernel_freq
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot is None:      # head_dim unknown yet (an options pre-check): checked again with it
+        return {}
+    if isinstance(rot, bool) or not isinstance(rot, (int, np.integer)):
+        raise TypeError(f"{fn}: rotary_dim must be an int, got {rotary_dim!r}")
+    rot = int(rot)
+    if rot < 16 or rot & (rot - 1) or (head_dim is not None and rot > head_dim):
+        raise UnsupportedError(f"{fn}: rotary_dim={rot} has no fused-RoPE kernel; supported: a power of two from 16 "
+                               f"to head_dim={head_dim}")
+    scale = 1.0 if rope_scale is None else _number(rope_scale, "rope_scale", fn)
+    theta = 1e4 if rope_theta is None else _number(rope_theta, "rope_theta", fn)
+    if not (scale > 0 and theta > 0 and math.isfinite(scale) and math.isfinite(theta)):
+        raise ValueError(f"{fn}: rope_scale and rope_theta must be positive finite floats, got {rope_scale!r}, "
+                         f"{rope_theta!r}")
+    return {**dict(zip(_ROPE_FREQ, _kernel_freq(_Freq(scale, theta), rot))), "rotary_dim": rot,
+            "rope_scale": scale, "rope_theta": theta}
 
 
 def _number(x, name, fn) -> float:

@@ -326,6 +326,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     }
     *reinterpret_cast<uint4*>(q_s + r * SROW + c * 16) = val;
   }
+#if CUATTN_VARIANT_ROPE
+  // -- fused RoPE: the query rows at position kv_len - 1 (each thread keeps one chunk pair for q and K)
+  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16));
+  __syncthreads();
+  rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(q_s + r * SROW + c * 16); },
+                         [&](int) { return int64_t(kv_len - 1); }, M_TILE, tid, THREADS, vp, rc);
+#endif
   if (TMA) __syncthreads();   // the cp.async loop's first barrier publishes q_s otherwise
 
   float acc[HEAD_DIM / 8][4];
@@ -376,6 +383,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     }
 #endif
 
+#if CUATTN_VARIANT_ROPE
+    // -- fused RoPE: this warp's 16 key rows, each at its own position
+    rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); },
+                           [&](int r) { return int64_t(tok0 + r); }, WARP_N, lane, 32, vp, rc);
+    __syncwarp();
+#endif
     // -- S = Q K^T for 16 heads x 16 tokens (two n8 tiles)
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     {

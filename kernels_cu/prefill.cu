@@ -323,6 +323,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
                                     qo_len, kv_len);
     }
 
+#if CUATTN_VARIANT_ROPE
+  // -- fused RoPE: the Q rows at their positions once group 0 (Q with K0) has landed; each thread
+  //    keeps one chunk pair for Q and every K tile
+  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16));
+  cp_async_wait<2 * STAGES - 1>();
+  __syncthreads();
+  rope_rotate_rows<dtype_t>([&](int r, int c) { return sQ + swz(r, c); },
+                            [&](int r) { return int64_t(min(row0 + r, max(packed_rows, 1) - 1) / group + causal_shift); },
+                            BLOCK_M, tid, NUM_THREADS, vp, rc);
+#endif
+
   for (int it = 0; it < num_tiles; ++it) {
     const int kv0 = kv_lo + it * BLOCK_N;     // first key of the tile
     const int stage = it % STAGES;
@@ -359,6 +370,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
 #endif
 
+#if CUATTN_VARIANT_ROPE
+    // -- fused RoPE: the K tile's rows at their positions (the barrier above made them visible)
+    rope_rotate_rows<dtype_t>([&](int r, int c) { return sKs + swz(r, c); }, [&](int r) { return int64_t(kv0 + r); },
+                              BLOCK_N, tid, NUM_THREADS, vp, rc);
+    __syncthreads();
+#endif
     // -- S = Q K^T
     float s[NUM_MMA_Q][BLOCK_N / 8][4];
 #pragma unroll

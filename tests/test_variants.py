@@ -2,6 +2,8 @@
 user-defined variants, on the NumPy path and (marker gpu) in every kernel, against the independent
 float64 oracle in tests/oracle.py."""
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -71,11 +73,11 @@ def test_variant_rejects_bad_descriptions():
 
 def test_resolve_refuses_options_without_kernel_and_bad_values():
     fn = "f"
-    with pytest.raises(UnsupportedError, match="ROPE_LLAMA"):
-        variants.resolve(fn, num_qo_heads=8, pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(UnsupportedError, match="rotary_dim=96 has no fused-RoPE kernel"):
+        variants.resolve(fn, num_qo_heads=8, pos_encoding_mode="ROPE_LLAMA", head_dim=128, rotary_dim=96)
     with pytest.raises(UnsupportedError, match="use_fp16_qk_reduction"):
         variants.resolve(fn, num_qo_heads=8, use_fp16_qk_reduction=True)
-    with pytest.raises(UnsupportedError, match="rope_scale"):
+    with pytest.raises(ValueError, match="rope_scale / rope_theta / rotary_dim belong"):
         variants.resolve(fn, num_qo_heads=8, rope_theta=1e4)
     with pytest.raises(ValueError, match="pos_encoding_mode"):
         variants.resolve(fn, num_qo_heads=8, pos_encoding_mode="XPOS")
@@ -377,3 +379,83 @@ def test_window_decode_skips_split_pieces_outside_the_window_on_gpu():
     out, lse = w.run(cp.asarray(q), (cp.asarray(kc), cp.asarray(vc)), return_lse=True)
     want, want_lse = variant_attention(q, *per_req[0], window_left=100)
     _check(cp.asnumpy(out), want, cp.asnumpy(lse), want_lse)
+
+
+# ---------------------------------------------------------------------------- fused RoPE
+
+
+def _rope_ref(x, pos, rotary_dim, scale=1.0, theta=1e4):
+    """float64 Llama / NeoX rotation of x [n, heads, d] at positions pos [n], written out directly."""
+    x = np.asarray(x, np.float64).copy()
+    half = rotary_dim // 2
+    for i, p in enumerate(pos):
+        for j in range(half):
+            ang = p / scale / theta ** (2 * j / rotary_dim)
+            a, b = x[i, :, j].copy(), x[i, :, j + half].copy()
+            x[i, :, j] = a * math.cos(ang) - b * math.sin(ang)
+            x[i, :, j + half] = b * math.cos(ang) + a * math.sin(ang)
+    return x
+
+
+def _rope_oracle(q, k, v, rotary_dim, causal, scale=1.0, theta=1e4):
+    qo, kv = q.shape[0], k.shape[0]
+    qr = _rope_ref(q, np.arange(qo) + kv - qo, rotary_dim, scale, theta)
+    kr = _rope_ref(k, np.arange(kv), rotary_dim, scale, theta)
+    return variant_attention(qr, kr, v, causal=causal)
+
+
+ROPE_CASES = [(64, None), (128, None), (128, 64)]     # (head_dim, rotary_dim)
+
+
+@pytest.mark.parametrize("d,rot", ROPE_CASES, ids=lambda x: str(x))
+def test_fused_rope_matches_oracle_on_cpu(d, rot):
+    rng = np.random.default_rng(31)
+    q, k, v = _rand(rng, (5, 8, d)), _rand(rng, (70, 2, d)), _rand(rng, (70, 2, d))
+    out = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA", rotary_dim=rot,
+                                              rope_theta=5e5, rope_scale=2.0)
+    _check(out, _rope_oracle(q, k, v, rot or d, True, 2.0, 5e5)[0])
+    dec = cuattn.single_decode_with_kv_cache(q[0], k, v, pos_encoding_mode="ROPE_LLAMA", rotary_dim=rot)
+    _check(dec[None], _rope_oracle(q[:1], k, v, rot or d, False)[0])
+
+
+def test_fused_rope_refusals():
+    q = np.zeros((3, 4, 64), np.float16)
+    with pytest.raises(UnsupportedError, match="rotary_dim=48"):
+        cuattn.single_prefill_with_kv_cache(q, q, q, pos_encoding_mode="ROPE_LLAMA", rotary_dim=48)
+    with pytest.raises(UnsupportedError, match="fa3 has no fused RoPE"):
+        cuattn.single_prefill_with_kv_cache(np.zeros((3, 4, 128), np.float16), np.zeros((3, 4, 128), np.float16),
+                                            np.zeros((3, 4, 128), np.float16), pos_encoding_mode="ROPE_LLAMA",
+                                            backend="fa3")
+    with pytest.raises(ValueError, match="belong to pos_encoding_mode='ROPE_LLAMA'"):
+        cuattn.single_prefill_with_kv_cache(q, q, q, rope_theta=1e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,rot", ROPE_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fused_rope_decode_and_prefill_match_oracle_on_gpu(d, rot, page_size):
+    """Decode (cp.async kernel at page 1, TMA at page 16 on sm_90) and paged / ragged fa2 prefill."""
+    cp = _cp()
+    rng = np.random.default_rng(37)
+    lens, qlens, hq, hkv = [300, 45, 2000], [20, 1, 7], 16, 4
+    indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, page_size, hkv, d)
+    kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+    opts = dict(pos_encoding_mode="ROPE_LLAMA", rotary_dim=rot, rope_theta=5e5)
+    # decode
+    qd = _rand(rng, (3, hq, d))
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(indptr, indices, last, hq, hkv, d, page_size, **opts)
+    out = _poisoned_like(cp, qd.shape, np.float16)
+    w.run(cp.asarray(qd), (kc_d, vc_d), out=out)
+    for b, (k, v) in enumerate(per_req):
+        _check(cp.asnumpy(out)[b:b + 1], _rope_oracle(qd[b:b + 1], k, v, rot or d, False, 1.0, 5e5)[0])
+    # paged prefill (fa2), causal
+    qo_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    qp = _rand(rng, (qo_indptr[-1], hq, d))
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=True, **opts)
+    out = _poisoned_like(cp, qp.shape, np.float16)
+    wp.run(cp.asarray(qp), (kc_d, vc_d), out=out)
+    for b, (k, v) in enumerate(per_req):
+        sl = slice(qo_indptr[b], qo_indptr[b + 1])
+        _check(cp.asnumpy(out)[sl], _rope_oracle(qp[sl], k, v, rot or d, True, 1.0, 5e5)[0])

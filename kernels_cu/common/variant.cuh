@@ -9,6 +9,9 @@
 //   finish_row() for a row's output scale and LSE: the sink joins the denominator there.
 // Plain attention (no hooks) compiles to the kernels' previous code: every branch is constexpr.
 #pragma once
+#if CUATTN_VARIANT_ROPE
+#include "common/rope.cuh"
+#endif
 
 namespace cuattn {
 
@@ -56,5 +59,49 @@ __device__ __forceinline__ RowEnd finish_row(const variant::Params& vp, float m,
   if (l > 0.f) return {1.f / l, (m + __log2f(l)) * VARIANT_LN2};
   return {0.f, neg_inf};
 }
+
+#if CUATTN_VARIANT_ROPE
+// -- fused RoPE (pos_encoding_mode="ROPE_LLAMA"): NeoX / Llama pairs (j, j + rotary_dim / 2) of a row
+//    held in shared memory as 16-byte chunks of 8 elements; chunk c (< nc = rotary_dim / 16) pairs
+//    with chunk c + nc. A thread keeps one c for every row it rotates (its index % nc: the kernels'
+//    thread counts are multiples of nc), so the 8 pairs' frequencies are computed once per kernel.
+struct RopeCols {
+  ff32 half_turns[8];   // rope.cuh's rope_half_turns of pairs 8c .. 8c + 7
+};
+__device__ __forceinline__ RopeCols rope_cols(const variant::Params& p, int c) {
+  const RopeFreq f{{p.rope_step_hi, p.rope_step_lo}, {p.rope_sa_hi, p.rope_sa_lo}, {p.rope_sb_hi, p.rope_sb_lo},
+                   {p.rope_scaled_pi_hi, p.rope_scaled_pi_lo}, {p.rope_unscaled_pi_hi, p.rope_unscaled_pi_lo}};
+  RopeCols rc;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) rc.half_turns[e] = rope_half_turns(8 * c + e, f);
+  return rc;
+}
+// rotate the chunk pair (lo at shared address lo, hi at hi; T the 16-bit element type) of a row at pos
+template <class T>
+__device__ __forceinline__ void rope_rotate_chunks(uint32_t lo, uint32_t hi, int64_t pos, const RopeCols& rc) {
+  uint32_t a[4], b[4];
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(lo));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(hi));
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 x = unpack2<T>(a[w]), y = unpack2<T>(b[w]);
+    const float2 r0 = rope_rotate(x.x, y.x, rope_cos_sin(pos, rc.half_turns[2 * w]));
+    const float2 r1 = rope_rotate(x.y, y.y, rope_cos_sin(pos, rc.half_turns[2 * w + 1]));
+    a[w] = pack2<T>(r0.x, r1.x);
+    b[w] = pack2<T>(r0.y, r1.y);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]));
+}
+// rotate rows [0, rows) of a tile whose chunk (row, c) sits at shared address addr(row, c), row r at
+// position pos0 + r (pos_of(r) when given), threads idx0, idx0 + step, ... (step a multiple of nc)
+template <class T, class Addr, class Pos>
+__device__ __forceinline__ void rope_rotate_rows(Addr addr, Pos pos_of, int rows, int idx0, int step,
+                                                 const variant::Params& vp, const RopeCols& rc) {
+  const int nc = vp.rotary_dim / 16;
+  const int c = idx0 % nc;
+  for (int r = idx0 / nc; r < rows; r += step / nc) rope_rotate_chunks<T>(addr(r, c), addr(r, c + nc), pos_of(r), rc);
+}
+#endif
 
 }  // namespace cuattn
