@@ -15,22 +15,20 @@ def dense_attention(q, k, v, sm_scale=None, causal=False, mask=None):
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = np.zeros((qo, hq, dv))
     lse = np.full((qo, hq), -np.inf)
-    for h in range(hq):
+    allowed = np.ones((qo, kv), bool)
+    if causal:
+        allowed &= np.arange(kv)[None, :] - (kv - qo) <= np.arange(qo)[:, None]
+    if mask is not None:
+        allowed &= mask
+    any_key = allowed.any(axis=1)
+    for h in range(hq):                          # rows vectorized per head (float64 throughout)
         kh = h // (hq // hkv)
-        s = q[:, h, :] @ k[:, kh, :].T * scale
-        allowed = np.ones((qo, kv), bool)
-        if causal:
-            allowed &= np.arange(kv)[None, :] - (kv - qo) <= np.arange(qo)[:, None]
-        if mask is not None:
-            allowed &= mask
-        for i in range(qo):
-            row = s[i][allowed[i]]
-            if row.size == 0:
-                continue
-            mx = row.max()
-            w = np.exp(s[i] - mx) * allowed[i]
-            out[i, h] = w @ v[:, kh, :] / w.sum()
-            lse[i, h] = mx + math.log(w.sum())
+        s = np.where(allowed, q[:, h, :] @ k[:, kh, :].T * scale, -np.inf)
+        mx = np.where(any_key, s.max(axis=1, initial=-np.inf), 0.0)
+        w = np.exp(s - mx[:, None])              # 0 where not allowed
+        tot = w.sum(axis=1)
+        out[any_key, h] = (w @ v[:, kh, :])[any_key] / tot[any_key, None]
+        lse[any_key, h] = mx[any_key] + np.log(tot[any_key])
     return out, lse
 
 

@@ -227,8 +227,8 @@ def test_unsupported_options_raise():
     q = np.zeros((4, 4, 64), np.float16)
     with pytest.raises(UnsupportedError, match="fa3"):
         cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
-    with pytest.raises(UnsupportedError, match="ROPE_LLAMA"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(UnsupportedError, match="use_fp16_qk_reduction"):
+        cuattn.single_prefill_with_kv_cache(q, q, q, use_fp16_qk_reduction=True)
     with pytest.raises(ValueError, match="backend must be"):
         cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="triton")
     assert cuattn.BatchPrefillWithPagedKVCacheWrapper().backend == "fa2"
