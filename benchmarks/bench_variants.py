@@ -10,7 +10,8 @@ is a real 1024-token window (less work: faster than plain). Ratios are to plain 
 Compile: one cold NVRTC compile (empty cache dir) and one warm load of each variant's decode and
 fa2 prefill spec for this device's arch, in seconds.
 
-    python benchmarks/bench_variants.py [--reps 30] [--rounds 3] [--out results.json]
+    python benchmarks/bench_variants.py [--reps 30] [--rounds 3] [--variants rope ...] [--no-compile]
+        [--out results.json]
 """
 from __future__ import annotations
 
@@ -39,9 +40,12 @@ USER_SOFTCAP = cuattn.Variant("user_softcap", params=(("cap", "float"),),
                               logits_transform="return params.cap * fast_tanh(logits * (1.f / params.cap));")
 
 
+ONLY: list = []     # --variants: the names to time (plain always), default all
+
+
 def variant_table(kv_len):
     """name -> (plan options, run() extra args, run() sinks); sinks are made per shape."""
-    return {
+    table = {
         "plain": ({}, ()),
         "softcap": (dict(logits_soft_cap=30.0), ()),
         "window": (dict(window_left=kv_len), ()),
@@ -51,6 +55,7 @@ def variant_table(kv_len):
         "user softcap": (dict(variant=USER_SOFTCAP), (30.0,)),
         "rope": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), ()),
     }
+    return {k: v for k, v in table.items() if not ONLY or k == "plain" or k in ONLY}
 
 
 def decode_rows(args, flush, hq=32, hkv=8, d=128, page=16):
@@ -145,11 +150,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="*", default=[], help="names to time besides plain (default: all)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compile-time rows")
     ap.add_argument("--out")
     args = ap.parse_args()
+    ONLY[:] = args.variants
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# {dev}, cuattn {cuattn.__version__}, NVRTC {jit.nvrtc_version()}, {datetime.date.today()}")
-    compile_res = compile_rows()
+    compile_res = [] if args.no_compile else compile_rows()
     flush = l2_flush()
     res = dict(device=dev, date=str(datetime.date.today()), method=__doc__, compile=compile_res,
                decode=decode_rows(args, flush), prefill=prefill_rows(args))

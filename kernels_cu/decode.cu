@@ -328,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   }
 #if CUATTN_VARIANT_ROPE
   // -- fused RoPE: the query rows at position kv_len - 1 (each thread keeps one chunk pair for q and K)
-  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16));
+  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16), 32 / (vp.rotary_dim / 16));
   __syncthreads();
   rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(q_s + r * SROW + c * 16); },
                          [&](int) { return int64_t(kv_len - 1); }, M_TILE, tid, THREADS, vp, rc);
@@ -385,8 +385,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 
 #if CUATTN_VARIANT_ROPE
     // -- fused RoPE: this warp's 16 key rows, each at its own position
-    rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); },
-                           [&](int r) { return int64_t(tok0 + r); }, WARP_N, lane, 32, vp, rc);
+    rope_rotate_rows_linear<kv_t>(
+        [&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); }, tok0, WARP_N, lane,
+        32, vp, rc);
     __syncwarp();
 #endif
     // -- S = Q K^T for 16 heads x 16 tokens (two n8 tiles)

@@ -326,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #if CUATTN_VARIANT_ROPE
   // -- fused RoPE: the Q rows at their positions once group 0 (Q with K0) has landed; each thread
   //    keeps one chunk pair for Q and every K tile
-  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16));
+  const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16), NUM_THREADS / (vp.rotary_dim / 16));
   cp_async_wait<2 * STAGES - 1>();
   __syncthreads();
   rope_rotate_rows<dtype_t>([&](int r, int c) { return sQ + swz(r, c); },
@@ -372,8 +372,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 
 #if CUATTN_VARIANT_ROPE
     // -- fused RoPE: the K tile's rows at their positions (the barrier above made them visible)
-    rope_rotate_rows<dtype_t>([&](int r, int c) { return sKs + swz(r, c); }, [&](int r) { return int64_t(kv0 + r); },
-                              BLOCK_N, tid, NUM_THREADS, vp, rc);
+    rope_rotate_rows_linear<dtype_t>([&](int r, int c) { return sKs + swz(r, c); }, kv0, BLOCK_N, tid, NUM_THREADS,
+                                     vp, rc);
     __syncthreads();
 #endif
     // -- S = Q K^T
