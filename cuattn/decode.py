@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays, jit, plan as _plan, reference, support, variants
+from .params import Params
 from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 
@@ -118,22 +119,23 @@ def _num_sms(device: int) -> int:
 #   tma: True / False forces the TMA kernel on or off (None: wherever it has a kernel).
 _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
-# kernel parameters (decode.cu), grouped by how long they hold: the plan's (4 pointers, 5 int32,
-# the scale, the counters, ids_in_plan, the requests' kv lengths), the cache's (K, V, 3 strides
-# [+ the K and V tensor maps]), the call's (q, out, lse, 4 strides), then the variant's
-# (variants.Composite.arg_kinds: sm_scale and its parameters)
-_PLAN_ARGS, _CACHE_ARGS, _CALL_ARGS = "pppp" "iiiii" "f" "p" "i" "p", "pp" "qqq", "ppp" "qqqq"
-_KERNEL_ARGS = _PLAN_ARGS + _CACHE_ARGS + _CALL_ARGS
-_KERNEL_ARGS_TMA = _PLAN_ARGS + _CACHE_ARGS + "tt" + _CALL_ARGS
+# kernel parameters (decode.cu's signatures), grouped by how long they hold: the plan's (work ..
+# req_kv_len), the cache's (k_cache .. s_head [+ the K and V tensor maps]), the call's (q .. o_s_h),
+# then the variant's (variants.Composite.arg_kinds: sm_scale and its parameters)
+_PLAN = ("work:p kv_indices:p part_o:p part_lse:p page_size:i page_shift:i num_qo_heads:i group:i m_tiles:i "
+         "scale_log2:f counters:p ids_in_plan:i req_kv_len:p ")
+_CACHE, _MAPS = "k_cache:p v_cache:p s_page:q s_tok:q s_head:q ", "tmap_k:t tmap_v:t "
+_CALL = "q:p out:p lse:p q_s_b:q q_s_h:q o_s_b:q o_s_h:q"
+PARAMS = {tma: Params.define(_ENTRY, _PLAN + _CACHE + (_MAPS if tma else "") + _CALL) for tma in (False, True)}
+MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p part_o:p part_lse:p out:p lse:p o_s_b:q o_s_h:q num_qo_heads:i")
 _ALIGN = {"q": 16, "out": 8, "lse": 4}      # bytes the kernels move at a time through run()'s arrays
-_MERGE_ARGS = "ppppp" "qq" "i"
 
 
 def _launchers(spec: DecodeSpec, device: int):
     """(decode kernel, merge kernel) launchers; the kernel's shared memory set at first use."""
-    kinds = (_KERNEL_ARGS_TMA if spec.tma else _KERNEL_ARGS) + spec.variant.arg_kinds
+    kinds = PARAMS[spec.tma].kinds + spec.variant.arg_kinds
     return (jit.get_launcher(spec, _ENTRY, device, kinds, spec.smem_bytes),
-            jit.get_launcher(spec, _MERGE_ENTRY, device, _MERGE_ARGS))
+            jit.get_launcher(spec, _MERGE_ENTRY, device, MERGE_PARAMS.kinds))
 
 
 @functools.lru_cache(maxsize=256)      # every layer's cache: hit after the first step
@@ -448,10 +450,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # split requests are merged inside the decode kernel (last piece to finish) unless the
         # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
         fuse = self._tuned("fuse_merge")
-        self._plan_args = (self._work_ptr, self._indices_ptr, self._part_o, self._part_lse, self._page_size,
-                           _page_shift(self._page_size), self._num_qo_heads, self._group, self._m_tiles,
-                           self._spec.variant.scale_log2(self._sm_scale), self._counters_ptr if fuse else 0,
-                           self._ids_in_plan, self._kv_lens_ptr)
+        self._plan_args = PARAMS[self._spec.tma].group(
+            "work", "req_kv_len", work=self._work_ptr, kv_indices=self._indices_ptr, part_o=self._part_o,
+            part_lse=self._part_lse, page_size=self._page_size, page_shift=_page_shift(self._page_size),
+            num_qo_heads=self._num_qo_heads, group=self._group, m_tiles=self._m_tiles,
+            scale_log2=self._spec.variant.scale_log2(self._sm_scale), counters=self._counters_ptr if fuse else 0,
+            ids_in_plan=self._ids_in_plan, req_kv_len=self._kv_lens_ptr)
         self._variants = {}
         self._m_launch = merge if self._has_merge and not fuse else None
         self._fixed_vargs = self._bound.kernel_args(self._sm_scale, self._bound.fixed, "plan") \
@@ -600,7 +604,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         maps = () if not self._spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
             kv.stride_slot, kv.stride_head)
-        view = kv.num_pages, (kv.k.ptr, kv.v.ptr, kv.stride_page, kv.stride_slot, kv.stride_head) + maps
+        cache = dict(k_cache=kv.k.ptr, v_cache=kv.v.ptr, s_page=kv.stride_page, s_tok=kv.stride_slot,
+                     s_head=kv.stride_head)
+        if maps:
+            cache.update(tmap_k=maps[0], tmap_v=maps[1])
+        view = kv.num_pages, PARAMS[self._spec.tma].group("k_cache", "tmap_v" if maps else "s_head", **cache)
         if None not in key:      # CuPy / PyTorch arrays (a JAX array is waited on by every run())
             if len(self._kv_memo) >= 1024:
                 self._kv_memo.clear()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays, jit, prefill_sm90, reference, support, variants
+from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
@@ -191,8 +192,11 @@ def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarr
 # ---------------------------------------------------------------------------- launch
 
 
-# kernel parameters: 12 pointers, 6 int32, 10 int64, 1 float32 (see prefill.cu)
-_ARG_KINDS = "p" * 12 + "i" * 6 + "q" * 10 + "f"
+# kernel parameters (prefill.cu's signature), then the variant's (variants.Composite.arg_kinds)
+PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p mask:p "
+                               "mask_indptr:p work:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
+                               "page_rows:i q_s_tok:q q_s_head:q k_s_tok:q k_s_head:q k_s_page:q v_s_tok:q v_s_head:q "
+                               "v_s_page:q o_s_tok:q o_s_head:q scale_log2:f")
 
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
@@ -203,16 +207,18 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
     ``variant_args`` = variants.Bound.kernel_args (sm_scale first)."""
     if num_work == 0 or num_kv_heads == 0:
         return
-    launch = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS + spec.variant.arg_kinds, spec.smem_bytes)
+    launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     if meta is None:
         meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
-    args = (q.ptr, k_ptr, v_ptr, out.ptr, lse_ptr, *meta,
-            single[0], single[1], group, page_size,
-            page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
-            k_strides[2] // k_strides[0] if k_strides[0] else 0,
-            q.strides[0], q.strides[1], k_strides[0], k_strides[1], k_strides[2],
-            v_strides[0], v_strides[1], v_strides[2], out.strides[0], out.strides[1],
-            spec.variant.scale_log2(sm_scale), *variant_args)
+    args = PARAMS.pack(
+        q=q.ptr, k=k_ptr, v=v_ptr, o=out.ptr, lse=lse_ptr,
+        **dict(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work"), meta)),
+        single_qo_len=single[0], single_kv_len=single[1], group=group, page_size=page_size,
+        page_shift=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
+        page_rows=k_strides[2] // k_strides[0] if k_strides[0] else 0, q_s_tok=q.strides[0], q_s_head=q.strides[1],
+        k_s_tok=k_strides[0], k_s_head=k_strides[1], k_s_page=k_strides[2], v_s_tok=v_strides[0],
+        v_s_head=v_strides[1], v_s_page=v_strides[2], o_s_tok=out.strides[0], o_s_head=out.strides[1],
+        scale_log2=spec.variant.scale_log2(sm_scale)) + tuple(variant_args)
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
 

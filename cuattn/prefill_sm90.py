@@ -18,6 +18,7 @@ import numpy as np
 
 
 from . import jit, variants
+from .params import Params
 
 _SOURCE = "prefill_sm90.cu"
 _ENTRY = "cuattn_prefill_sm90"
@@ -25,8 +26,10 @@ ARCH = "sm_90a"
 HEAD_DIM = 128
 BLOCK_M = 128
 NUM_THREADS = 384
-# kernel parameters: 2 tensor maps, 6 pointers, 4 int32, 4 int64, 1 float32 (see prefill_sm90.cu)
-_ARG_KINDS = "tt" + "p" * 6 + "i" * 4 + "q" * 4 + "f"
+# kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
+PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p work:p single_qo_len:i "
+                               "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
+                               "scale_log2:f")
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,10 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
         return
     tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
     tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
-    launcher = jit.get_launcher(spec, _ENTRY, ctx.device, _ARG_KINDS + spec.variant.arg_kinds, spec.smem_bytes)
-    launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, tk, tv, q.ptr, out.ptr, lse_ptr, *meta,
-             single[0], single[1], group, q.shape[1], q.strides[0], q.strides[1], out.strides[0], out.strides[1],
-             spec.variant.scale_log2(sm_scale), *variant_args, pdl=pdl)
+    launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
+    args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
+                       **dict(zip(("qo_indptr", "kv_indptr", "work"), meta)), single_qo_len=single[0],
+                       single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
+                       q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
+                       scale_log2=spec.variant.scale_log2(sm_scale))
+    launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, *args, *variant_args, pdl=pdl)

@@ -1,4 +1,5 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
+// Parameters: mirrored by decode.py PARAMS / MERGE_PARAMS (by name; tests/test_params.py checks the two agree).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), STAGES (cp.async depth),
 //   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), TMA (0 | 1, sm_90 only: see below).
 //

@@ -1,4 +1,5 @@
 // prefill.cu — launched by cuattn/prefill.py (PrefillSpec); the portable "fa2" backend (sm_80+).
+// Parameters: mirrored by prefill.py PARAMS (by name; tests/test_params.py checks the two agree).
 // Compile-time: HEAD_DIM (64 | 128 | 256), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1),
 //   CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp), BLOCK_N (keys per tile),
 //   STAGES (K/V tiles in flight, >= 2).

@@ -1,4 +1,5 @@
 // prefill_sm90.cu — launched by cuattn/prefill_sm90.py (Sm90PrefillSpec); the Hopper "fa3" backend
+// Parameters: mirrored by prefill_sm90.py PARAMS (by name; tests/test_params.py checks the two agree).
 // (sm_90a only: wgmma, TMA, setmaxnreg).
 // Compile-time: HEAD_DIM (128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (128),
 //   STAGES (K/V tiles in flight, >= 2).
