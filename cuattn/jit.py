@@ -283,8 +283,12 @@ def precompile(jobs, workers: int | None = None, progress=None) -> int:
     order. Returns how many were compiled (the rest came from the cache)."""
     import concurrent.futures
     import multiprocessing
+    import sys
     jobs = list(jobs)
     workers = workers or os.cpu_count() or 1
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is None or main_file.startswith("<"):
+        workers = 1      # spawned workers re-import __main__: impossible for stdin / interactive code
     compiled = 0
     if workers <= 1 or len(jobs) <= 1:
         results = map(_compile_job, jobs)

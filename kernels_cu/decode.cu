@@ -40,6 +40,7 @@
 // split (plan()).
 #include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
+#include "common/softmax.cuh"
 #include "common/variant.cuh"
 #ifndef TMA
 #define TMA 0
@@ -407,7 +408,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 
     // -- the variant's transform and masks, scale to base 2, mask tokens past the end, online
     //    softmax update (without softmax: the transformed logits are the weights, dropped ones 0)
-    float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -422,30 +422,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
           continue;
         }
         s[nt][i] = tok < kv_end ? x * scale_log2 : neg_inf();
-        mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
       }
-    float alpha[2] = {1.f, 1.f};
     if (variant::USE_SOFTMAX) {
+      // -- row h holds s[nt][2h], s[nt][2h + 1] of both n8 tiles (scaled already: scale 1)
+      float alpha[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float m_new = fmaxf(m_i[h], mx[h]);
-        const float m_use = m_new == neg_inf() ? 0.f : m_new;
-        alpha[h] = exp2_approx(m_i[h] - m_use);
-        m_i[h] = m_new;
-        mx[h] = m_use;
-      }
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[nt][i] = exp2_approx(s[nt][i] - mx[i >> 1]);
-          rs[i >> 1] += s[nt][i];
-        }
-      l_i[0] = l_i[0] * alpha[0] + rs[0];
-      l_i[1] = l_i[1] * alpha[1] + rs[1];
+      for (int h = 0; h < 2; ++h)
+        alpha[h] = online_softmax_row<4>([&](int k) { return s[k >> 1][2 * h + (k & 1)]; },
+                                         [&](int k, float p) { s[k >> 1][2 * h + (k & 1)] = p; }, m_i[h], l_i[h], 1.f);
 #pragma unroll
       for (int d = 0; d < HEAD_DIM / 8; ++d) {
         acc[d][0] *= alpha[0]; acc[d][1] *= alpha[0];

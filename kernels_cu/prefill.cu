@@ -24,6 +24,7 @@
 #include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #include "common/prefill_tile.cuh"
+#include "common/softmax.cuh"
 #include "common/variant.cuh"
 
 using namespace cuattn;
@@ -454,26 +455,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
           corr[i][h] = 1.f;
           continue;
         }
-        float mx = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < BLOCK_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[i][n][2 * h], s[i][n][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_i[i][h], mx * scale_log2);
-        const float m_use = m_new == NEG_INF ? 0.f : m_new;   // fully masked so far: no NaN
-        corr[i][h] = exp2_approx(m_i[i][h] - m_use);
+        corr[i][h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[i][k >> 1][2 * h + (k & 1)]; },
+                                                     [&](int k, float p) { s[i][k >> 1][2 * h + (k & 1)] = p; },
+                                                     m_i[i][h], l_i[i][h], scale_log2);
         changed |= corr[i][h] != 1.f;
-        m_i[i][h] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2_approx(fmaf(s[i][n][2 * h + e], scale_log2, -m_use));
-            s[i][n][2 * h + e] = p;
-            sum += p;
-          }
-        l_i[i][h] = l_i[i][h] * corr[i][h] + sum;   // per-thread partial; quad-reduced at the end
       }
     if (__any_sync(0xffffffffu, changed)) {     // -- rescale only when some row max moved (warp-uniform)
 #pragma unroll

@@ -33,6 +33,7 @@
 #include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #include "common/prefill_tile.cuh"
+#include "common/softmax.cuh"
 #include "common/variant.cuh"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
@@ -241,27 +242,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       return;
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = NEG_INF;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_i[h], mx * scale_log2);
-      const float m_use = m_new == NEG_INF ? 0.f : m_new;   // fully masked so far: no NaN
-      corr[h] = exp2_approx(m_i[h] - m_use);
-      m_i[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = exp2_approx(fmaf(s[4 * n + 2 * h + e], scale_log2, -m_use));
-          s[4 * n + 2 * h + e] = pv;
-          sum += pv;
-        }
-      l_i[h] = l_i[h] * corr[h] + sum;     // per-thread partial; quad-reduced at the end
-    }
+    for (int h = 0; h < 2; ++h)            // row h: s[4 n + 2 h + e]
+      corr[h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
+                                                [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; },
+                                                m_i[h], l_i[h], scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
