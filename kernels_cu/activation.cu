@@ -6,15 +6,11 @@
 // checked 16-byte aligned bases, row strides and d multiples of 8 elements): 16-byte loads and stores,
 // a scalar tail; vec == 0: coalesced 2-byte accesses. See common/row_io.cuh.
 #include "common/dtypes.cuh"
+#include "common/elem_dtype.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/row_io.cuh"
 
 namespace cuattn {
-#if DTYPE == 0
-typedef f16 elem_t;
-#else
-typedef bf16 elem_t;
-#endif
 
 enum Act { SILU, GELU, GELU_TANH };
 

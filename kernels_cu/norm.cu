@@ -13,15 +13,11 @@
 // elements): 16-byte loads and stores, a scalar tail when hidden % 8 != 0; vec == 0: coalesced 2-byte
 // accesses (rows of odd length or misaligned starts). See common/row_io.cuh.
 #include "common/dtypes.cuh"
+#include "common/elem_dtype.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/row_io.cuh"
 
 namespace cuattn {
-#if DTYPE == 0
-typedef f16 elem_t;
-#else
-typedef bf16 elem_t;
-#endif
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

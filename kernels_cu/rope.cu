@@ -25,14 +25,10 @@
 // cos_sin_cache (float32 [cache_len, rotary_dim], row stride cache_n: cos of pair j at j, its sin at
 // rotary_dim/2 + j); a position outside [0, cache_len) gives NaN in that token's rotated elements.
 #include "common/dtypes.cuh"
+#include "common/elem_dtype.cuh"
 #include "common/rope.cuh"
 
 namespace cuattn {
-#if DTYPE == 0
-typedef f16 elem_t;
-#else
-typedef bf16 elem_t;
-#endif
 
 constexpr int WARPS = 4;
 constexpr int MAX_HALF = 32 * 8;      // pairs of the widest entry (p8): rotary_dim <= 512
