@@ -474,7 +474,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False,
             k_scale: float | None = None, v_scale: float | None = None, enable_pdl: bool | None = None,
-            sinks=None, stream: Any = None):
+            sinks=None, q_rope_offset=None, stream: Any = None):
         """Decode attention for the planned batch.
 
         Parameters
@@ -494,6 +494,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             stream finishes (it reads its work list and page ids, then waits for that kernel
             before touching q, the cache or the outputs), hiding its launch and start-up. None (the
             default, as in FlashInfer): on wherever the GPU has it (sm_90+); ignored below sm_90.
+        q_rope_offset : int32 array, shape (batch,), optional
+            With pos_encoding_mode="ROPE_LLAMA": each request's query position (default kv_len - 1).
         sinks : float32 array, shape (num_qo_heads,), optional
             Attention sinks (GPT-OSS): a learned logit per query head, natural-log units, whose
             ``exp`` joins the softmax denominator (a key with value zero).
@@ -513,6 +515,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if sinks is not None:
             args = args + (sinks,)
         values = bound.values(args, fn)
+        if q_rope_offset is not None:
+            if not bound.composite.has_rope:
+                raise ValueError(f"{fn}: q_rope_offset needs a plan with pos_encoding_mode='ROPE_LLAMA'")
+            shape = tuple(getattr(q_rope_offset, "shape", ()))
+            if shape != (self._batch,):
+                raise ValueError(f"{fn}: q_rope_offset must have shape (batch,) = ({self._batch},), got {shape}")
+            values = {**values, "q_rope_offset": q_rope_offset}
         bound.check_lse(return_lse, lse, fn)
         bound.check_sinks(values, self._num_qo_heads, fn)
         if not arrays.is_device_array(q, "q", fn):
@@ -531,8 +540,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = arrays.empty(ctx, (self._batch, self._num_qo_heads), np.float32)
         if lse is not None:
             lse_ptr = self._operand(lse, "lse", fn)[0]
-        vargs = self._fixed_vargs if launcher is self._k_launch and not bound.runtime else \
-            bound.kernel_args(self._sm_scale, values, fn)
+        fixed = launcher is self._k_launch and not bound.runtime and q_rope_offset is None
+        vargs = self._fixed_vargs if fixed else bound.kernel_args(self._sm_scale, values, fn)
         self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
                      jit.pdl_launch(self._device, enable_pdl), vargs)
         result = arrays.export(ctx, out, self._q_dtype)

@@ -49,7 +49,8 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
     group = num_qo_heads // num_kv_heads
     if variant is not None and variant.has_rope:   # fused RoPE: q at its position, each key at its own
         rotate = variant.numpy_qk_transform()
-        q = rotate(values, q, np.arange(qo_len) + (kv_len - qo_len))
+        offset = values.get("q_rope_offset")
+        q = rotate(values, q, np.arange(qo_len) + (kv_len - qo_len if offset is None else int(offset[batch_idx])))
         k = rotate(values, k, np.arange(kv_len))
     # [num_kv_heads, group * qo_len, head_dim] @ [num_kv_heads, head_dim, kv_len]: one BLAS batch;
     # qo head h = kv head * group + g, so the result reshapes to [num_qo_heads, qo_len, kv_len]

@@ -204,8 +204,12 @@ def _rope_np(p, x, pos):
     return y.astype(np.float32)
 
 
-ROPE_LLAMA = Variant("rope", params=tuple((n, "float") for n in _ROPE_FREQ) + (("rotary_dim", "int"),),
+# q_rope_offset: decode's per-request query position (run(q_rope_offset=...), FlashInfer's name);
+# null: kv_len - 1. Prefill places its queries at their bottom-right positions.
+ROPE_LLAMA = Variant("rope", params=tuple((n, "float") for n in _ROPE_FREQ) + (("rotary_dim", "int"),
+                                                                              ("q_rope_offset", "int*")),
                      numpy={"qk_transform": _rope_np})
+_OPTIONAL_POINTERS = {"q_rope_offset"}     # built-in array parameters that may be None (a null pointer)
 
 SINK = Variant(
     "sink", params=(("sinks", "float*"),),
@@ -384,6 +388,8 @@ class Bound:
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                     raise TypeError(f"{fn}: variant parameter {name} must be an int, got {v!r}")
                 out.append(int(v))
+            elif v is None and name in _OPTIONAL_POINTERS:
+                out.append(0)
             else:
                 want = np.float32 if kind == "float*" else np.int32
                 if not arrays.is_device_array(v):
@@ -401,7 +407,7 @@ class Bound:
         from . import arrays
         out = dict(values)
         for name, kind in self.composite.params:
-            if kind.endswith("*"):
+            if kind.endswith("*") and values[name] is not None:
                 out[name] = np.asarray(arrays.to_host(values[name], name, fn))
         return out
 
@@ -491,7 +497,7 @@ def _rope_values(fn, head_dim, rotary_dim, rope_scale, rope_theta) -> dict:
         raise ValueError(f"{fn}: rope_scale and rope_theta must be positive finite floats, got {rope_scale!r}, "
                          f"{rope_theta!r}")
     return {**dict(zip(_ROPE_FREQ, _kernel_freq(_Freq(scale, theta), rot))), "rotary_dim": rot,
-            "rope_scale": scale, "rope_theta": theta}
+            "rope_scale": scale, "rope_theta": theta, "q_rope_offset": None}
 
 
 def _number(x, name, fn) -> float:

@@ -329,11 +329,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     *reinterpret_cast<uint4*>(q_s + r * SROW + c * 16) = val;
   }
 #if CUATTN_VARIANT_ROPE
-  // -- fused RoPE: the query rows at position kv_len - 1 (each thread keeps one chunk pair for q and K)
+  // -- fused RoPE: the query rows at position kv_len - 1, or q_rope_offset[req] when given (read after
+  //    the PDL wait, like q); each thread keeps one chunk pair for q and K
   const RopeCols rc = rope_cols(vp, tid % (vp.rotary_dim / 16), 32 / (vp.rotary_dim / 16));
   __syncthreads();
+  const int64_t q_pos = vp.q_rope_offset != nullptr ? int64_t(vp.q_rope_offset[req]) : int64_t(kv_len - 1);
   rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(q_s + r * SROW + c * 16); },
-                         [&](int) { return int64_t(kv_len - 1); }, M_TILE, tid, THREADS, vp, rc);
+                         [&](int) { return q_pos; }, M_TILE, tid, THREADS, vp, rc);
 #endif
   if (TMA) __syncthreads();   // the cp.async loop's first barrier publishes q_s otherwise
 

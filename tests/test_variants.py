@@ -418,6 +418,26 @@ def test_fused_rope_matches_oracle_on_cpu(d, rot):
     _check(dec[None], _rope_oracle(q[:1], k, v, rot or d, False)[0])
 
 
+def test_decode_q_rope_offset_places_the_query_on_cpu():
+    rng = np.random.default_rng(41)
+    lens, hq, hkv, d, ps = [30, 7], 8, 2, 64, 16
+    indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, ps, hkv, d)
+    q = _rand(rng, (2, hq, d))
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(indptr, indices, last, hq, hkv, d, ps, pos_encoding_mode="ROPE_LLAMA")
+    offsets = np.array([100, 3], np.int32)
+    out = w.run(q, (kc, vc), q_rope_offset=offsets)
+    for b, (k, v) in enumerate(per_req):
+        qr = _rope_ref(q[b:b + 1], [offsets[b]], d)
+        want = variant_attention(qr, _rope_ref(k, np.arange(len(k)), d), v)[0]
+        _check(out[b:b + 1], want)
+    with pytest.raises(ValueError, match="q_rope_offset must have shape"):
+        w.run(q, (kc, vc), q_rope_offset=offsets[:1])
+    w.plan(indptr, indices, last, hq, hkv, d, ps)
+    with pytest.raises(ValueError, match="needs a plan with pos_encoding_mode='ROPE_LLAMA'"):
+        w.run(q, (kc, vc), q_rope_offset=offsets)
+
+
 def test_fused_rope_refusals():
     q = np.zeros((3, 4, 64), np.float16)
     with pytest.raises(UnsupportedError, match="rotary_dim=48"):
@@ -449,6 +469,12 @@ def test_fused_rope_decode_and_prefill_match_oracle_on_gpu(d, rot, page_size):
     w.run(cp.asarray(qd), (kc_d, vc_d), out=out)
     for b, (k, v) in enumerate(per_req):
         _check(cp.asnumpy(out)[b:b + 1], _rope_oracle(qd[b:b + 1], k, v, rot or d, False, 1.0, 5e5)[0])
+    offsets = np.array([7, 1000, 0], np.int32)          # q_rope_offset: the queries' own positions
+    out = _poisoned_like(cp, qd.shape, np.float16)
+    w.run(cp.asarray(qd), (kc_d, vc_d), out=out, q_rope_offset=cp.asarray(offsets))
+    for b, (k, v) in enumerate(per_req):
+        qr = _rope_ref(qd[b:b + 1], [offsets[b]], rot or d, 1.0, 5e5)
+        _check(cp.asnumpy(out)[b:b + 1], variant_attention(qr, _rope_ref(k, np.arange(len(k)), rot or d, 1.0, 5e5), v)[0])
     # paged prefill (fa2), causal
     qo_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     qp = _rand(rng, (qo_indptr[-1], hq, d))
