@@ -24,7 +24,8 @@ TABLE = {
         archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, contiguous K/V, no custom mask"),
 }
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
-            "(every family); not yet: pos_encoding_mode='ROPE_LLAMA', use_fp16_qk_reduction")
+            "(every family); pos_encoding_mode='ROPE_LLAMA' (decode and fa2; not fa3); not yet: "
+            "use_fp16_qk_reduction")
 
 
 def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype) -> None:
