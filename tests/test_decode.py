@@ -186,8 +186,8 @@ def test_unsupported_features_raise_unsupported_error(small):
     case, _ = small
     with pytest.raises(UnsupportedError, match="rotary_dim=48 has no fused-RoPE kernel"):
         planned(case, 8, 2, 64, 8, "float16", pos_encoding_mode="ROPE_LLAMA", rotary_dim=48)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'q_rope_offset'"):
-        planned(case, 8, 2, 64, 8, "float16").run(case["q"], cache_arg(case, "one"), q_rope_offset=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rope_offset'"):
+        planned(case, 8, 2, 64, 8, "float16").run(case["q"], cache_arg(case, "one"), rope_offset=3)
 
 
 def test_unknown_tuning_override_is_rejected():
