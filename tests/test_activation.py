@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cuattn import activation, jit
+from tests.gpu_arrays import from_gpu, nan_like, to_gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
@@ -123,25 +124,6 @@ def test_shipped_activation_kernels_compile_without_spills(arch):
 
 
 # ---------------------------------------------------------------------------- GPU
-
-
-def to_gpu(x):
-    import cupy
-    x = np.ascontiguousarray(x)
-    return cupy.asarray(x.view(np.uint16) if x.dtype == BF16 else x)
-
-
-def from_gpu(y, dtype):
-    import cupy
-    y = cupy.asnumpy(y)
-    return y.view(BF16) if dtype == BF16 else y
-
-
-def nan_like(shape, dtype):
-    import cupy
-    if dtype == BF16:
-        return cupy.full(shape, 0x7FC0, cupy.uint16)
-    return cupy.full(shape, np.nan, dtype)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import pytest
 
 from cuattn import jit, norm
 from cuattn.errors import UnsupportedError
+from tests.gpu_arrays import from_gpu, nan_like, to_gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
@@ -209,26 +210,6 @@ def test_shipped_norm_kernels_compile_without_spills(arch):
 
 
 # ---------------------------------------------------------------------------- GPU
-
-
-def to_gpu(x):
-    import cupy
-    x = np.ascontiguousarray(x)
-    return cupy.asarray(x.view(np.uint16) if x.dtype == BF16 else x)
-
-
-def from_gpu(y, dtype):
-    import cupy
-    y = cupy.asnumpy(y)
-    return y.view(BF16) if dtype == BF16 else y
-
-
-def nan_like(shape, dtype):
-    """A device array of NaN (bf16 as its uint16 bits 0x7fc0)."""
-    import cupy
-    if dtype == BF16:
-        return cupy.full(shape, 0x7FC0, cupy.uint16)
-    return cupy.full(shape, np.nan, dtype)
 
 
 @pytest.mark.gpu
