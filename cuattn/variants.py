@@ -30,10 +30,12 @@ The built-in options (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode=
 sinks) are ``Variant`` objects made with the same class a user calls; a call's pieces are
 composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one ``Composite``
 that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
-check every wrapper and ``single_*`` function calls.
+check every wrapper and ``single_*`` function calls. The fused RoPE (``pos_encoding_mode=
+"ROPE_LLAMA"``) is a Variant too, but its query / key transform is built into the decode and
+fa2 kernels (``CUATTN_VARIANT_ROPE``): user-defined query / key transforms are not offered yet.
 
 The NumPy path runs a variant through NumPy versions of the hooks (``numpy={hook: callable}``):
-each callable takes ``(params, pos)`` (``transform`` also ``logits``), where ``params`` maps
+each callable takes ``(params, pos)`` (``logits_transform`` also ``logits``), where ``params`` maps
 names to values (arrays as NumPy arrays) and ``pos`` has broadcastable int64 arrays named like
 the CUDA arguments; it returns an array of the broadcast shape.
 """
