@@ -10,6 +10,7 @@ FlashInfer returns base 2; multiply cuattn's LSE by ``1 / ln 2`` to compare.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -456,7 +457,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_qo_heads=self._num_qo_heads, group=self._group, m_tiles=self._m_tiles,
             scale_log2=self._spec.variant.scale_log2(self._sm_scale), counters=self._counters_ptr if fuse else 0,
             ids_in_plan=self._ids_in_plan, req_kv_len=self._kv_lens_ptr)
-        self._variants = {}
         self._m_launch = merge if self._has_merge and not fuse else None
         self._fixed_vargs = self._bound.kernel_args(self._sm_scale, self._bound.fixed, "plan") \
             if not self._bound.runtime else None
@@ -512,19 +512,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         launcher, bound = self._variant_state(sinks is not None, fn)
-        if sinks is not None:
-            args = args + (sinks,)
-        values = bound.values(args, fn)
-        if q_rope_offset is not None:
-            if not bound.composite.has_rope:
-                raise ValueError(f"{fn}: q_rope_offset needs a plan with pos_encoding_mode='ROPE_LLAMA'")
-            shape = tuple(getattr(q_rope_offset, "shape", ()))
-            if shape != (self._batch,):
-                raise ValueError(f"{fn}: q_rope_offset must have shape (batch,) = ({self._batch},), got {shape}")
-            values = {**values, "q_rope_offset": q_rope_offset}
         bound.check_lse(return_lse, lse, fn)
-        bound.check_sinks(values, self._num_qo_heads, fn)
+        # -- the plan's own variant arguments unless this call adds some (the serving loop's case:
+        #    no per-call dict or checks on top of the launch)
+        plain = not args and sinks is None and q_rope_offset is None and not bound.runtime
+        if not plain:
+            values = self._variant_values(bound, args, sinks, q_rope_offset, fn)
         if not arrays.is_device_array(q, "q", fn):
+            values = bound.values((), fn) if plain else values
             return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn))
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
         num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
@@ -540,8 +535,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = arrays.empty(ctx, (self._batch, self._num_qo_heads), np.float32)
         if lse is not None:
             lse_ptr = self._operand(lse, "lse", fn)[0]
-        fixed = launcher is self._k_launch and not bound.runtime and q_rope_offset is None
-        vargs = self._fixed_vargs if fixed else bound.kernel_args(self._sm_scale, values, fn)
+        vargs = self._fixed_vargs if plain else bound.kernel_args(self._sm_scale, values, fn)
         self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
                      jit.pdl_launch(self._device, enable_pdl), vargs)
         result = arrays.export(ctx, out, self._q_dtype)
@@ -624,6 +618,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._kv_memo[key] = view
         return view
 
+    def _variant_values(self, bound, args, sinks, q_rope_offset, fn) -> dict:
+        """The variant's parameter values of a run() that passes some: positional ``args``, ``sinks=``
+        and ``q_rope_offset=`` (checked here)."""
+        values = bound.values(args + ((sinks,) if sinks is not None else ()), fn)
+        if q_rope_offset is not None:
+            if not bound.composite.has_rope:
+                raise ValueError(f"{fn}: q_rope_offset needs a plan with pos_encoding_mode='ROPE_LLAMA'")
+            shape = tuple(getattr(q_rope_offset, "shape", ()))
+            if shape != (self._batch,):
+                raise ValueError(f"{fn}: q_rope_offset must have shape (batch,) = ({self._batch},), got {shape}")
+            values = {**values, "q_rope_offset": q_rope_offset}
+        bound.check_sinks(values, self._num_qo_heads, fn)
+        return values
+
     def _variant_state(self, with_sinks: bool, fn: str) -> tuple:
         """(decode launcher or None, bound variant) of a run() with or without ``sinks=``: a
         sink is a variant piece, so run(sinks=...) launches the plan's spec with it added."""
@@ -698,19 +706,19 @@ def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _single_wrapper(kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
-                    kv_layout: str, on_gpu: bool, device, options: tuple):
-    """A decode wrapper planned for one request whose contiguous K/V is one page of kv_len tokens
-    (cached per shape: the plan depends on nothing else)."""
+                    kv_layout: str, ctx: arrays.Context, options: tuple):
+    """A decode wrapper planned for one request whose contiguous K/V is one page of kv_len tokens,
+    cached per shape, options and stream (a plan depends on nothing else; one wrapper per stream, so
+    calls on different streams never share its split-KV workspace). The plan's upload runs on the
+    call's stream."""
     w = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
-    indices = np.zeros(1, np.int32)
-    if on_gpu:
+    on_device = contextlib.nullcontext()
+    if ctx.on_gpu:
         cp = arrays.cupy_module()
-        with cp.cuda.Device(device):
-            w.plan(np.array([0, 1], np.int32), indices, np.array([kv_len], np.int32), num_qo_heads, num_kv_heads,
-                   head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
-    else:
-        w.plan(np.array([0, 1], np.int32), indices, np.array([kv_len], np.int32), num_qo_heads, num_kv_heads,
-               head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
+        on_device = cp.cuda.Device(ctx.device)
+    with on_device, (ctx.stream if ctx.on_gpu else contextlib.nullcontext()):
+        w.plan(np.array([0, 1], np.int32), np.zeros(1, np.int32), np.array([kv_len], np.int32), num_qo_heads,
+               num_kv_heads, head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
     return w
 
 
@@ -769,9 +777,9 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         result = arrays.export(ctx, out, q_dtype)
         return (result, arrays.export(ctx, lse)) if return_lse else result
     # -- a batch of one: the contiguous K/V is one page of kv_len tokens
-    w = _single_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype), kv_layout, ctx.on_gpu,
-                        ctx.device if ctx.on_gpu else None, tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, stream=stream)
+    w = _single_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype),
+                        kv_layout, ctx, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, stream=ctx.stream)
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]

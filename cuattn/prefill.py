@@ -295,17 +295,20 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
     #    there is no mask: a plan depends on nothing else)
     key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
-           tuple(sorted(options.items(), key=lambda kv: kv[0])))
+           tuple(sorted(options.items(), key=lambda kv: kv[0])), ctx)
     if custom_mask is None and packed_custom_mask is None:
         w = _single_wrapper(*key)
     else:
         w = _single_wrapper.__wrapped__(*key, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
-    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=stream)
+    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=ctx.stream)
 
 
 @functools.lru_cache(maxsize=64)
 def _single_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
-                    causal, sm_scale, options, custom_mask=None, packed_custom_mask=None):
+                    causal, sm_scale, options, ctx, custom_mask=None, packed_custom_mask=None):
+    """The ragged wrapper of single_prefill_with_kv_cache, planned once per shape, options and ``ctx``
+    (the call's framework, device and stream: a wrapper's device metadata is uploaded by its first
+    run on that stream, which another stream's call must not overtake)."""
     w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
     w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads, head_dim,
            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
@@ -442,6 +445,10 @@ class _BatchPrefillBase:
         from the plan's variant and run()'s extra positional arguments."""
         bound = plan["bound"]
         bound.check_lse(return_lse, lse, fn)
+        if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
+            if "fixed_vargs" not in plan:
+                plan["fixed_vargs"] = bound.kernel_args(plan["sm_scale"], bound.fixed, fn)
+            return plan["sm_scale"], plan["fixed_vargs"]
         values = bound.values(tuple(args), fn)
         bound.check_sinks(values, plan["num_qo_heads"], fn)
         scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
