@@ -106,8 +106,26 @@ def _dense_attention(q, k, v, causal: bool):
     return np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), np.repeat(v, group, axis=1))
 
 
+# The demo's shapes: small on the NumPy path (CI runs it on 2 cores), Llama-8B-like heads on a GPU.
+_DEMO_SHAPES = {"cpu": dict(layers=4, q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_pages=512,
+                            requests=64, max_batch=24, prompt_median=64, prompt_max=1024, output_median=16),
+                "gpu": dict(layers=4, q_heads=32, kv_heads=8, head_dim=128, page_size=16, max_pages=8192,
+                            requests=256, max_batch=64, prompt_median=256, prompt_max=4096, output_median=48)}
+
+
+def _progress_line(text: str) -> None:
+    """One progress line on stderr, redrawn in place and clipped to the terminal (nothing into a pipe)."""
+    width = shutil.get_terminal_size().columns
+    print("\r" + text[:width - 1].ljust(width - 1), end="", file=sys.stderr, flush=True)
+
+
 def cmd_demo(args) -> int:
-    """A small serving loop: prompts appended and prefilled on a paged cache, decode steps, free."""
+    """A small serving loop with continuous batching: a synthetic stream of requests with long-tailed
+    prompt and output lengths; each step prefills newly admitted requests (BatchPrefillWithPagedKVCacheWrapper,
+    causal), decodes the running ones (BatchDecodeWithPagedKVCacheWrapper) and frees finished ones.
+    Queries and new K/V are random (a stand-in for the model); a few requests are checked in float64."""
+    from collections import deque
+
     from .decode import BatchDecodeWithPagedKVCacheWrapper
     from .page import PagedKVCache
     from .prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -115,53 +133,134 @@ def cmd_demo(args) -> int:
     on_gpu = arrays.gpu_available() and not args.cpu
     print(f"cuattn demo: running on {'the GPU: ' + _gpu_line() if on_gpu else 'the CPU (NumPy reference path)'}"
           + ("" if on_gpu or args.cpu else f"; {_gpu_line()}"))
+    c = dict(_DEMO_SHAPES["gpu" if on_gpu else "cpu"])
+    n = args.requests or c["requests"]
+    if n < 1:
+        print(f"cuattn demo: --requests must be >= 1, got {n}", file=sys.stderr)
+        return 2
     xp = arrays.cupy_module() if on_gpu else np
-    to_host = arrays.cupy_module().asnumpy if on_gpu else np.asarray
-    rng = np.random.default_rng(0)
-    layers, q_heads, kv_heads, head_dim, page_size = 2, 8, 2, 64, 16
-    cache = PagedKVCache(layers, kv_heads, head_dim, page_size, max_num_pages=64, dtype="float16",
+    to_host = xp.asnumpy if on_gpu else np.asarray
+    sync = xp.cuda.get_current_stream().synchronize if on_gpu else (lambda: None)
+    rng = np.random.default_rng(args.seed)
+    # -- the request stream: lognormal (long-tailed) lengths, Poisson arrivals (~1 request per 2 steps)
+    prompt_lens = np.clip(rng.lognormal(np.log(c["prompt_median"]), 0.9, n), 4, c["prompt_max"]).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(c["output_median"]), 0.8, n), 1, 16 * c["output_median"]).astype(int)
+    arrival = np.floor(np.cumsum(rng.exponential(2.0, n))).astype(int)
+    arrival -= arrival[0]
+    print(f"{n} requests: prompts {int(prompt_lens.min())}-{int(prompt_lens.max())} tokens (median "
+          f"{int(np.median(prompt_lens))}), outputs {int(output_lens.min())}-{int(output_lens.max())} (median "
+          f"{int(np.median(output_lens))}); {c['layers']} layers, {c['q_heads']}:{c['kv_heads']} heads, head_dim "
+          f"{c['head_dim']}, fp16, {c['max_pages']} pages of {c['page_size']}")
+    L, hq, hkv, d, ps = c["layers"], c["q_heads"], c["kv_heads"], c["head_dim"], c["page_size"]
+    cache = PagedKVCache(L, hkv, d, ps, max_num_pages=c["max_pages"], dtype="float16",
                          device="cuda" if on_gpu else "cpu")
-    prompts = [37, 5, 20]
-    seqs = [cache.add_sequence() for _ in prompts]
-    history = {(s, layer): ([], []) for s in seqs for layer in range(layers)}   # host K/V for the check
-    worst = 0.0
-
-    def step(counts, wrapper, causal):
-        """Reserve pages, then per layer: append new K/V, attend with new queries, check."""
-        nonlocal worst
-        batch = cache.reserve(seqs, counts)
-        plan_args = (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, q_heads, kv_heads,
-                     head_dim, page_size)
-        if causal:
-            wrapper.plan(batch.append_indptr, *plan_args, causal=True, q_data_type="float16")
-        else:
-            wrapper.plan(*plan_args, q_data_type="float16", kv_data_type="float16")
-        rows = batch.append_indptr
-        for layer in range(layers):
-            k, v, q = (rng.standard_normal((batch.nnz, h, head_dim)).astype(np.float16)
-                       for h in (kv_heads, kv_heads, q_heads))
-            cache.append(layer, xp.asarray(k), xp.asarray(v), batch)
-            out = to_host(wrapper.run(xp.asarray(q), cache.layer(layer)))
-            for i, s in enumerate(seqs):
-                ks, vs = history[(s, layer)]
-                ks.append(k[rows[i]:rows[i + 1]]), vs.append(v[rows[i]:rows[i + 1]])
-                ref = _dense_attention(q[rows[i]:rows[i + 1]], np.concatenate(ks), np.concatenate(vs), causal)
-                worst = max(worst, float(np.abs(out[rows[i]:rows[i + 1]] - ref).max()))
-
-    step(prompts, BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD"), causal=True)
-    print(f"prefill: {len(seqs)} prompts of {prompts} tokens appended and attended (causal) on "
-          f"{cache.max_num_pages - cache.num_free_pages} pages of {page_size}; "
-          f"max |out - float64 reference| {worst:.2e}")
+    prefill = BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
     decode = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-    for i in range(4):
-        step([1] * len(seqs), decode, causal=False)
-        print(f"decode step {i}: lengths {[cache.seq_len(s) for s in seqs]}, "
-              f"max |out - float64 reference| so far {worst:.2e}")
-    for s in seqs:
-        cache.remove_sequence(s)
-    print(f"freed all sequences: {cache.num_free_pages}/{cache.max_num_pages} pages free")
-    if not worst < 2e-2:
-        print("demo FAILED: output differs from the reference", file=sys.stderr)
+    tracked = {0, n // 2, n - 1}                  # requests whose layer-0 attention is checked in float64
+    history: dict[int, tuple[list, list]] = {r: ([], []) for r in tracked}
+    seq_of: dict[int, int] = {}                   # request -> cache sequence
+    generated = np.zeros(n, int)
+    waiting, running = deque(), []
+    committed = 0                                 # pages promised to admitted requests (prompt + output)
+    state = dict(worst=0.0, t_attn=0.0, peak_pages=0, peak_batch=0, prefill_tokens=0, decode_tokens=0)
+
+    def attend(wrapper, reqs, counts, batch):
+        """Per layer: new q/k/v (random: the model's stand-in), append K/V, attend; check tracked requests."""
+        rows = batch.append_indptr
+        for layer in range(L):
+            if on_gpu:      # drawn on the device: the host's generator would take longer than the attention
+                qd, kd, vd = (xp.random.standard_normal((batch.nnz, h, d), np.float32).astype(np.float16)
+                              for h in (hq, hkv, hkv))
+            else:
+                qd, kd, vd = (rng.standard_normal((batch.nnz, h, d), np.float32).astype(np.float16)
+                              for h in (hq, hkv, hkv))
+            sync()
+            t0 = time.perf_counter()
+            cache.append(layer, kd, vd, batch)
+            out = wrapper.run(qd, cache.layer(layer))
+            sync()
+            state["t_attn"] += time.perf_counter() - t0
+            if layer:
+                continue
+            for i, r in enumerate(reqs):
+                if r in tracked:
+                    ks, vs = history[r]
+                    q, k, v = (to_host(x[int(rows[i]):int(rows[i + 1])]) for x in (qd, kd, vd))
+                    ks.append(k), vs.append(v)
+                    ref = _dense_attention(q, np.concatenate(ks), np.concatenate(vs), True)
+                    err = float(np.abs(to_host(out[int(rows[i]):int(rows[i + 1])]) - ref).max())
+                    state["worst"] = max(state["worst"], err)
+
+    def timed(fn, *a, **kw):
+        t0 = time.perf_counter()
+        result = fn(*a, **kw)
+        state["t_attn"] += time.perf_counter() - t0
+        return result
+
+    tty, drawn = sys.stderr.isatty(), 0.0
+    start, step, next_req, done = time.perf_counter(), 0, 0, 0
+    while done < n:
+        while next_req < n and arrival[next_req] <= step:
+            waiting.append(next_req)
+            next_req += 1
+        # -- admit waiting requests (first come, first served) while the batch and the pages allow
+        new = []
+        while waiting and len(running) + len(new) < c["max_batch"]:
+            r = waiting[0]
+            need = -(-(prompt_lens[r] + output_lens[r]) // ps)
+            if committed + need > c["max_pages"]:
+                break
+            committed += need
+            new.append(waiting.popleft())
+            seq_of[r] = cache.add_sequence()
+        # -- decode the running requests: one new token each
+        if running:
+            counts = [1] * len(running)
+            batch = timed(cache.reserve, [seq_of[r] for r in running], counts)
+            timed(decode.plan, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, hq, hkv, d, ps,
+                  q_data_type="float16")
+            attend(decode, running, counts, batch)
+            generated[running] += 1
+            state["decode_tokens"] += len(running)
+        # -- prefill the new ones: their whole prompts, causal; prefill yields their first token
+        if new:
+            counts = [int(prompt_lens[r]) for r in new]
+            batch = timed(cache.reserve, [seq_of[r] for r in new], counts)     # admission promised the pages
+            timed(prefill.plan, batch.append_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                  hq, hkv, d, ps, causal=True, q_data_type="float16")
+            attend(prefill, new, counts, batch)
+            generated[new] += 1
+            state["prefill_tokens"] += sum(counts)
+        state["peak_pages"] = max(state["peak_pages"], cache.max_num_pages - cache.num_free_pages)
+        state["peak_batch"] = max(state["peak_batch"], len(running) + len(new))
+        # -- free finished requests
+        running += new
+        for r in [r for r in running if generated[r] >= output_lens[r]]:
+            running.remove(r)
+            cache.remove_sequence(seq_of.pop(r))
+            committed -= -(-(prompt_lens[r] + output_lens[r]) // ps)
+            done += 1
+        step += 1
+        if tty and (done == n or time.perf_counter() - drawn > 0.1):      # redrawn at most 10 times a second
+            drawn = time.perf_counter()
+            bar = "#" * (20 * done // n)
+            _progress_line(f"[{bar:<20}] {done}/{n} done | step {step} | running {len(running)} | waiting "
+                           f"{len(waiting)} | pages {cache.max_num_pages - cache.num_free_pages}/{cache.max_num_pages}")
+    wall = time.perf_counter() - start
+    if tty:
+        print(file=sys.stderr)
+    tokens = state["prefill_tokens"] + state["decode_tokens"]
+    print(f"served {n} requests in {step} steps, {wall:.1f} s: {state['prefill_tokens']} prompt tokens prefilled, "
+          f"{int(generated.sum())} tokens generated; {tokens / wall:,.0f} tokens/s through attention, "
+          f"{int(generated.sum()) / wall:,.0f} generated tokens/s")
+    print(f"attention time share: {100 * state['t_attn'] / wall:.0f}% (cuattn: page reservation, plan, append, "
+          f"prefill / decode run{', synchronized per call' if on_gpu else ''}); the rest is this demo's stand-in "
+          f"for the model (random q/k/v) and its float64 checks")
+    print(f"peak pages in use: {state['peak_pages']} of {cache.max_num_pages} (page_size {ps}); peak batch "
+          f"{state['peak_batch']} requests; all freed: {cache.num_free_pages}/{cache.max_num_pages} pages free")
+    print(f"max |out - float64 reference| over requests {sorted(tracked)}, layer 0, every step: {state['worst']:.2e}")
+    if not state["worst"] < 2e-2 or cache.num_free_pages != cache.max_num_pages:
+        print("demo FAILED: output differs from the reference or pages leaked", file=sys.stderr)
         return 1
     print("demo OK")
     return 0
@@ -178,8 +277,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("cache", help="manage the kernel cache")
     p.add_argument("action", choices=["clear"])
     p.set_defaults(fn=cmd_cache)
-    p = sub.add_parser("demo", help="a small serving loop on the paged cache (GPU if present)")
+    p = sub.add_parser("demo", help="a small serving loop with continuous batching on the paged cache (GPU if present)")
     p.add_argument("--cpu", action="store_true", help="use the NumPy path even with a GPU")
+    p.add_argument("--requests", type=int, default=None, help="requests in the stream (default: 64 on the CPU, 256 on a GPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request stream")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
     return args.fn(args)
