@@ -28,7 +28,10 @@ addresses after the first run(), and NCCL all-gathers can be captured (NCCL >= 2
 """
 from __future__ import annotations
 
+import multiprocessing
+import queue
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -393,6 +396,46 @@ def run_simulated(world_size: int, fn: Callable[[int, Communicator], Any], timeo
     if first is not None:
         raise first
     return results
+
+
+def spawn_nccl(world_size: int, fn: Callable, *args, timeout: float = 600.0) -> list:
+    """Run ``fn(rank, comm, *args)`` in ``world_size`` processes, rank r on GPU r with an
+    ``NcclCommunicator`` (torchrun-like: the NCCL unique id is made here and handed to the spawned
+    processes). ``fn`` must be importable (module level) and return something picklable; returns
+    the results by rank, or raises RuntimeError with a failed rank's traceback."""
+    from cupy.cuda import nccl
+    uid = nccl.get_unique_id()
+    mp = multiprocessing.get_context("spawn")
+    results = mp.Queue()
+    procs = [mp.Process(target=_spawned_rank, args=(r, world_size, uid, fn, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, failed = [None] * world_size, None
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            out[rank] = value
+            if not ok:
+                failed = failed or f"spawn_nccl: rank {rank} failed:\n{value}"
+                break
+    except queue.Empty:
+        failed = f"spawn_nccl: no result from every rank within {timeout} s"
+    for p in procs:
+        if failed:
+            p.terminate()
+        p.join()
+    if failed:
+        raise RuntimeError(failed)
+    return out
+
+
+def _spawned_rank(rank, world_size, uid, fn, args, results):
+    try:
+        arrays.cupy_module().cuda.Device(rank).use()
+        comm = NcclCommunicator.create(uid, world_size, rank, rank)
+        results.put((rank, True, fn(rank, comm, *args)))
+    except BaseException:      # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------- the wrapper
