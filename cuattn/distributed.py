@@ -28,9 +28,11 @@ addresses after the first run(), and NCCL all-gathers can be captured (NCCL >= 2
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -284,6 +286,7 @@ class NcclCommunicator(Communicator):
     def gather_host(self, values: np.ndarray) -> np.ndarray:
         cp = arrays.cupy_module()
         with cp.cuda.Device(self.device):
+            cp.cuda.Device().synchronize()    # no all-gather of a run() still in flight on another stream
             send = cp.asarray(np.asarray(values, np.int64)).view(cp.uint8)
             recv = cp.empty((self.world_size, send.size), cp.uint8)
             self.all_gather(send, recv, cp.cuda.get_current_stream())
@@ -298,25 +301,19 @@ class TorchCommunicator(Communicator):
         import torch.distributed as dist
         self._dist, self._group = dist, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self._views: dict[int, Any] = {}
-
-    def _torch(self, x):
-        import torch
-        key = arrays.pointer_layout(x) if arrays.is_device_array(x) else None
-        hit = self._views.get(key) if key is not None else None
-        if hit is None:
-            hit = torch.from_dlpack(x) if key is not None else torch.from_numpy(x)
-            if key is not None:
-                self._views[key] = hit
-        return hit
+        self._views: dict[tuple, tuple] = {}      # (send, recv) pointers -> torch views of them
 
     def all_gather(self, send, recv, stream) -> None:
-        s, r = self._torch(send), self._torch(recv)
-        if not s.is_cuda:
-            self._dist.all_gather(list(r.unbind(0)), s, group=self._group)
-            return
         import torch
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=s.device)):
+        if stream is None:                          # NumPy buffers
+            self._dist.all_gather(list(torch.from_numpy(recv).unbind(0)), torch.from_numpy(send), group=self._group)
+            return
+        key = (send.data.ptr, recv.data.ptr, send.size)
+        if key not in self._views:
+            self._views[key] = (torch.from_dlpack(send), torch.from_dlpack(recv))
+        s, r = self._views[key]
+        same = stream.ptr == torch.cuda.current_stream(s.device).cuda_stream
+        with contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=s.device)):
             self._dist.all_gather_into_tensor(r, s, group=self._group)
 
     def gather_host(self, values: np.ndarray) -> np.ndarray:
@@ -345,19 +342,16 @@ class SimulatedCommunicator(Communicator):
         barrier.wait()           # nobody overwrites a slot before every rank has copied it
 
     def all_gather(self, send, recv, stream) -> None:
-        def copy(got):
-            for r, x in enumerate(got):
-                recv[r][...] = x
-        if stream is None:
-            self._exchange(send, copy)
-            return
-        stream.synchronize()     # this rank's send is complete before others read it
+        if stream is not None:
+            stream.synchronize()            # this rank's send is complete before others read it
 
-        def copy_on_stream(got):
-            with stream:
-                copy(got)
-            stream.synchronize()  # copied before the owners may overwrite their sends
-        self._exchange(send, copy_on_stream)
+        def copy(got):
+            with stream if stream is not None else contextlib.nullcontext():
+                for r, x in enumerate(got):
+                    recv[r][...] = x
+            if stream is not None:
+                stream.synchronize()        # copied before the owners may overwrite their sends
+        self._exchange(send, copy)
 
     def gather_host(self, values: np.ndarray) -> np.ndarray:
         out = []
@@ -410,16 +404,19 @@ def spawn_nccl(world_size: int, fn: Callable, *args, timeout: float = 600.0) -> 
     procs = [mp.Process(target=_spawned_rank, args=(r, world_size, uid, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
-    out, failed = [None] * world_size, None
-    try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout)
-            out[rank] = value
-            if not ok:
-                failed = failed or f"spawn_nccl: rank {rank} failed:\n{value}"
-                break
-    except queue.Empty:
-        failed = f"spawn_nccl: no result from every rank within {timeout} s"
+    out, failed, got, deadline = [None] * world_size, None, 0, time.monotonic() + timeout
+    while got < world_size and not failed:
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                failed = (f"spawn_nccl: rank {dead[0]} exited with code {procs[dead[0]].exitcode}" if dead
+                          else f"spawn_nccl: no result from every rank within {timeout} s")
+            continue
+        out[rank], got = value, got + 1
+        if not ok:
+            failed = f"spawn_nccl: rank {rank} failed:\n{value}"
     for p in procs:
         if failed:
             p.terminate()
@@ -542,7 +539,7 @@ class ContextParallelDecodeWrapper:
         self._batch, self._q_dtype = d._batch, d._q_dtype
         self._shape = (d._batch, d._num_qo_heads, d._head_dim)
         self._o_bytes = d._batch * d._num_qo_heads * d._head_dim * d._q_dtype.itemsize
-        self._nbytes = self._o_bytes + d._batch * d._num_qo_heads * 4      # per rank: out, then LSE
+        self._nbytes = -(-(self._o_bytes + d._batch * d._num_qo_heads * 4) // 16) * 16   # per rank: out, LSE, pad
         self._views = None
         self._planned = True
 
@@ -577,7 +574,8 @@ class ContextParallelDecodeWrapper:
         send = recv[0] if world == 1 else flat[world * n:(world + 1) * n]
         raw = arrays.RAW_VIEW.get(self._q_dtype, self._q_dtype) if device >= 0 else self._q_dtype
         send_out = send[:self._o_bytes].view(raw).reshape(self._shape)
-        send_lse = send[self._o_bytes:].view(np.float32).reshape(self._shape[:2])
+        send_lse = send[self._o_bytes:self._o_bytes + self._shape[0] * self._shape[1] * 4].view(np.float32).reshape(
+            self._shape[:2])
         views = (send, recv, send_out, send_lse)
         self._views = (device, views)
         return views
@@ -646,7 +644,7 @@ class ContextParallelDecodeWrapper:
             self._comm.all_gather(send, recv, None)
         world, (batch, heads, head_dim) = self._comm.world_size, self._shape
         o_all = recv[:, :self._o_bytes].view(self._q_dtype).reshape(world, batch, heads, head_dim)
-        s_all = recv[:, self._o_bytes:].view(np.float32).reshape(world, batch, heads)
+        s_all = recv[:, self._o_bytes:self._o_bytes + batch * heads * 4].view(np.float32).reshape(world, batch, heads)
         o, s = merge_states(o_all.transpose(1, 0, 2, 3), s_all.transpose(1, 0, 2))
         ctx = arrays.Context(arrays.framework_of(q), -1, None)
         return arrays.host_results(ctx, np.asarray(o, np.float32), s, out, lse, return_lse, self._q_dtype, fn)

@@ -294,6 +294,7 @@ GPU_CASES = [  # (world, mode, block, lens, dtype)
     (2, "round_robin", 16, [3000, 0, 37], "float16"),
     (3, "contiguous", 1024, [2500, 5, 1100], "bfloat16"),
     (4, "round_robin", 64, [700, 1], "float16"),
+    (2, "contiguous", 4096, [100, 0], "float16"),      # rank 1 holds no token of any request
 ]
 
 
@@ -328,6 +329,39 @@ def test_context_parallel_decode_gpu_torch_q_at_world_size_one_returns_torch():
     o = w.run(torch.from_numpy(case["q"]).cuda(), case["shards"].layer(0, 0), out=out)
     assert o is out
     assert rel_err(o.cpu().numpy(), oracle(case)[0]) < GPU_TOL
+
+
+@pytest.mark.gpu
+def test_context_parallel_decode_gpu_cuda_graph_replays_after_replan():
+    import cupy
+    case = build(1, "round_robin", 16, [300, 40], heads=(32, 8), head_dim=128, page_size=16, device="cuda", seed=5)
+    shards, ids = case["shards"], case["ids"]
+    w = D.ContextParallelDecodeWrapper(use_cuda_graph=True)
+    q = cupy.asarray(case["q"])
+    out, lse = cupy.empty_like(q), cupy.empty(q.shape[:2], cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        w.plan(*shards.page_table(ids, 0), *plan_args(case))
+        w.run(q, shards.layer(0, 0), out=out, lse=lse)      # warm-up: exchange buffers, kernels
+        stream.begin_capture()
+        w.run(q, shards.layer(0, 0), out=out, lse=lse)
+        graph = stream.end_capture()
+        graph.launch()
+    stream.synchronize()
+    ref_o, ref_s = oracle(case)
+    assert rel_err(cupy.asnumpy(out), ref_o) < GPU_TOL and rel_err(cupy.asnumpy(lse), ref_s) < LSE_TOL
+    # one more token per request: append, replan, replay on the graph's stream
+    rng = np.random.default_rng(6)
+    k, v = (rng.standard_normal((2, 8, 128)).astype(np.float16) for _ in range(2))
+    with stream:
+        shards.append(0, cupy.asarray(k), cupy.asarray(v), shards.reserve(ids, [1, 1]))
+        w.plan(*shards.page_table(ids, 0), *plan_args(case))
+        graph.launch()
+    stream.synchronize()
+    case["per_req"] = [(np.concatenate([kk, k[i:i + 1]]), np.concatenate([vv, v[i:i + 1]]))
+                       for i, (kk, vv) in enumerate(case["per_req"])]
+    assert rel_err(cupy.asnumpy(out), oracle(case)[0]) < GPU_TOL
 
 
 def _nccl_rank(rank, comm, world, lens):
