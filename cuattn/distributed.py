@@ -3,21 +3,18 @@ shard, and the partial states (output, LSE) are all-gathered and merged exactly.
 
 Per layer a rank sends ``batch * num_qo_heads * (head_dim * itemsize + 4)`` bytes (its output in
 q's dtype and its float32 LSE, one packed buffer, one all-gather), never KV. The merge is the
-``merge_states`` kernel over the gathered buffer in place; it is exact in the sense of the
-split-KV merge: ``lse = log(sum_r exp(lse_r))``, ``out = sum_r exp(lse_r - lse) * out_r``, each
-rank's partial output rounded once to q's dtype. A rank with no tokens of a request contributes
-LSE -inf and output 0, and drops out of the merge.
-
-Pieces:
+``merge_states`` kernel run over the gathered buffer in place: ``lse = log(sum_r exp(lse_r))``,
+``out = sum_r exp(lse_r - lse) * out_r``, each rank's partial output rounded once to q's dtype. A
+rank with no tokens of a request gives LSE -inf and output 0 for it, and drops out of the merge.
 
 - ``KVSharding``: which rank owns each token position (round-robin blocks, or contiguous spans).
-- ``ShardedPagedKVCache``: ``PagedKVCache`` shards (one per rank this process holds), appends
-  routed to the owning rank, each rank's local page table.
-- ``ContextParallelDecodeWrapper``: plan() on the local page table, run() = local decode
+- ``ShardedPagedKVCache``: ``PagedKVCache`` shards, appends routed to the owning rank, each rank's
+  local page table.
+- ``ContextParallelDecodeWrapper``: plan() on the local page table; run() = local decode
   (``return_lse``) + all-gather + merge, every rank returning the same merged output.
-- Communicators: ``NcclCommunicator`` (CuPy's NCCL bindings), ``TorchCommunicator`` (a
-  ``torch.distributed`` process group), ``LocalCommunicator`` (world size 1: no exchange) and
-  ``simulated_group`` / ``run_simulated`` (N ranks as threads of one process, for tests).
+- Communicators: ``NcclCommunicator`` (CuPy's NCCL; ``spawn_nccl`` starts one process per GPU),
+  ``TorchCommunicator`` (a ``torch.distributed`` group), ``LocalCommunicator`` (world size 1: no
+  exchange), ``simulated_group`` / ``run_simulated`` (ranks as threads of one process, for tests).
 
 Position-dependent variants (ALiBi, fused RoPE, sliding windows) need global key positions, which a
 shard does not have: plan() refuses them. CUDA graphs: with ``use_cuda_graph=True`` the local
@@ -43,7 +40,7 @@ from . import arrays, jit
 from .cascade import _spec_for, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .errors import CacheFullError, UnsupportedError
-from .page import AppendBatch, PagedKVCache
+from .page import PagedKVCache
 
 SHARDING_MODES = ("round_robin", "contiguous")
 
@@ -110,21 +107,13 @@ class ShardedAppendBatch:
 class ShardedPagedKVCache:
     """A paged KV cache whose every sequence is sharded over ``sharding.world_size`` ranks.
 
-    Each rank this process holds (``ranks``; all of them by default: a simulation in one process)
-    owns a ``PagedKVCache`` of ``max_num_pages`` pages on its ``device``. In a multi-process job
-    every process makes one with ``ranks=[rank]``, ``device=f"cuda:{rank}"`` and calls
-    ``add_sequence`` / ``reserve`` / ``remove_sequence`` with the same arguments (the scheduler is
-    replicated); ``append`` takes the step's full keys and values (every rank computes them) and
-    stores the rows its rank owns. ``page_table(seq_ids, rank)`` is that rank's local CSR page table
-    for ``ContextParallelDecodeWrapper.plan``; ``layer(i, rank)`` its cache array.
-
-    Parameters
-    ----------
-    sharding : KVSharding
-    num_layers, num_kv_heads, head_dim, page_size, max_num_pages, dtype, kv_layout :
-        as ``PagedKVCache``, per shard.
-    device : str or sequence of str, one per held rank ("cpu", "cuda", "cuda:N")
-    ranks : sequence of int, optional
+    Each rank this process holds (``ranks``, default all: a simulation in one process) owns a
+    ``PagedKVCache(num_layers, num_kv_heads, head_dim, page_size, max_num_pages, dtype, kv_layout)``
+    on its ``device`` (one string, or one per held rank). In a multi-process job each process holds
+    ``ranks=[rank]`` and makes the same ``add_sequence`` / ``reserve`` / ``remove_sequence`` calls
+    (a replicated scheduler); ``append`` takes the step's full keys and values and stores the rows
+    its ranks own. ``page_table(seq_ids, rank)`` is a rank's local CSR page table for
+    ``ContextParallelDecodeWrapper.plan``, ``layer(i, rank)`` its cache array.
     """
 
     def __init__(self, sharding: KVSharding, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -146,10 +135,6 @@ class ShardedPagedKVCache:
         self._lens: dict[int, int] = {}
         self._local: dict[int, dict[int, int]] = {}     # seq_id -> {rank: local seq id}
         self._next_id = 0
-
-    @property
-    def seq_ids(self) -> list[int]:
-        return list(self._lens)
 
     def seq_len(self, seq_id: int) -> int:
         """The sequence's length over all ranks."""
@@ -238,10 +223,10 @@ class ShardedPagedKVCache:
 
 
 class Communicator:
-    """An all-gather over ``world_size`` ranks. ``all_gather(send, recv, stream)``: ``send`` a
-    1-D uint8 array of n bytes, ``recv`` (world_size, n) uint8, rank r's bytes in ``recv[r]``;
-    device arrays are exchanged in the order of ``stream`` (a CuPy stream). ``gather_host(values)``:
-    a small int64 vector from every rank, (world_size, n) NumPy (may synchronize)."""
+    """All-gathers over ``world_size`` ranks. ``all_gather(send, recv, stream)``: ``send`` 1-D uint8
+    of n bytes, ``recv`` (world_size, n) uint8 receiving rank r's bytes in row r, ordered on
+    ``stream`` (a CuPy stream; None for NumPy buffers). ``gather_host(values)``: a small int64
+    vector from every rank as (world_size, n) NumPy (may synchronize)."""
     rank: int = 0
     world_size: int = 1
 
@@ -313,7 +298,8 @@ class TorchCommunicator(Communicator):
             self._views[key] = (torch.from_dlpack(send), torch.from_dlpack(recv))
         s, r = self._views[key]
         same = stream.ptr == torch.cuda.current_stream(s.device).cuda_stream
-        with contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=s.device)):
+        ext = contextlib.nullcontext() if same else torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, s.device))
+        with ext:
             self._dist.all_gather_into_tensor(r, s, group=self._group)
 
     def gather_host(self, values: np.ndarray) -> np.ndarray:
@@ -523,8 +509,8 @@ class ContextParallelDecodeWrapper:
                           disable_split_kv=disable_split_kv)
         d = self._decode
         if self._use_cuda_graph and getattr(self, "_batch", d._batch) != d._batch:
-            raise ValueError(f"{fn}: batch must stay {self._batch} (the first plan's) with use_cuda_graph=True "
-                             f"(the captured all-gather has a fixed size), got {d._batch}; make one wrapper per batch size")
+            raise ValueError(f"{fn}: batch must stay {self._batch} (the first plan's) with use_cuda_graph=True (the "
+                             f"captured all-gather has a fixed size), got {d._batch}; use one wrapper per batch size")
         if check_ranks and self._comm.world_size > 1:
             f64 = lambda x: int(np.float64(x if x is not None else np.nan).view(np.int64))   # noqa: E731
             crc = lambda dt: _DTYPES.index(dt) if dt in _DTYPES else -1                      # noqa: E731
@@ -534,8 +520,8 @@ class ContextParallelDecodeWrapper:
             every = self._comm.gather_host(mine)
             for i, name in enumerate(_SIGNATURE):
                 if np.any(every[:, i] != every[0, i]):
-                    raise ValueError(f"{fn}: {name} must be the same on every rank, got {self._describe(every[:, i], i)} "
-                                     f"by rank")
+                    raise ValueError(f"{fn}: {name} must be the same on every rank, got "
+                                     f"{self._describe(every[:, i], name)} by rank")
         self._batch, self._q_dtype = d._batch, d._q_dtype
         self._shape = (d._batch, d._num_qo_heads, d._head_dim)
         self._o_bytes = d._batch * d._num_qo_heads * d._head_dim * d._q_dtype.itemsize
@@ -544,12 +530,11 @@ class ContextParallelDecodeWrapper:
         self._planned = True
 
     @staticmethod
-    def _describe(column: np.ndarray, i: int) -> list:
-        if _SIGNATURE[i] in ("sm_scale", "logits_soft_cap"):
+    def _describe(column: np.ndarray, name: str) -> list:
+        if name in ("sm_scale", "logits_soft_cap"):
             return [float(np.int64(v).view(np.float64)) for v in column]
-        if _SIGNATURE[i].endswith("data_type"):
-            return [str(_DTYPES[v]) if 0 <= v < len(_DTYPES) else "other" for v in column]
-        return [int(v) for v in column]
+        return [str(_DTYPES[v]) if 0 <= v < len(_DTYPES) else "other" for v in column] \
+            if name.endswith("data_type") else [int(v) for v in column]
 
     def _exchange_views(self, device: int):
         """(send, recv, send_out, send_lse) over one buffer: recv (world_size, nbytes) uint8, send its
@@ -628,7 +613,7 @@ class ContextParallelDecodeWrapper:
             lse_ptr = tl.ptr
         if batch:     # merge_states' kernel over the gathered buffer: v (batch, rank, head, d), s likewise
             item = self._q_dtype.itemsize
-            launch = jit.get_launcher(_spec_for(self._q_dtype, fn), "cuattn_merge_states", device, "pppp" "iii" "qqqqqqqq")
+            launch = jit.get_launcher(_spec_for(self._q_dtype, fn), "cuattn_merge_states", device, "ppppiiiqqqqqqqq")
             launch((batch, heads), 128, st, recv.data.ptr, recv.data.ptr + self._o_bytes, to.ptr, lse_ptr,
                    self._comm.world_size, heads, head_dim, heads * head_dim, self._nbytes // item, head_dim,
                    heads, self._nbytes // 4, 1, to.strides[0], to.strides[1])

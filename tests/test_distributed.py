@@ -214,7 +214,8 @@ def test_context_parallel_decode_writes_out_and_lse_in_place():
     ("num_qo_heads", dict(num_qo_heads=4), r"num_qo_heads must be the same on every rank, got \[8, 4\]"),
     ("num_kv_heads", dict(num_kv_heads=1), r"num_kv_heads must be the same on every rank, got \[2, 1\]"),
     ("batch", dict(batch=1), r"batch must be the same on every rank, got \[2, 1\]"),
-    ("dtype", dict(q_data_type="bfloat16"), r"q_data_type must be the same on every rank, got \['float16', 'bfloat16'\]"),
+    ("dtype", dict(q_data_type="bfloat16"),
+     r"q_data_type must be the same on every rank, got \['float16', 'bfloat16'\]"),
 ], ids=["num_qo_heads", "num_kv_heads", "batch", "dtype"])
 def test_context_parallel_plan_refuses_ranks_that_disagree(field, rank1, match):
     case = build(2, "round_robin", 4, [12, 30])
@@ -258,6 +259,36 @@ def test_run_simulated_reraises_the_failing_ranks_error():
         return comm.gather_host(np.array([rank]))      # the others wait at the barrier, then break
     with pytest.raises(KeyError, match="rank 2 broke"):
         D.run_simulated(3, rank_fn, timeout=10)
+
+
+def _gloo_rank(rank, world, init_file, case, out):
+    """One process of the torch.distributed (gloo, CPU) test."""
+    import torch.distributed as tdist
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        comm = D.TorchCommunicator()
+        w = D.ContextParallelDecodeWrapper(comm)
+        w.plan(*case["shards"].page_table(case["ids"], rank), *plan_args(case), world_size=world)
+        out.put((rank, w.run(case["q"], case["shards"].layer(0, rank), return_lse=True)))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_torch_communicator_over_gloo_processes_equals_the_oracle(tmp_path):
+    pytest.importorskip("torch")
+    import multiprocessing
+    case = build(2, "round_robin", 4, [30, 0, 9])
+    mp = multiprocessing.get_context("spawn")
+    out = mp.Queue()
+    procs = [mp.Process(target=_gloo_rank, args=(r, 2, tmp_path / "init", case, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    ref_o, ref_s = oracle(case)
+    for o, s in results.values():
+        assert rel_err(o, ref_o) < CPU_TOL and rel_err(s, ref_s) < LSE_TOL
 
 
 def test_torch_cpu_q_gets_torch_results():
