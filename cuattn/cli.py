@@ -1,4 +1,4 @@
-"""The ``cuattn`` command: info | precompile | cache clear | demo."""
+"""The ``cuattn`` command: info | precompile | cache clear | demo | bench."""
 from __future__ import annotations
 
 import argparse
@@ -266,6 +266,116 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# `cuattn bench`: the scripts of benchmarks/ it knows, with the arguments of a quick run (None: full run only)
+# and whether they need a GPU. Other benchmarks/bench_*.py scripts run in a full run with --out alone.
+_BENCH_SUITE = (
+    ("bench_decode.py", ["--batch", "1", "16", "64", "--kv-len", "2048", "8192", "--heads", "32:8", "--reps", "10"], True),
+    ("bench_prefill.py", ["--shapes", "1x4096", "8x2048", "--reps", "10", "--no-sdpa"], True),
+    ("bench_cascade.py", ["--reps", "10"], True),
+    ("bench_norm_act.py", ["--rows", "16", "4096", "--hidden", "4096", "--reps", "20"], True),
+    ("bench_variants.py", ["--reps", "10", "--rounds", "1", "--no-compile"], True),
+    ("bench_jit.py", None, False),
+)
+
+
+def _bench_plot(out_dir, results: dict) -> str:
+    """A PNG of decode TB/s and prefill TFLOP/s against the ceilings measured in the run; returns its
+    path, or why there is none."""
+    import json
+    from pathlib import Path
+
+    try:
+        import matplotlib
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [name for name in ("bench_decode.py", "bench_prefill.py") if name in results]
+    if not panels:
+        return "no plot: neither bench_decode.py nor bench_prefill.py wrote results"
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        res = json.loads(Path(results[name]).read_text())
+        env = res.get("env", {})
+        if name == "bench_decode.py":
+            rows = [r for r in res["rows"] if r.get("variant", "shipped") == "shipped"]
+            kv_bytes = [r["tbs"] * 1e12 * r["us"] * 1e-6 / 1e6 for r in rows]        # MB read: TB/s x time
+            ax.plot(kv_bytes, [r["tbs"] for r in rows], "o", label="cuattn decode")
+            ceiling = res["ceilings"]["read_only_tbs"]
+            ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"read ceiling {ceiling:.2f} TB/s (measured)")
+            ax.set_xscale("log"), ax.set_xlabel("K/V MB read per call"), ax.set_ylabel("TB/s")
+            ax.set_title(f"decode, {res.get('dtype', '')} hd{res.get('head_dim', '')}", fontsize=9)
+        else:
+            rows = res["rows"]
+            labels = [f"{r['batch']}x{r['qo_len']}" + (" causal" if r["causal"] else "") for r in rows]
+            for i, (key, label) in enumerate((("fa3_gpu_tflops", "cuattn fa3"), ("gpu_tflops", "cuattn fa2"))):
+                ax.bar([j + 0.4 * i for j in range(len(rows))], [r.get(key) or 0 for r in rows], 0.4, label=label)
+            ax.axhline(res["matmul_tflops"], color="k", ls="--", lw=1,
+                       label=f"fp16 matmul {res['matmul_tflops']:.0f} TFLOP/s (measured)")
+            ax.set_xticks([j + 0.2 for j in range(len(rows))], labels, fontsize=7), ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(0, 1.3 * res["matmul_tflops"]), ax.set_title("prefill", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{env.get('gpu', '')}, {str(env.get('date', ''))[:10]}", fontsize=10)
+    fig.tight_layout()
+    path = Path(out_dir) / "bench.png"
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def cmd_bench(args) -> int:
+    """Run the benchmark scripts of a checkout's benchmarks/ on this machine; JSON per script, a summary
+    JSON and a PNG plot into --out-dir."""
+    import datetime
+    import json
+    import subprocess
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not bench_dir.is_dir():
+        print(f"cuattn bench: no benchmarks/ next to the package ({bench_dir}); the benchmark scripts come with "
+              f"a clone of the repository (pip install -e . there)", file=sys.stderr)
+        return 2
+    on_gpu = arrays.gpu_available()
+    date = datetime.date.today().isoformat()
+    out_dir = Path(args.out_dir or f"bench-{date}{'-quick' if args.quick else ''}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    known = {name for name, _, _ in _BENCH_SUITE}
+    suite = [(n, a, g) for n, a, g in _BENCH_SUITE if (bench_dir / n).exists()]
+    suite += [(p.name, [], True) for p in sorted(bench_dir.glob("bench_*.py")) if p.name not in known]
+    print(f"cuattn bench{' --quick' if args.quick else ''}: {_gpu_line()}; results into {out_dir}/")
+    results, summary = {}, []
+    for name, quick_args, needs_gpu in suite:
+        if needs_gpu and not on_gpu:
+            summary.append(dict(script=name, skipped="needs a GPU"))
+            print(f"-- {name}: skipped (needs a GPU)")
+            continue
+        if args.quick and quick_args is None:
+            summary.append(dict(script=name, skipped="full run only"))
+            print(f"-- {name}: skipped in a quick run")
+            continue
+        out = out_dir / name.replace(".py", ".json").replace("bench_", "")
+        cmd = [sys.executable, str(bench_dir / name), *((quick_args or []) if args.quick else []), "--out", str(out)]
+        print(f"-- {name} {' '.join(cmd[2:])}", flush=True)
+        start = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        summary.append(dict(script=name, args=cmd[2:], returncode=rc, seconds=round(time.perf_counter() - start, 1),
+                            json=str(out) if out.exists() else None))
+        if rc == 0 and out.exists():
+            results[name] = out
+    plot = _bench_plot(out_dir, results)
+    (out_dir / "suite.json").write_text(json.dumps(dict(date=date, gpu=_gpu_line(), quick=args.quick, plot=plot,
+                                                        scripts=summary), indent=1))
+    ran = [s for s in summary if "returncode" in s]
+    failed = [s["script"] for s in ran if s["returncode"]]
+    print(f"bench: {len(ran)} scripts run, {len(failed)} failed{' (' + ', '.join(failed) + ')' if failed else ''}, "
+          f"{len(summary) - len(ran)} skipped; {out_dir / 'suite.json'}; plot: {plot}")
+    if not ran:
+        print("cuattn bench: nothing could run on this machine", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="cuattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -282,6 +392,10 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None, help="requests in the stream (default: 64 on the CPU, 256 on a GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request stream")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("bench", help="run the benchmark scripts of a checkout; JSON and a PNG plot")
+    p.add_argument("--quick", action="store_true", help="a few shapes per script, fewer repetitions")
+    p.add_argument("--out-dir", default=None, help="where to write (default: ./bench-<date>[-quick])")
+    p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)
 
