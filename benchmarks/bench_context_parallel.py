@@ -10,10 +10,10 @@ round-robin in page-size blocks; a rank holds only its own pages (random page or
 - speedup = local µs at world size 1 / total µs (when world size 1 is in the same run).
 
 Modes. Default: one process per GPU for each --world-size (spawned with multiprocessing, an NCCL
-unique id made by the parent: cuattn.distributed.spawn_nccl); world size 1 runs without NCCL
-(LocalCommunicator: nothing is exchanged) unless --comm nccl. --simulate N..: on one GPU, the local
-decode of one shard of N and the merge of N states, the exchange left out (not measurable on one
-GPU); the N=1 row is the unsharded decode.
+unique id made by the parent: cuattn.distributed.spawn_nccl); world size 1 runs in this process
+(LocalCommunicator: nothing to exchange; the merge of one state remains). --simulate N..: on one
+GPU, the local decode of one shard of N and the merge of N states, the exchange left out (not
+measurable on one GPU); the N=1 row is the unsharded decode.
 
 Timing: CUDA events around each call, 256 MB L2 read-flush before each, 5 warm-up + --reps timed,
 median; with NCCL the ranks meet at a 1-element all-gather (outside the events) before each timed
@@ -116,7 +116,7 @@ def rank_main(rank, comm, world, args):
     """One rank's rows: [(batch, kv_len, local µs, total µs)], plus the check's error (None
     without --check or under NoExchange, whose merge reads states nobody sent)."""
     flush = l2_flush()
-    if world > 1 or args.comm == "nccl":
+    if world > 1 and not isinstance(comm, NoExchange):
         token = np.zeros(1, np.int64)
         barrier = lambda: comm.gather_host(token)     # noqa: E731 - a 1-element all-gather, synced
     else:
@@ -148,8 +148,6 @@ def main():
                     help="world sizes to spawn (default: 1, 2, 4, ... up to the visible GPUs)")
     ap.add_argument("--simulate", type=int, nargs="+", default=None,
                     help="one GPU: shard counts to simulate (the exchange left out) instead of spawning")
-    ap.add_argument("--comm", default="auto", choices=["auto", "nccl"],
-                    help="auto: no exchange at world size 1, NCCL above; nccl: NCCL at world size 1 too")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kv-len", type=int, nargs="+", default=[131072, 524288, 1048576])
     ap.add_argument("--reps", type=int, default=30)
@@ -171,7 +169,7 @@ def main():
         if max(sizes) > gpus:
             sys.exit(f"--world-size {max(sizes)} needs {max(sizes)} GPUs, {gpus} visible")
         for n in sizes:
-            if n == 1 and args.comm == "auto":
+            if n == 1:
                 results[n] = [rank_main(0, dist.LocalCommunicator(), 1, args)]
             else:
                 results[n] = dist.spawn_nccl(n, rank_main, n, args)
