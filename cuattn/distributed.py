@@ -21,7 +21,9 @@ shard does not have: plan() refuses them. CUDA graphs: with ``use_cuda_graph=Tru
 decode is capturable as in ``BatchDecodeWithPagedKVCacheWrapper``, the exchange buffers keep fixed
 addresses after the first run(), and NCCL all-gathers can be captured (NCCL >= 2.9.6, and for a
 ``torch.distributed`` group as PyTorch allows); run once before capturing, pass ``out=`` (and
-``lse=``), and keep the batch of the first plan (the captured all-gather has a fixed size).
+``lse=``), keep the batch of the first plan (the captured all-gather has a fixed size), and re-plan
+with ``check_ranks=False`` (its check is an uncaptured collective on the same communicator).
+tests/test_distributed.py captures and replays at world size 1; NCCL capture has no test.
 """
 from __future__ import annotations
 
