@@ -624,23 +624,19 @@ def _np_sample(x, rows, flags, k, p, m, seed: int, offset: int) -> np.ndarray:
 
 def _np_chain_speculative(draft, ids, target, seed: int, offset: int):
     batch, n, vocab = draft.shape
-    out = np.full((batch, n + 1), -1, np.int32)
-    acc = np.zeros(batch, np.int32)
-    emi = np.zeros(batch, np.int32)
     b_all = np.arange(batch)
     u = _uniform(_random_bits(b_all, n, seed, offset, _TAG_ACCEPT))
     w = _uniform(_random_bits(b_all, n, seed, offset, _TAG_RECOUNT))
-    for b in range(batch):
-        pos = n
-        for i in range(n):
-            d = ids[b, i]
-            if not u[b, i] * draft[b, i, d] < target[b, i, d]:
-                pos = i
-                break
-        later = sum(int(w[b, i] * draft[b, i, ids[b, i]] < target[b, i, ids[b, i]]) for i in range(pos, n))
-        acc[b], emi[b] = pos + later, pos
-        out[b, :pos] = ids[b, :pos]
-        vals = np.maximum(target[b, pos] - draft[b, pos], np.float32(0)) if pos < n else target[b, pos]
-        out[b, pos] = _race(vals[None, :].astype(np.float32), np.ones((1, vocab), bool),
-                            np.array([b * (n + 1) + pos]), seed, offset)[0]
-    return out, acc, emi
+    q = np.take_along_axis(draft, ids[:, :, None].astype(np.int64), axis=2)[:, :, 0]
+    p = np.take_along_axis(target[:, :n], ids[:, :, None].astype(np.int64), axis=2)[:, :, 0]
+    rejected = ~(u * q < p)
+    pos = np.where(rejected.any(axis=1), np.argmax(rejected, axis=1), n)
+    later = (np.arange(n)[None, :] >= pos[:, None]) & (w * q < p)
+    acc = (pos + later.sum(axis=1)).astype(np.int32)
+    vals = target[b_all, pos].copy()
+    r = pos < n
+    vals[r] = np.maximum(vals[r] - draft[b_all[r], pos[r]], np.float32(0))
+    tok = _race(vals.astype(np.float32), np.ones(vals.shape, bool), b_all * (n + 1) + pos, seed, offset)
+    out = np.where(np.arange(n + 1)[None, :] < pos[:, None], np.pad(ids, ((0, 0), (0, 1))), -1).astype(np.int32)
+    out[b_all, pos] = tok
+    return out, acc, pos.astype(np.int32)

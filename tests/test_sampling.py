@@ -1,0 +1,342 @@
+import math
+
+import numpy as np
+import pytest
+
+from cuattn import jit, sampling
+
+N_DRAWS = 20000
+# one row of a small vocabulary: distinct probabilities, no cumulative sum near the top_p values used below
+PROBS = np.array([0.02, 0.21, 0.07, 0.15, 0.004, 0.11, 0.26, 0.05, 0.086, 0.04], np.float64)
+PROBS = PROBS / PROBS.sum()
+
+
+# ---------------------------------------------------------------------------- float64 oracle
+
+
+def top_k_set(p, k):
+    return p >= np.sort(p)[::-1][min(k, len(p)) - 1]
+
+
+def top_p_set(p, top_p):
+    """Nucleus by walking the tokens in decreasing order: include while the mass before them < top_p."""
+    keep = np.zeros(len(p), bool)
+    before = 0.0
+    for i in np.argsort(-p, kind="stable"):
+        if before >= top_p * p.sum():
+            break
+        keep[p == p[i]] = True
+        before += p[i]
+    return keep
+
+
+def expected(op, p, k=None, top_p=None, min_p=None, order="top_k_first"):
+    """The distribution each op draws from, in float64."""
+    if op in ("sampling_from_probs", "sampling_from_logits"):
+        keep = np.ones(len(p), bool)
+    elif op == "top_k_sampling_from_probs":
+        keep = top_k_set(p, k)
+    elif op == "top_p_sampling_from_probs":
+        keep = top_p_set(p, top_p)
+    elif op == "min_p_sampling_from_probs":
+        keep = p >= min_p * p.max()
+    elif order == "joint":
+        keep = top_k_set(p, k) & top_p_set(p, top_p)
+    else:
+        kk = top_k_set(p, k)
+        keep = kk & top_p_set(np.where(kk, p, 0.0), top_p)
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def chi_square_p_value(counts, probs):
+    """Upper tail of the chi-square statistic over the cells of nonzero probability (Wilson-Hilferty)."""
+    cells = probs > 0
+    n = counts.sum()
+    stat = float(np.sum((counts[cells] - n * probs[cells]) ** 2 / (n * probs[cells])))
+    df = int(cells.sum()) - 1
+    if df == 0:
+        return 1.0
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+CASES = [  # (op, kwargs)
+    ("sampling_from_probs", {}),
+    ("sampling_from_logits", {}),
+    ("top_k_sampling_from_probs", {"top_k": 4}),
+    ("top_p_sampling_from_probs", {"top_p": 0.6}),
+    ("min_p_sampling_from_probs", {"min_p": 0.3}),
+    ("top_k_top_p_sampling_from_probs", {"top_k": 5, "top_p": 0.75}),
+    ("top_k_top_p_sampling_from_probs", {"top_k": 5, "top_p": 0.6, "filter_apply_order": "joint"}),
+    ("top_k_top_p_sampling_from_logits", {"top_k": 6, "top_p": 0.8}),
+    ("top_k_top_p_sampling_from_logits", {"top_k": 3, "top_p": 0.5, "filter_apply_order": "joint"}),
+]
+CASE_IDS = [f"{op.replace('_sampling_from', '')}-{'-'.join(f'{v}' for v in kw.values()) or 'plain'}"
+            for op, kw in CASES]
+
+
+def call(op, row, n, kwargs, to_device=lambda a: a, seed=7):
+    """n draws from one row through ``indices`` (every output shares row 0)."""
+    x = np.log(row).astype(np.float32) if op.endswith("logits") else row.astype(np.float32)
+    params = {k: v for k, v in kwargs.items() if k != "filter_apply_order"}
+    extra = {"filter_apply_order": kwargs["filter_apply_order"]} if "filter_apply_order" in kwargs else {}
+    out = getattr(sampling, op)(to_device(x[None, :]), *params.values(),
+                                indices=to_device(np.zeros(n, np.int32)), seed=seed, **extra)
+    return out
+
+
+def check_distribution(op, kwargs, tokens):
+    q = expected(op, PROBS, kwargs.get("top_k"), kwargs.get("top_p"), kwargs.get("min_p"),
+                 kwargs.get("filter_apply_order", "top_k_first"))
+    tokens = np.asarray(tokens)
+    assert tokens.dtype == np.int32 and tokens.shape == (N_DRAWS,)
+    outside = np.flatnonzero(q[tokens] == 0)
+    assert outside.size == 0, f"drew tokens outside the kept set: {np.unique(tokens[outside])}"
+    p = chi_square_p_value(np.bincount(tokens, minlength=len(q)), q)
+    assert p > 1e-4, (np.bincount(tokens, minlength=len(q)) / N_DRAWS, q)
+
+
+# ---------------------------------------------------------------------------- NumPy path
+
+
+def test_philox_matches_random123_known_answers():
+    zero = sampling.philox4x32(np.uint32(0), 0, 0, 0, 0, 0)
+    assert [int(w) for w in zero] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    ones = sampling.philox4x32(np.uint32(0xFFFFFFFF), 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    assert [int(w) for w in ones] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+@pytest.mark.parametrize("op,kwargs", CASES, ids=CASE_IDS)
+def test_sampling_matches_filtered_distribution(op, kwargs):
+    check_distribution(op, kwargs, call(op, PROBS, N_DRAWS, kwargs))
+
+
+def test_sampling_same_seed_gives_same_tokens_and_offset_changes_them():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(50, 0.3), size=64).astype(np.float32)
+    a = sampling.top_k_top_p_sampling_from_probs(probs, 20, 0.9, seed=123)
+    b = sampling.top_k_top_p_sampling_from_probs(probs, 20, 0.9, seed=123)
+    c = sampling.top_k_top_p_sampling_from_probs(probs, 20, 0.9, seed=123, offset=4)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    g1, g2 = np.random.default_rng(5), np.random.default_rng(5)
+    np.testing.assert_array_equal(sampling.sampling_from_probs(probs, generator=g1),
+                                  sampling.sampling_from_probs(probs, generator=g2))
+
+
+def test_sampling_takes_per_request_parameters():
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.full(40, 0.5), size=6).astype(np.float32)
+    top_k = np.array([1, 2, 3, 5, 8, 40], np.int32)
+    for _ in range(3):
+        tok = sampling.top_k_sampling_from_probs(probs, top_k, seed=int(rng.integers(1 << 30)))
+        for b in range(6):
+            assert top_k_set(probs[b].astype(np.float64), top_k[b])[tok[b]]
+    top_p = [0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
+    tok = sampling.top_p_sampling_from_probs(probs, top_p, seed=3)
+    for b in range(6):
+        assert top_p_set(probs[b].astype(np.float64), top_p[b])[tok[b]]
+    assert sampling.top_k_sampling_from_probs(probs, 1, seed=4).tolist() == np.argmax(probs, 1).tolist()
+
+
+def test_renorm_and_mask_match_float64_formulas():
+    rng = np.random.default_rng(2)
+    probs = rng.dirichlet(np.full(1000, 0.2), size=5).astype(np.float32)
+    top_k = np.array([1, 7, 50, 999, 1000])
+    top_p = np.array([0.05, 0.3, 0.6, 0.9, 1.0], np.float32)
+    got_k = sampling.top_k_renorm_probs(probs, top_k)
+    got_p = sampling.top_p_renorm_probs(probs, top_p)
+    logits = np.log(probs) + np.float32(3.0)
+    got_m = sampling.top_k_mask_logits(logits, top_k)
+    for b in range(5):
+        p64 = probs[b].astype(np.float64)
+        keep = top_k_set(p64, top_k[b])
+        np.testing.assert_allclose(got_k[b], np.where(keep, p64 / p64[keep].sum(), 0), rtol=1e-6, atol=1e-12)
+        keep = top_p_set(p64, float(top_p[b]))
+        np.testing.assert_allclose(got_p[b], np.where(keep, p64 / p64[keep].sum(), 0), rtol=1e-6, atol=1e-12)
+        keep = top_k_set(logits[b].astype(np.float64), top_k[b])
+        np.testing.assert_array_equal(got_m[b], np.where(keep, logits[b], -np.inf))
+    assert got_k.dtype == got_p.dtype == got_m.dtype == np.float32
+
+
+def test_chain_speculative_sampling_follows_flashinfer_example():
+    draft = np.array([[[0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.1]]], np.float32)
+    target = np.array([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]], np.float32)
+    acc = np.array([5], np.int32)
+    ids, acc_out, emitted = sampling.chain_speculative_sampling(draft, np.array([[2, 1]], np.int32), target,
+                                                                maybe_output_accepted_token_num=acc, seed=0)
+    assert ids.tolist() == [[2, 0, -1]] and emitted.tolist() == [1]
+    assert acc_out is acc and acc.tolist() == [6]
+
+
+def speculative_first_tokens(to_device=lambda a: a, seed=11):
+    """First emitted token of N_DRAWS one-draft chains: distributed as the target, whatever the draft."""
+    rng = np.random.default_rng(3)
+    q = rng.dirichlet(np.ones(len(PROBS)))
+    draft = np.broadcast_to(q.astype(np.float32), (N_DRAWS, 1, len(PROBS))).copy()
+    target = np.broadcast_to(PROBS.astype(np.float32), (N_DRAWS, 2, len(PROBS))).copy()
+    ids = rng.choice(len(PROBS), size=(N_DRAWS, 1), p=q).astype(np.int32)
+    out, acc, emitted = sampling.chain_speculative_sampling(to_device(draft), to_device(ids), to_device(target),
+                                                            seed=seed)
+    return out, acc, emitted
+
+
+def test_chain_speculative_sampling_emits_the_target_distribution():
+    out, acc, emitted = speculative_first_tokens()
+    assert chi_square_p_value(np.bincount(out[:, 0], minlength=len(PROBS)), PROBS) > 1e-4
+    assert ((emitted == 1) == (out[:, 1] >= 0)).all() and (acc >= emitted).all()
+
+
+def test_sampling_rejects_bad_inputs_naming_the_argument():
+    p = np.full((2, 8), 0.125, np.float32)
+    with pytest.raises(ValueError, match="top_p_sampling_from_probs: top_p must be a float in \\(0, 1\\]"):
+        sampling.top_p_sampling_from_probs(p, 0.0)
+    with pytest.raises(ValueError, match="top_p must be a float in \\(0, 1\\]"):
+        sampling.top_p_renorm_probs(p, 1.5)
+    with pytest.raises(ValueError, match="top_k_sampling_from_probs: top_k must be an int >= 1, got 0"):
+        sampling.top_k_sampling_from_probs(p, 0)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1 for every request, got 0 at index 1"):
+        sampling.top_k_top_p_sampling_from_probs(p, np.array([3, 0]), 0.5)
+    with pytest.raises(ValueError, match="min_p must be a float in \\[0, 1\\]"):
+        sampling.min_p_sampling_from_probs(p, -0.1)
+    with pytest.raises(TypeError, match="sampling_from_probs: probs must be float32, got float16"):
+        sampling.sampling_from_probs(p.astype(np.float16))
+    with pytest.raises(ValueError, match="probs must have shape \\(batch, vocab_size\\)"):
+        sampling.sampling_from_probs(p[0])
+    with pytest.raises(ValueError, match="top_p must be a scalar or have shape \\(batch,\\) = \\(2,\\), got \\(3,\\)"):
+        sampling.top_p_sampling_from_probs(p, np.full(3, 0.5, np.float32))
+    with pytest.raises(ValueError, match="top_k must be a scalar or have shape \\(batch,\\) = \\(5,\\)"):
+        sampling.top_k_sampling_from_probs(p, np.ones(2, np.int32), indices=np.zeros(5, np.int32))
+    with pytest.raises(ValueError, match="indices must be in \\[0, 2\\)"):
+        sampling.sampling_from_probs(p, indices=np.array([0, 2], np.int32))
+    with pytest.raises(ValueError, match="filter_apply_order must be 'top_k_first' or 'joint'"):
+        sampling.top_k_top_p_sampling_from_logits(p, 2, 0.5, filter_apply_order="top_p_first")
+    with pytest.raises(ValueError, match="seed must be an int in \\[0, 2\\*\\*64\\)"):
+        sampling.sampling_from_probs(p, seed=-1)
+    with pytest.raises(ValueError, match="probs must not contain NaN"):
+        sampling.sampling_from_probs(np.full((1, 4), np.nan, np.float32), check_nan=True)
+    with pytest.raises(ValueError, match="chain_speculative_sampling: target_probs must have shape \\(1, 3, 4\\)"):
+        sampling.chain_speculative_sampling(np.ones((1, 2, 4), np.float32), np.zeros((1, 2), np.int32),
+                                            np.ones((1, 2, 4), np.float32))
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_shipped_sampling_kernels_compile_without_spills(arch):
+    entries = {"cuattn_sample", "cuattn_top_k_renorm", "cuattn_top_p_renorm", "cuattn_top_k_mask_logits",
+               "cuattn_chain_speculative"}
+    for spec in sampling.shipped_specs():
+        resources = jit.compile_kernel(spec, arch).resources
+        assert set(resources) >= entries or not resources
+        for entry, r in resources.items():
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (spec.name, entry, r)
+            # the probability renorm entries keep the search's pivot statistics in a 96-byte local frame
+            # (NVVM does not promote them there; open: see sampling.cu); the others hold them in registers
+            if entry not in ("cuattn_top_k_renorm", "cuattn_top_p_renorm"):
+                assert r["stack_frame"] == 0, (spec.name, entry, r)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def to_cupy(a):
+    import cupy
+    return cupy.asarray(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,kwargs", CASES, ids=CASE_IDS)
+def test_sampling_gpu_matches_filtered_distribution(op, kwargs):
+    import cupy
+    check_distribution(op, kwargs, cupy.asnumpy(call(op, PROBS, N_DRAWS, kwargs, to_cupy)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,kwargs", CASES, ids=CASE_IDS)
+def test_sampling_gpu_draws_the_numpy_paths_tokens(op, kwargs):
+    """Same seed: the kernel and the NumPy path use one Philox stream; tokens agree except where float32
+    sums or the last bit of log1p/exp differ at a boundary (allowed: 1%)."""
+    import cupy
+    rng = np.random.default_rng(4)
+    vocab = 128256
+    p = rng.dirichlet(np.full(vocab, 0.05), size=32)
+    x = (np.log(p + 1e-30) if op.endswith("logits") else p).astype(np.float32)
+    params = {k: v for k, v in kwargs.items() if k != "filter_apply_order"}
+    if "top_k" in params:
+        params["top_k"] = 50
+    extra = {"filter_apply_order": kwargs["filter_apply_order"]} if "filter_apply_order" in kwargs else {}
+    f = getattr(sampling, op)
+    host = f(x, *params.values(), seed=99, offset=8, **extra)
+    dev = f(cupy.asarray(x), *params.values(), seed=99, offset=8, **extra)
+    again = f(cupy.asarray(x), *params.values(), seed=99, offset=8, **extra)
+    np.testing.assert_array_equal(cupy.asnumpy(dev), cupy.asnumpy(again))
+    assert np.mean(cupy.asnumpy(dev) == host) >= 0.99, (cupy.asnumpy(dev), host)
+
+
+@pytest.mark.gpu
+def test_sampling_gpu_scalar_path_and_per_request_parameters():
+    """A vocabulary that is no multiple of 4 and a row view at an odd offset (scalar loads); parameters as
+    NumPy, CuPy and int64 arrays; int64 indices."""
+    import cupy
+    rng = np.random.default_rng(5)
+    big = rng.dirichlet(np.full(1001, 0.3), size=8).astype(np.float32)
+    host = big[:, 1:]
+    dev = cupy.asarray(big)[:, 1:]
+    top_k = np.array([1, 2, 5, 10, 50, 100, 999, 1000], np.int64)
+    top_p = np.linspace(0.1, 1.0, 8).astype(np.float32)
+    idx = np.array([7, 6, 5, 4, 3, 2, 1, 0], np.int64)
+    for k_arg, p_arg in ((top_k, top_p), (cupy.asarray(top_k), cupy.asarray(top_p))):
+        for order in ("top_k_first", "joint"):
+            want = sampling.top_k_top_p_sampling_from_probs(host, top_k, top_p, indices=idx, filter_apply_order=order,
+                                                            seed=5)
+            got = sampling.top_k_top_p_sampling_from_probs(dev, k_arg, p_arg, indices=cupy.asarray(idx),
+                                                           filter_apply_order=order, seed=5)
+            np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.gpu
+def test_renorm_and_mask_gpu_match_numpy_path():
+    import cupy
+    rng = np.random.default_rng(6)
+    probs = rng.dirichlet(np.full(128256, 0.05), size=16).astype(np.float32)
+    top_k = rng.integers(1, 2000, size=16)
+    top_p = rng.uniform(0.05, 1.0, size=16).astype(np.float32)
+    for f, x, arg in ((sampling.top_k_renorm_probs, probs, top_k), (sampling.top_p_renorm_probs, probs, top_p),
+                      (sampling.top_k_mask_logits, np.log(probs + 1e-30).astype(np.float32), top_k)):
+        want = f(x, arg)
+        got = cupy.asnumpy(f(cupy.asarray(x), cupy.asarray(arg)))
+        kept_want, kept_got = np.isfinite(want) & (want != 0), np.isfinite(got) & (got != 0)
+        assert (kept_want != kept_got).sum() <= 16, f.__name__          # boundary ties of float32 sums
+        same = kept_want == kept_got
+        np.testing.assert_allclose(got[same], want[same], rtol=1e-4, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_chain_speculative_sampling_gpu_matches_numpy_and_target_distribution():
+    import cupy
+    out, acc, emitted = speculative_first_tokens(to_cupy)
+    out, acc, emitted = (cupy.asnumpy(a) for a in (out, acc, emitted))
+    want = speculative_first_tokens()
+    np.testing.assert_array_equal(acc, want[1])
+    np.testing.assert_array_equal(emitted, want[2])
+    assert np.mean(out == want[0]) >= 0.99
+    assert chi_square_p_value(np.bincount(out[:, 0], minlength=len(PROBS)), PROBS) > 1e-4
+
+
+@pytest.mark.gpu
+def test_sampling_gpu_takes_torch_tensors_and_returns_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    probs = rng.dirichlet(np.full(5000, 0.3), size=4).astype(np.float32)
+    tp = torch.from_numpy(probs).cuda()
+    tok = sampling.top_k_top_p_sampling_from_probs(tp, torch.tensor([3, 5, 7, 9], device="cuda"), 0.8, seed=1)
+    assert isinstance(tok, torch.Tensor) and tok.is_cuda and tok.dtype == torch.int32
+    np.testing.assert_array_equal(tok.cpu().numpy(), sampling.top_k_top_p_sampling_from_probs(
+        probs, np.array([3, 5, 7, 9]), 0.8, seed=1))
+    renorm = sampling.top_k_renorm_probs(tp, 10)
+    assert isinstance(renorm, torch.Tensor) and renorm.dtype == torch.float32
+    g = torch.Generator(device="cuda")
+    g.manual_seed(3)
+    a = sampling.sampling_from_probs(tp, generator=g)
+    g.manual_seed(3)
+    assert torch.equal(a, sampling.sampling_from_probs(tp, generator=g))
