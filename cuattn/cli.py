@@ -156,7 +156,10 @@ def cmd_demo(args) -> int:
                          device="cuda" if on_gpu else "cpu")
     prefill = BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
     decode = BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-    tracked = {0, n // 2, n - 1}                  # requests whose layer-0 attention is checked in float64
+    # requests whose layer-0 attention is checked in float64 every step: three with short prompts (the
+    # check's dense score matrix is prompt x prompt per head)
+    short = [r for r in range(n) if prompt_lens[r] <= 256] or [int(np.argmin(prompt_lens))]
+    tracked = {short[0], short[len(short) // 2], short[-1]}
     history: dict[int, tuple[list, list]] = {r: ([], []) for r in tracked}
     seq_of: dict[int, int] = {}                   # request -> cache sequence
     generated = np.zeros(n, int)
