@@ -65,7 +65,8 @@ def reference(q):
 q = jnp.asarray(rng.standard_normal((batch, q_heads, head_dim)), dtype=jnp.float16)
 out = decode.run(q, paged_kv)
 err = float(np.abs(np.asarray(out, np.float64) - reference(q)).max())
-print(f"eager: q jax.Array on {q.devices()} -> out {type(out).__module__.split('.')[0]} array {out.shape} {out.dtype}; "
+print(f"eager: q jax.Array on {q.devices()} -> out {'jax.Array' if isinstance(out, jax.Array) else type(out)} "
+      f"{out.shape} {out.dtype}; "
       f"max |out - float64 attention| = {err:.1e}")
 assert isinstance(out, jax.Array) and err < 1e-2
 
