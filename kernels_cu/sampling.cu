@@ -119,15 +119,7 @@ __device__ __forceinline__ void reduce_pivots(PivotStats& s, uint32_t (*red)[4 *
     }
     red[NUM_WARPS][t] = acc;
   }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < NUM_PIVOTS; ++j) {
-    s.cnt[j] = red[NUM_WARPS][j];
-    s.sum[j] = __uint_as_float(red[NUM_WARPS][NUM_PIVOTS + j]);
-    s.above[j] = red[NUM_WARPS][2 * NUM_PIVOTS + j];
-    s.below[j] = red[NUM_WARPS][3 * NUM_PIVOTS + j];
-  }
-  __syncthreads();   // red is reused by the next reduction
+  __syncthreads();   // the block's statistics are in red[NUM_WARPS]: cnt, sum, above, below
 }
 
 struct Shared {
@@ -250,19 +242,16 @@ __device__ __forceinline__ uint32_t search(const Row& row, bool logits, float ma
       for (int i = threadIdx.x; i < row.vocab; i += BLOCK) pivot_step(s, piv, lo, hi, row.x[i], logits, max_x);
     }
     reduce_pivots(s, sm.red);
-    // -- the last feasible pivot (-1: none) moves lo up; the next one moves hi down
+    // -- the last feasible pivot (-1: none) moves lo up; the next one moves hi down. Read from shared
+    //    memory: indexing the register copies by `best` would put them in local memory
+    const uint32_t* r = sm.red[NUM_WARPS];
     int best = -1;
-#pragma unroll
     for (int j = 0; j < NUM_PIVOTS; ++j)
-      if (s.cnt[j] >= k || s.sum[j] >= p_mass) best = j;
-    uint32_t new_hi = hi;
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j)
-      if (j == best + 1) new_hi = s.below[j] + 1;
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j)
-      if (j == best) { lo = s.above[j]; lo_sum = s.sum[j]; }
+      if (r[j] >= k || __uint_as_float(r[NUM_PIVOTS + j]) >= p_mass) best = j;
+    const uint32_t new_hi = best + 1 < NUM_PIVOTS ? r[3 * NUM_PIVOTS + best + 1] + 1 : hi;
+    if (best >= 0) { lo = r[2 * NUM_PIVOTS + best]; lo_sum = __uint_as_float(r[NUM_PIVOTS + best]); }
     hi = new_hi;
+    __syncthreads();   // red is reused by the next pass
   }
   *keep_sum = lo_sum;
   return lo;
