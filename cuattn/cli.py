@@ -345,7 +345,7 @@ def cmd_bench(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     known = {name for name, _, _ in _BENCH_SUITE}
     suite = [(n, a, g) for n, a, g in _BENCH_SUITE if (bench_dir / n).exists()]
-    suite += [(p.name, [], True) for p in sorted(bench_dir.glob("bench_*.py")) if p.name not in known]
+    suite += [(p.name, None, True) for p in sorted(bench_dir.glob("bench_*.py")) if p.name not in known]
     print(f"cuattn bench{' --quick' if args.quick else ''}: {_gpu_line()}; results into {out_dir}/")
     results, summary = {}, []
     for name, quick_args, needs_gpu in suite:
@@ -358,7 +358,7 @@ def cmd_bench(args) -> int:
             print(f"-- {name}: skipped in a quick run")
             continue
         out = out_dir / name.replace(".py", ".json").replace("bench_", "")
-        cmd = [sys.executable, str(bench_dir / name), *((quick_args or []) if args.quick else []), "--out", str(out)]
+        cmd = [sys.executable, str(bench_dir / name), *(quick_args if args.quick else []), "--out", str(out)]
         print(f"-- {name} {' '.join(cmd[2:])}", flush=True)
         start = time.perf_counter()
         rc = subprocess.run(cmd).returncode
