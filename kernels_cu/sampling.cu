@@ -28,6 +28,7 @@
 #define NUM_PIVOTS 6
 #endif
 #define NUM_WARPS (BLOCK / 32)
+#define CAND_CAP 2048            // top-k candidates held in shared memory (the exact path for k <= BLOCK)
 
 namespace cuattn {
 
@@ -39,6 +40,10 @@ enum Flags { kFromLogits = 1, kJoint = 2, kTopK = 4, kTopP = 8, kMinP = 16 };
 __device__ __forceinline__ uint32_t ord_key(float f) {
   uint32_t b = __float_as_uint(f == 0.f ? 0.f : f);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // -- Philox4x32-10 (Salmon et al., Random123's round and key schedule)
@@ -128,6 +133,10 @@ struct Shared {
   float g[NUM_WARPS];
   uint32_t u[NUM_WARPS];
   uint32_t v[NUM_WARPS];
+  uint32_t tmax[BLOCK];          // each thread's largest key (pass 0), then sorted
+  uint32_t ckey[CAND_CAP];       // top-k candidates: keys and element indices
+  int cidx[CAND_CAP];
+  int n, m, hit;
 };
 
 // -- one row of float32 values, visited element by element (vectorized when aligned)
@@ -143,7 +152,19 @@ struct Row {
   __device__ __forceinline__ void for_each(F f) const {
     if (vec) {
       const float4* x4 = reinterpret_cast<const float4*>(x);
-      for (int q = threadIdx.x; q < vocab / 4; q += BLOCK) {
+      const int n4 = vocab / 4;
+      int q = threadIdx.x;
+      for (; q + 3 * BLOCK < n4; q += 4 * BLOCK) {   // four 16-byte loads in flight, then use them in order
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = x4[q + u * BLOCK];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = 4 * (q + u * BLOCK);
+          f(i, v[u].x); f(i + 1, v[u].y); f(i + 2, v[u].z); f(i + 3, v[u].w);
+        }
+      }
+      for (; q < n4; q += BLOCK) {
         const float4 v = x4[q];
         f(4 * q, v.x); f(4 * q + 1, v.y); f(4 * q + 2, v.z); f(4 * q + 3, v.w);
       }
@@ -170,6 +191,7 @@ __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Share
     }
   });
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  sm.tmax[threadIdx.x] = mx;
   mn = warp_reduce(mn, Min()); mx = warp_reduce(mx, Max());
   if (logits) {
     const float wm = warp_reduce(m, [](float a, float b) { return fmaxf(a, b); });
@@ -231,7 +253,20 @@ __device__ __forceinline__ uint32_t search(const Row& row, bool logits, float ma
     // explicit loops (a lambda capturing s kept it in local memory)
     if (row.vec) {
       const float4* x4 = reinterpret_cast<const float4*>(row.x);
-      for (int q = threadIdx.x; q < row.vocab / 4; q += BLOCK) {
+      const int n4 = row.vocab / 4;
+      int q = threadIdx.x;
+      for (; q + BLOCK < n4; q += 2 * BLOCK) {   // two 16-byte loads in flight
+        const float4 v = x4[q], w = x4[q + BLOCK];
+        pivot_step(s, piv, lo, hi, v.x, logits, max_x);
+        pivot_step(s, piv, lo, hi, v.y, logits, max_x);
+        pivot_step(s, piv, lo, hi, v.z, logits, max_x);
+        pivot_step(s, piv, lo, hi, v.w, logits, max_x);
+        pivot_step(s, piv, lo, hi, w.x, logits, max_x);
+        pivot_step(s, piv, lo, hi, w.y, logits, max_x);
+        pivot_step(s, piv, lo, hi, w.z, logits, max_x);
+        pivot_step(s, piv, lo, hi, w.w, logits, max_x);
+      }
+      for (; q < n4; q += BLOCK) {
         const float4 v = x4[q];
         pivot_step(s, piv, lo, hi, v.x, logits, max_x);
         pivot_step(s, piv, lo, hi, v.y, logits, max_x);
@@ -260,7 +295,114 @@ __device__ __forceinline__ uint32_t search(const Row& row, bool logits, float ma
 // -- the threshold key of one request's filters (every thread gets it)
 struct Filter { uint32_t top_k; float top_p; float min_p; int flags; };
 
-__device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, const RowStats& st, float* keep_sum, Shared& sm) {
+// -- a before b: larger key first, then lower element index
+__device__ __forceinline__ bool precedes(uint32_t ka, int ia, uint32_t kb, int ib) {
+  return ka > kb || (ka == kb && ia < ib);
+}
+
+// -- bitonic sort of sm.tmax[0, BLOCK) into decreasing order
+__device__ __forceinline__ void sort_thread_maxima(Shared& sm) {
+  for (int k = 2; k <= BLOCK; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int i = threadIdx.x, l = i ^ j;
+      if (l > i) {
+        const uint32_t a = sm.tmax[i], b = sm.tmax[l];
+        if ((i & k) == 0 ? b > a : a > b) { sm.tmax[i] = b; sm.tmax[l] = a; }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// -- bitonic sort of the candidates [0, P) (P a power of two) into `precedes` order
+__device__ __forceinline__ void sort_candidates(Shared& sm, int P) {
+  for (int k = 2; k <= P; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < P; i += BLOCK) {
+        const int l = i ^ j;
+        if (l > i) {
+          const uint32_t ka = sm.ckey[i], kb = sm.ckey[l];
+          const int ia = sm.cidx[i], ib = sm.cidx[l];
+          if ((i & k) == 0 ? precedes(kb, ib, ka, ia) : precedes(ka, ia, kb, ib)) {
+            sm.ckey[i] = kb; sm.ckey[l] = ka; sm.cidx[i] = ib; sm.cidx[l] = ia;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// -- the exact path for top-k with k <= BLOCK, in one more pass over the row: the k-th largest of the
+//    threads' maxima (pass 0) is a feasible lower bound (k distinct elements reach it); every element at
+//    or above it goes to shared memory (usually a few k), where a bitonic sort orders them and one warp's
+//    prefix sums (fixed order) place the top-p threshold. False (the caller searches instead) when more
+//    than CAND_CAP elements reach the bound. On true, sm.n candidates are sorted in sm.ckey / sm.cidx.
+__device__ __forceinline__ bool top_k_candidates(const Row& row, const Filter& f, const RowStats& st, bool use_p,
+                                                 uint32_t* t, float* keep_sum, Shared& sm) {
+  const bool logits = f.flags & kFromLogits;
+  sort_thread_maxima(sm);
+  const uint32_t lo = sm.tmax[f.top_k - 1];
+  if (threadIdx.x == 0) sm.n = 0;
+  __syncthreads();
+  row.for_each([&](int i, float x) {
+    const uint32_t key = ord_key(x);
+    if (key >= lo) {
+      const int slot = atomicAdd(&sm.n, 1);
+      if (slot < CAND_CAP) { sm.ckey[slot] = key; sm.cidx[slot] = i; }
+    }
+  });
+  __syncthreads();
+  const int n = sm.n;
+  if (n > CAND_CAP) return false;
+  int P = 1;
+  while (P < n) P <<= 1;
+  for (int i = n + threadIdx.x; i < P; i += BLOCK) { sm.ckey[i] = 0u; sm.cidx[i] = 0x7fffffff; }
+  __syncthreads();
+  sort_candidates(sm, P);
+  // -- the k-th key, and m: the candidates at or above it (ties of the k-th are kept)
+  const uint32_t tk = sm.ckey[f.top_k - 1];
+  if (threadIdx.x == 0) sm.m = n;
+  __syncthreads();
+  for (int i = int(f.top_k) + threadIdx.x; i < n; i += BLOCK)
+    if (sm.ckey[i] < tk && sm.ckey[i - 1] >= tk) sm.m = i;
+  __syncthreads();
+  const int m = sm.m;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, chunk = (m + 31) / 32;
+    const int beg = min(lane * chunk, m), end = min(beg + chunk, m);
+    float part = 0.f;
+    for (int i = beg; i < end; ++i) part += value_of(key_float(sm.ckey[i]), logits, st.max_x);
+    float incl = part;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    float run = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) run = 0.f;
+    const float total = __shfl_sync(0xffffffffu, incl, 31);
+    uint32_t hit = 0x7fffffffu;
+    if (use_p) {
+      const float p_mass = f.top_p * ((f.flags & kJoint) ? st.sum : total);
+      for (int i = beg; i < end; ++i) {
+        run += value_of(key_float(sm.ckey[i]), logits, st.max_x);
+        if (run >= p_mass) { hit = uint32_t(i); break; }
+      }
+    }
+    hit = warp_reduce(hit, Min());
+    if (lane == 0) { sm.hit = int(hit); sm.g[0] = total; }
+  }
+  __syncthreads();
+  *t = sm.hit < m ? sm.ckey[sm.hit] : tk;
+  *keep_sum = sm.g[0];
+  __syncthreads();
+  return true;
+}
+
+__device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, const RowStats& st, float* keep_sum,
+                                              bool* from_candidates, Shared& sm) {
+  *from_candidates = false;
   const bool logits = f.flags & kFromLogits;
   const uint32_t hi = st.max_key + 1;
   uint32_t lo = st.min_key;
@@ -273,6 +415,10 @@ __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, c
     *keep_sum = st.sum;
     return max(lo, ord_key(cut));
   }
+  if (use_k && f.top_k <= BLOCK) {
+    uint32_t t;
+    if (top_k_candidates(row, f, st, use_p, &t, keep_sum, sm)) { *from_candidates = true; return t; }
+  }
   const uint32_t never_k = 0xffffffffu;
   if (use_k && use_p && (f.flags & kJoint))
     return search(row, logits, st.max_x, lo, hi, lo_sum, f.top_k, f.top_p * st.sum, keep_sum, sm);
@@ -283,6 +429,8 @@ __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, c
   *keep_sum = lo_sum;
   return lo;
 }
+
+__device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm);
 
 // -- exponential race over {key >= t}: the index of the smallest E_i / value_i (ties: lower index)
 template <typename V>
@@ -297,6 +445,26 @@ __device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const R
     const float score = exponential(pick(r, i & 3)) / value(i, x);
     if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
   });
+  return block_argmin(best, best_i, sm);
+}
+
+// -- the race over the sorted top-k candidates at or above t: the same scores as race() over the row
+__device__ __forceinline__ int race_candidates(uint32_t t, bool logits, float max_x, const Rng& rng, uint32_t rng_row,
+                                               Shared& sm) {
+  float best = kInf;
+  int best_i = 0x7fffffff;
+  for (int c = threadIdx.x; c < sm.n; c += BLOCK) {
+    const uint32_t key = sm.ckey[c];
+    if (key < t) continue;
+    const int i = sm.cidx[c];
+    const float score = exponential(pick(rng.draw(uint32_t(i >> 2), rng_row, kTagRace), i & 3)) /
+                        value_of(key_float(key), logits, max_x);
+    if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
+  }
+  return block_argmin(best, best_i, sm);
+}
+
+__device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -340,12 +508,16 @@ extern "C" __global__ void __launch_bounds__(BLOCK) cuattn_sample(
   f.min_p = min_p_arr ? min_p_arr[b] : min_p_val;
   const RowStats st = row_stats(row, flags & kFromLogits, sm);
   float keep_sum;
-  const uint32_t t = (flags & (kTopK | kTopP | kMinP)) ? threshold(row, f, st, &keep_sum, sm) : st.min_key;
+  bool from_candidates = false;
+  const uint32_t t =
+      (flags & (kTopK | kTopP | kMinP)) ? threshold(row, f, st, &keep_sum, &from_candidates, sm) : st.min_key;
   const Rng rng{uint32_t(uint64_t(seed)), uint32_t(uint64_t(seed) >> 32), uint32_t(uint64_t(offset)),
                 uint32_t(uint64_t(offset) >> 32)};
   const bool logits = flags & kFromLogits;
   const float max_x = st.max_x;
-  const int tok = race(row, [&](int, float v) { return value_of(v, logits, max_x); }, t, rng, uint32_t(b), sm);
+  const int tok = from_candidates
+      ? race_candidates(t, logits, max_x, rng, uint32_t(b), sm)
+      : race(row, [&](int, float v) { return value_of(v, logits, max_x); }, t, rng, uint32_t(b), sm);
   if (threadIdx.x == 0) out[b] = tok;
 }
 
@@ -367,7 +539,8 @@ __device__ __forceinline__ void renorm_row(const float* __restrict__ x, int64_t 
   f.flags = MODE == 1 ? kTopP : MODE == 2 ? (kTopK | kFromLogits) : kTopK;
   const RowStats st = row_stats(row, MODE == 2, sm);
   float keep_sum;
-  const uint32_t t = threshold(row, f, st, &keep_sum, sm);
+  bool from_candidates;
+  const uint32_t t = threshold(row, f, st, &keep_sum, &from_candidates, sm);
   float* o = out + int64_t(r) * out_stride;
   const float scale = 1.f / keep_sum;
   row.for_each([&](int i, float v) {

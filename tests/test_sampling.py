@@ -291,6 +291,25 @@ def test_sampling_gpu_scalar_path_and_per_request_parameters():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [5, 1000, 1500], ids=["k5", "k1000", "k1500"])
+def test_top_k_gpu_keeps_ties_on_both_threshold_paths(top_k):
+    """Rows of many equal values: more than 2048 reach the bound of the shared-memory path (k <= 1024),
+    which falls back to the pivot search; k > 1024 always searches. Every tie of the k-th is kept."""
+    import cupy
+    probs = np.full((4, 5000), 1 / 5000, np.float32)
+    probs[1, :3000] *= 1.5
+    probs[2, ::7] = 0.004
+    probs[3] = np.random.default_rng(9).dirichlet(np.full(5000, 0.5))
+    for order in ("top_k_first", "joint"):
+        want = sampling.top_k_top_p_sampling_from_probs(probs, top_k, 0.95, filter_apply_order=order, seed=3)
+        got = sampling.top_k_top_p_sampling_from_probs(cupy.asarray(probs), top_k, 0.95, filter_apply_order=order,
+                                                       seed=3)
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    renorm = cupy.asnumpy(sampling.top_k_renorm_probs(cupy.asarray(probs), top_k))
+    np.testing.assert_allclose(renorm, sampling.top_k_renorm_probs(probs, top_k), rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.gpu
 def test_renorm_and_mask_gpu_match_numpy_path():
     import cupy
     rng = np.random.default_rng(6)
