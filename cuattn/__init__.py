@@ -2,10 +2,11 @@
 from ._version import __version__
 from .errors import CacheFullError, CompileError, CuattnError, DeviceUnavailableError, UnsupportedError
 from .cascade import merge_state, merge_states
-from .decode import BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache
+from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .page import PagedKVCache, append_paged_kv_cache, get_batch_indices_positions
 from .prefill import (BatchAttentionWithAttentionSinkWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                      BatchPrefillWithRaggedKVCacheWrapper, single_prefill_with_kv_cache)
+                      BatchPrefillWithRaggedKVCacheWrapper)
+from .single import single_decode_with_kv_cache, single_prefill_with_kv_cache
 from .activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from .norm import fused_add_rmsnorm, gemma_fused_add_rmsnorm, gemma_rmsnorm, layernorm, rmsnorm
 from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31_rope_pos_ids,

@@ -391,6 +391,11 @@ def resolve_stream(framework: str, device: int, stream: Any = None):
     return cp.cuda.get_current_stream(device)
 
 
+def is_capturing(stream) -> bool:
+    """Whether ``stream`` (a CuPy stream object) is capturing a CUDA graph (0.2 µs)."""
+    return bool(cupy_module().cuda.runtime.streamIsCapturing(stream.ptr))
+
+
 def _torch_stream_handle(device: int) -> int:
     """PyTorch's current stream on ``device`` as a handle (its private raw getter when present:
     0.1 µs against 2 µs for torch.cuda.current_stream, which builds a Stream object per call)."""

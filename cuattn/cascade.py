@@ -70,11 +70,18 @@ def merge_state(v_a, s_a, v_b, s_b, *, stream: Any = None):
     seq_len, heads, head_dim = ta.shape
     spec = _spec_for(ta.dtype, fn)
     out, s_out, to, tso, logical = _merged_outputs(ctx, ta.dtype, seq_len, heads, head_dim, fn)
+    launch_merge_state(ctx, spec, ta, tsa, tb, tsb, to, tso)
+    return arrays.export(ctx, out, logical), arrays.export(ctx, s_out)
+
+
+def launch_merge_state(ctx, spec: MergeSpec, ta, tsa, tb, tsb, to, tso) -> None:
+    """The two-state merge kernel on checked device tensors; ``to`` / ``tso`` may be ``ta`` / ``tsa``
+    (in place); ``tso`` contiguous."""
+    seq_len, heads, head_dim = ta.shape
     if seq_len:
         launch = jit.get_launcher(spec, "cuattn_merge_state", ctx.device, "pppppp" "ii" "qqqqqqqqqq")
         launch((seq_len, heads), 128, ctx.stream, ta.ptr, tsa.ptr, tb.ptr, tsb.ptr, to.ptr, tso.ptr,
                heads, head_dim, *ta.strides[:2], *tb.strides[:2], *tsa.strides, *tsb.strides, *to.strides[:2])
-    return arrays.export(ctx, out, logical), arrays.export(ctx, s_out)
 
 
 def merge_states(v, s, *, stream: Any = None):

@@ -10,7 +10,6 @@ FlashInfer returns base 2; multiply cuattn's LSE by ``1 / ln 2`` to compare.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -109,8 +108,7 @@ def _make_spec(head_dim: int, dtype_q: str, dtype_kv: str, num_stages: int, num_
 
 @functools.cache
 def _num_sms(device: int) -> int:
-    cp = arrays.cupy_module()
-    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+    return _plan.num_sms(device)
 
 
 # Benchmark/test overrides (BatchDecodeWithPagedKVCacheWrapper._tuning), not API; 0: plan() chooses.
@@ -320,6 +318,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         warps = self._tuned("num_warps")
         if not warps:
             warps = self._graph_warps if self._use_cuda_graph else 0
+            if not warps and (fixed_split_size is not None or disable_split_kv):
+                warps = 4     # batch invariance: the same kernel whatever the batch (8 warps split a tile otherwise)
             if not warps:
                 ctas, sms, tokens = self._batch * heads_work, _num_sms(device), int(kv_lens.sum())
                 long_waves = ctas >= 8 * sms and tokens >= 2048 * self._batch
@@ -340,14 +340,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,
                                     s.variant)
         if disable_split_kv or not bound.composite.use_softmax:    # weights without softmax: never split
-            chunk = 0
+            chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
         elif fixed_split_size is not None:
             if int(fixed_split_size) < 1:
                 raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
-            chunk = int(fixed_split_size)
+            chunk, why = int(fixed_split_size), f"fixed_split_size={int(fixed_split_size)}"
         else:
             chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm,
                                        self._spec.block_n)
+            why = _plan.split_reason(self._batch * heads_work, _num_sms(device) * self._spec.ctas_per_sm, chunk)
+        self._split_why = why
         wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, self._spec.block_n, _TMA_ALIGN if tma else 1)
         if len(wl.work) > 65535:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
@@ -470,6 +472,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
                            f"known: {sorted(_TUNING_DEFAULTS)}")
         return self._tuning.get(key, _TUNING_DEFAULTS[key])
 
+    def describe(self) -> str:
+        """What the last plan() runs: the kernel specialization, its work items and split decision, and why."""
+        fn = "BatchDecodeWithPagedKVCacheWrapper"
+        if not self._planned:
+            return f"{fn}: not planned"
+        lines = [f"{fn}: batch {self._batch}, {self._num_qo_heads}:{self._num_kv_heads} heads, head_dim "
+                 f"{self._head_dim}, page_size {self._page_size}, {int(self._indptr_h[-1])} pages"]
+        if self._work is None:
+            return "\n".join(lines + ["NumPy reference path (no GPU at plan time)"])
+        wl, spec, heads = self._work, self._spec, self._num_kv_heads * self._m_tiles
+        lines.append(f"kernel: {spec.name} ({spec.num_warps} warps, {'TMA' if spec.tma else 'cp.async'} K/V loads, "
+                     f"{spec.ctas_per_sm} CTAs/SM, {spec.block_n} keys per stage)")
+        lines.append(f"work: {len(wl.work)} items x {heads} (kv head, 16-head tile) = {len(wl.work) * heads} CTAs on "
+                     f"{_num_sms(self._device)} SMs" + (f"; grid padded to {self._grid_work} items (CUDA graph)"
+                                                        if self._use_cuda_graph else ""))
+        if wl.split:
+            fused = "in the kernel (last piece)" if self._tuned("fuse_merge") else "by a merge kernel"
+            lines.append(f"split-KV: {len(wl.merge)} of {self._batch} requests cut into pieces of <= {wl.chunk} keys, "
+                         f"{wl.num_slots} partial rows, merged {fused}; {self._split_why}")
+        else:
+            lines.append(f"split-KV: none; {self._split_why}")
+        lens = (wl.work[:, 3] - wl.work[:, 2]).astype(np.int64)
+        tiles = -(-lens // spec.block_n) if len(lens) else np.zeros(1)
+        lines.append(f"balance: {float(tiles.mean() / max(tiles.max(), 1)):.2f} (mean / max key tiles per work item)")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ run
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False,
@@ -527,6 +555,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{fn}: indices must be in 0..{num_pages - 1} (num_pages of the cache), "
                              f"got max {self._max_index}")
         ctx = arrays.Context(framework, self._device, arrays.resolve_stream(framework, self._device, stream))
+        _plan.refuse_capture(fn, self._use_cuda_graph, ctx.stream)
         if out is None:
             out = arrays.empty(ctx, (self._batch, self._num_qo_heads, self._head_dim), self._q_dtype)
         out_ptr, out_strides, _ = self._operand(out, "out", fn)
@@ -699,102 +728,3 @@ def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
     if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:     # elems divides every stride
         raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
                          f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")
-
-
-# ---------------------------------------------------------------------------- single request
-
-
-@functools.lru_cache(maxsize=64)
-def _single_wrapper(kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
-                    kv_layout: str, ctx: arrays.Context, options: tuple):
-    """A decode wrapper planned for one request whose contiguous K/V is one page of kv_len tokens,
-    cached per shape, options and stream (a plan depends on nothing else; one wrapper per stream, so
-    calls on different streams never share its split-KV workspace). The plan's upload runs on the
-    call's stream."""
-    w = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
-    on_device = contextlib.nullcontext()
-    if ctx.on_gpu:
-        cp = arrays.cupy_module()
-        on_device = cp.cuda.Device(ctx.device)
-    with on_device, (ctx.stream if ctx.on_gpu else contextlib.nullcontext()):
-        w.plan(np.array([0, 1], np.int32), np.zeros(1, np.int32), np.array([kv_len], np.int32), num_qo_heads,
-               num_kv_heads, head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
-    return w
-
-
-def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
-                                use_tensor_cores: bool = False, q_scale=None, k_scale=None, v_scale=None,
-                                window_left: int = -1, logits_soft_cap: float | None = None, *,
-                                sm_scale: float | None = None, rope_scale=None, rope_theta=None,
-                                return_lse: bool = False, variant=None, variant_args: tuple = (), rotary_dim=None,
-                                stream: Any = None):
-    """Attention of one new token over one request's contiguous KV.
-
-    Parameters
-    ----------
-    q : array, shape (num_qo_heads, head_dim), float16 or bfloat16
-        NumPy runs the reference path; CuPy, or any CUDA array exporting ``__dlpack__``
-        (PyTorch, JAX), runs the CUDA kernel.
-    k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD",
-        (num_kv_heads, kv_len, head_dim) for "HND"; last dimension contiguous; same strides.
-    sm_scale : float, optional
-        Defaults to ``1 / sqrt(head_dim)``.
-    return_lse : bool
-        Also return the LSE, float32 (num_qo_heads,), natural log (base e).
-    window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant, variant_args :
-        attention variants (``cuattn.variants``); ``variant_args`` are the variant's parameters
-        not fixed by the options, in order.
-
-    Runs as a batch of one through ``BatchDecodeWithPagedKVCacheWrapper`` (the K/V one page).
-
-    Returns
-    -------
-    out : array, shape (num_qo_heads, head_dim), dtype of ``q``, same framework as ``q``
-    """
-    fn = "single_decode_with_kv_cache"
-    check_kv_layout(kv_layout, fn)
-    options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                   sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
-                   rotary_dim=rotary_dim)
-    variants.resolve(fn, num_qo_heads=1, **{k: v for k, v in options.items() if k != "sm_scale"})
-    if any(s not in (None, 1.0) for s in (q_scale, k_scale, v_scale)):
-        raise UnsupportedError(f"{fn}: q_scale/k_scale/v_scale (fp8) are not implemented")
-    ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
-    describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
-    qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    hq, d, hkv = _check_single(fn, tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout)
-    kv_len = kt.shape[0] if kv_layout == "NHD" else kt.shape[1]
-    if not arrays.same_storage(vt.dtype, kt.dtype):
-        raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
-    if kv_len == 0:       # no key: output 0 and LSE -inf, as for a fully masked row
-        q_dtype = arrays.logical_dtype(qt.dtype)
-        if not ctx.on_gpu:
-            o, s = np.zeros((hq, d), np.float32), np.full(hq, -np.inf, np.float32)
-            return arrays.host_results(ctx, o, s, None, None, return_lse, q_dtype, fn)
-        out, lse = arrays.empty(ctx, (hq, d), q_dtype), arrays.empty(ctx, (hq,), np.float32)
-        arrays.fill(ctx, out, 0, "out", fn)
-        arrays.fill(ctx, lse, -np.inf, "lse", fn)
-        result = arrays.export(ctx, out, q_dtype)
-        return (result, arrays.export(ctx, lse)) if return_lse else result
-    # -- a batch of one: the contiguous K/V is one page of kv_len tokens
-    w = _single_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype),
-                        kv_layout, ctx, tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, stream=ctx.stream)
-    if return_lse:
-        return result[0][0], result[1][0]
-    return result[0]
-
-
-def _check_single(fn, qs, ks, vs, kv_layout):
-    if len(qs) != 2:
-        raise ValueError(f"{fn}: q must have shape (num_qo_heads, head_dim), got {qs}")
-    if len(ks) != 3 or ks != vs:
-        raise ValueError(f"{fn}: k and v must have the same 3-dim shape, got k={ks}, v={vs}")
-    hq, d = qs
-    hkv = ks[1] if kv_layout == "NHD" else ks[0]
-    if ks[2] != d:
-        raise ValueError(f"{fn}: k must have head_dim {d} (q's last dim), got {ks[2]}")
-    if hq % hkv:
-        raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
-                         f"num_qo_heads={hq}, num_kv_heads={hkv}")
-    return hq, d, hkv

@@ -6,12 +6,13 @@ KV) and gives each group its KV through that level's page table. Level 0 is typi
 every query over the shared prefix (system prompt), the last level one group per request over its
 own tokens. Each level is one paged-prefill launch (``BatchPrefillWithPagedKVCacheWrapper``): the
 shared KV is read once for all the queries that share it, the group's queries packed into the
-kernel's rows; the levels' (output, LSE) states are merged exactly (``merge_state``). ``causal``
-applies to the last level (the unique tokens), as in FlashInfer; shared levels are wholly visible.
+kernel's rows, and the scheduler splits a long shared level's keys across the SMs (split-KV pieces
+merged exactly inside the level); the levels' (output, LSE) states are then merged exactly, in place
+(``merge_state_in_place``). ``causal`` applies to the last level (the unique tokens), as in
+FlashInfer; shared levels are wholly visible. ``use_cuda_graph=True`` builds every level for graphs
+and keeps the levels' states in buffers fixed by the first plan.
 
-Not yet: CUDA-graph mode (``use_cuda_graph=True`` is refused, as the prefill wrappers refuse it), a
-split of a long shared level across more CTAs than its kv heads x query tiles (the scheduler work of
-the cascade issue), and variants (the options are accepted only at their defaults).
+Not yet: variants (the options are accepted only at their defaults).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from .cascade import merge_state
+from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -38,6 +39,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None, *, stream: Any = Non
     ctx = arrays.context_of(fn, {"v": v, "s": s, "v_other": v_other, "s_other": s_other}, stream)
     arrays.writable(v, "v", fn, "use merge_state for the returning form")
     arrays.writable(s, "s", fn, "use merge_state for the returning form")
+    if ctx.on_gpu and mask is None and _merge_into(ctx, v, s, v_other, s_other, fn):
+        return
     merged_v, merged_s = merge_state(v, s, v_other, s_other, stream=stream)
     if not ctx.on_gpu:
         vh, sh = arrays.host_array(v, "v", fn), arrays.host_array(s, "s", fn)
@@ -62,6 +65,20 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None, *, stream: Any = Non
             ds[...] = cp.where(m[:, None], ms, ds)
 
 
+def _merge_into(ctx, v, s, v_other, s_other, fn: str) -> bool:
+    """(v_other, s_other) merged into (v, s) by one kernel, in place on ``ctx``'s stream (no temporary,
+    so a CUDA graph can hold it; the arrays may be of different frameworks). False where ``s`` is not
+    a contiguous float32 array (the kernel writes it densely)."""
+    t = [arrays.device_tensor(x, n, fn) for x, n in ((v, "v"), (s, "s"), (v_other, "v_other"), (s_other, "s_other"))]
+    if not (t[1].is_contiguous() and t[1].dtype == np.float32):
+        return False
+    _check_pair(fn, t[0].shape, t[1].shape, t[2].shape, t[3].shape, arrays.logical_dtype(t[0].dtype),
+                arrays.logical_dtype(t[2].dtype), t[1].dtype, t[3].dtype)
+    with arrays.cupy_module().cuda.Device(ctx.device):
+        launch_merge_state(ctx, _spec_for(t[0].dtype, fn), t[0], t[1], t[2], t[3], t[0], t[1])
+    return True
+
+
 def _host_mask(mask, seq_len: int, fn: str) -> np.ndarray:
     m = np.asarray(arrays.to_host(mask, "mask", fn)).astype(bool).ravel()
     if m.shape != (seq_len,):
@@ -75,8 +92,14 @@ class MultiLevelCascadeAttentionWrapper:
     Parameters
     ----------
     num_levels : int >= 1
-    float_workspace_buffer : array, optional (accepted for FlashInfer compatibility; unused)
+    float_workspace_buffer : array, optional
+        GPU scratch for the split-KV partials of every level (any framework and dtype); each level
+        allocates its own when omitted.
     kv_layout : "NHD" or "HND"
+    use_cuda_graph : bool
+        Every level's plan buffers, grid and state buffers keep the capacity of the first plan, so a
+        captured ``run()`` replays after later plans (``run()`` once before capturing; pass ``out=``
+        and ``lse=`` buffers that the graph keeps).
     """
 
     def __init__(self, num_levels: int, float_workspace_buffer: Any = None, kv_layout: str = "NHD",
@@ -85,22 +108,25 @@ class MultiLevelCascadeAttentionWrapper:
         fn = "MultiLevelCascadeAttentionWrapper"
         if isinstance(num_levels, bool) or not isinstance(num_levels, (int, np.integer)) or num_levels < 1:
             raise ValueError(f"{fn}: num_levels must be an int >= 1, got {num_levels!r}")
-        if use_cuda_graph:
-            raise UnsupportedError(f"{fn}: use_cuda_graph=True is not supported yet (the prefill wrappers it runs "
-                                   f"have no graph mode); run it eagerly")
         self._num_levels = int(num_levels)
-        self._levels = [BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout) for _ in range(self._num_levels)]
+        self._graph = bool(use_cuda_graph)
+        self._levels = [BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout=kv_layout,
+                                                            use_cuda_graph=use_cuda_graph)
+                        for _ in range(self._num_levels)]
+        self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
              window_left: int = -1, logits_soft_cap: float | None = None, rope_scale: float | None = None,
-             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None) -> None:
+             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None, *,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
         """One plan per level, each an array per level (lists of ``num_levels`` arrays, level 0 first):
         ``qo_indptr_arr[i]`` (groups of queries, batch_i + 1; the last entry is the number of queries
         on every level), ``paged_kv_indptr_arr[i]``, ``paged_kv_indices_arr[i]``,
-        ``paged_kv_last_page_len[i]`` (the page table of level i, one request per query group)."""
+        ``paged_kv_last_page_len[i]`` (the page table of level i, one request per query group).
+        ``fixed_split_size`` / ``disable_split_kv``: as for the prefill wrappers, on every level."""
         fn = "MultiLevelCascadeAttentionWrapper.plan"
         arrs = {"qo_indptr_arr": qo_indptr_arr, "paged_kv_indptr_arr": paged_kv_indptr_arr,
                 "paged_kv_indices_arr": paged_kv_indices_arr, "paged_kv_last_page_len": paged_kv_last_page_len}
@@ -118,11 +144,35 @@ class MultiLevelCascadeAttentionWrapper:
             totals.add(int(qo[-1]) if len(qo) else 0)
             w.plan(qo, paged_kv_indptr_arr[i], paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
                    num_kv_heads, head_dim, page_size, causal=bool(causal) and i == self._num_levels - 1,
-                   sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
+                   sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                   fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
+        self._rows = totals.pop()
+        self._plan_states(fn, int(num_qo_heads), int(head_dim), arrays.as_dtype(q_data_type, "q_data_type", fn))
         self._planned = True
+
+    def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
+        """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
+        at the first plan, with room for twice its queries)."""
+        device = self._levels[0]._plan.get("device")
+        if device is None or self._num_levels == 1:
+            return
+        if self._states is not None:
+            cap, shape = self._states[0][0].shape[0], self._states[0][0].shape[1:]
+            if shape == (heads, head_dim) and (self._rows <= cap if self._graph else self._rows == cap):
+                return
+            if self._graph:
+                raise ValueError(f"{fn}: the queries ({self._rows}) and their heads ({heads} x {head_dim}) must fit "
+                                 f"the level states fixed by the first plan with use_cuda_graph=True ({cap} x "
+                                 f"{shape}); plan the largest batch first or make a new wrapper")
+        cap = max(2 * self._rows, 256) if self._graph else self._rows
+        cp = arrays.cupy_module()
+        with cp.cuda.Device(device):
+            ctx = arrays.Context("cupy", device, None)
+            self._states = [(arrays.empty(ctx, (cap, heads, head_dim), dtype), cp.empty((cap, heads), np.float32))
+                            for _ in range(self._num_levels - 1)]
 
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, enable_pdl=None,
             stream: Any = None):
@@ -132,11 +182,30 @@ class MultiLevelCascadeAttentionWrapper:
         fn = "MultiLevelCascadeAttentionWrapper.run"
         if not self._planned:
             raise ValueError(f"{fn}: plan() must be called before run()")
+        ctx = arrays.context_of(fn, {"q": q}, stream)
         last = self._levels[-1]
-        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, enable_pdl=enable_pdl, stream=stream)
-        for w in self._levels[:-1]:
-            o_i, s_i = w.run(q, paged_kv_cache, return_lse=True, enable_pdl=enable_pdl, stream=stream)
-            merge_state_in_place(out, lse, o_i, s_i, stream=stream)
+        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, enable_pdl=enable_pdl,
+                            stream=ctx.stream)
+        for i, w in enumerate(self._levels[:-1]):
+            if ctx.on_gpu and self._states is not None:
+                o_buf, s_buf = self._states[i]
+                o_i, s_i = o_buf[:self._rows], s_buf[:self._rows]
+                w.run(q, paged_kv_cache, out=o_i, lse=s_i, return_lse=True, enable_pdl=enable_pdl, stream=ctx.stream)
+                if not _merge_into(ctx, out, lse, o_i, s_i, fn):
+                    raise ValueError(f"{fn}: lse must be a contiguous float32 array")
+            else:
+                o_i, s_i = w.run(q, paged_kv_cache, return_lse=True, enable_pdl=enable_pdl, stream=stream)
+                merge_state_in_place(out, lse, o_i, s_i, stream=stream)
         return (out, lse) if return_lse else out
 
     forward = run
+
+    def describe(self) -> str:
+        """What the last plan() runs on every level (``BatchPrefillWithPagedKVCacheWrapper.describe``)."""
+        if not self._planned:
+            return "MultiLevelCascadeAttentionWrapper: not planned"
+        lines = [f"MultiLevelCascadeAttentionWrapper: {self._num_levels} levels, {self._rows} queries, levels merged "
+                 f"in place ({self._num_levels - 1} merge launches)" + (", CUDA-graph buffers" if self._graph else "")]
+        for i, w in enumerate(self._levels):
+            lines += [f"level {i}: " + w.describe().replace("\n", "\n  ")]
+        return "\n".join(lines)

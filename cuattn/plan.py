@@ -1,5 +1,6 @@
-"""Host-side scheduling (NumPy): page-table checks, the decode work list, and the device buffers a
-wrapper's plan lives in (pinned staging, asynchronous upload, fixed addresses for CUDA graphs).
+"""Host-side scheduling (NumPy): the decode and prefill work lists, the split-KV choice they share,
+and the device buffers every wrapper's plan lives in (pinned staging, asynchronous upload on the
+caller's stream inside plan(), fixed addresses and capacities for CUDA graphs).
 
 A decode work item is one (request, kv range) piece; the kernel's grid runs every item for every
 (kv head, tile of up to 16 query heads), so the items of one request cover its KV exactly once
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+import functools
 
 from . import arrays
 
@@ -41,7 +44,7 @@ class DecodeWorkList:
 
 
 def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int,
-                 block_n: int = BLOCK_N) -> int:
+                 block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK) -> int:
     """Tokens per piece for split-KV; 0 means no request is split.
 
     Enough CTAs to fill every SM with ctas_per_sm resident CTAs when the batch alone cannot (one
@@ -62,13 +65,23 @@ def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm
         #    (rounding p up would leave a mostly empty second wave)
         p = max(1, slots // (batch * heads_work))
         chunk = -(-mean // p)
-    chunk = max(MIN_CHUNK, -(-chunk // block_n) * block_n)
+    chunk = max(min_chunk, -(-chunk // block_n) * block_n)
     if chunk < SHORT_PIECE and batch * heads_work >= 0.9 * num_sms:
         # ~1 CTA per SM already and the pieces would be short: the split's extra partial
         # writes and merge cost more than the second CTA per SM gains (H200, 2026-11-22:
         # bs16 x 512 unsplit 20.5 us vs 2 pieces 22.7; bs1 x 512 still gains from 4 pieces)
         return 0
     return 0 if max_len <= chunk else chunk
+
+
+def split_reason(ctas: int, slots: int, chunk: int) -> str:
+    """Why the scheduler's split-KV choice (``choose_chunk`` / ``choose_prefill_chunk``) came out as it did."""
+    if chunk:
+        return (f"{ctas} unsplit CTAs for {slots} resident slots: long keys split so the pieces fill ~one wave"
+                if ctas < 0.9 * slots else f"{ctas} CTAs fill the {slots} slots: only items over 2x the mean split")
+    if ctas >= 0.9 * slots:
+        return f"{ctas} CTAs already fill the {slots} resident slots and no item is over 2x the mean"
+    return f"{ctas} CTAs for {slots} slots, but every item is short (pieces would cost more than they save)"
 
 
 def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
@@ -124,6 +137,97 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
     return DecodeWorkList(work, merge, int(sp_pieces.sum()), int(chunk), kv_lens)
 
 
+@functools.cache
+def num_sms(device: int) -> int:
+    cp = arrays.cupy_module()
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+# ---------------------------------------------------------------------------- prefill
+
+PREFILL_MIN_CHUNK = 512   # a prefill piece reads at least this many keys (its partial rows cost a tile's worth)
+PREFILL_COLS = 4          # work rows (request, query tile, kv piece, partial slot); merge rows
+                          # (request, query tile, first slot, pieces): common/prefill_tile.cuh
+
+
+@dataclass(frozen=True)
+class PrefillWorkList:
+    work: np.ndarray          # int32 [num_work, 4]
+    merge: np.ndarray         # int32 [num_merge, 4]
+    num_slots: int            # partial (request, tile) rows per kv head: pieces of split items
+    chunk: int                # keys per piece (0: nothing split)
+    extents: np.ndarray       # int64 [num_work]: keys each work row reads (its piece, causal-trimmed)
+
+    @property
+    def split(self) -> bool:
+        return len(self.merge) > 0
+
+    def balance(self, block_n: int) -> float:
+        """Mean over max of the work rows' key tiles: 1.0 when every CTA reads as many tiles."""
+        if not len(self.work):
+            return 1.0
+        tiles = -(-self.extents // block_n)
+        return float(tiles.mean() / max(int(tiles.max()), 1))
+
+
+def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
+    """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
+    heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right)."""
+    qo_lens, kv_lens = qo_lens.astype(np.int64), kv_lens.astype(np.int64)
+    tiles = -(-qo_lens * group // block_m)
+    req = np.repeat(np.arange(len(qo_lens)), tiles)
+    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    kv = kv_lens[req]
+    if causal:
+        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * block_m - 1) // group)
+        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
+    return req, tile, kv
+
+
+def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
+                      chunk: int = 0) -> PrefillWorkList:
+    """Work rows for every (request, query tile), each cut into pieces of ``chunk`` keys (0: none),
+    the most key tiles first (long pieces start early); split items' pieces get partial slots and a
+    merge row each."""
+    req, tile, ext = prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group, block_m, causal)
+    n = len(req)
+    pieces = np.ones(n, np.int64) if chunk <= 0 else np.maximum(1, -(-ext // chunk))
+    ends = np.cumsum(pieces)
+    total = int(ends[-1]) if n else 0
+    item = np.repeat(np.arange(n), pieces)
+    k = np.arange(total) - (ends - pieces)[item]                        # piece index within its item
+    split = pieces > 1
+    sp = np.where(split, pieces, 0)
+    slot_base = np.cumsum(sp) - sp
+    work = np.empty((total, PREFILL_COLS), np.int32)
+    work[:, 0], work[:, 1], work[:, 2] = req[item], tile[item], k
+    work[:, 3] = np.where(split[item], slot_base[item] + k, -1)
+    if chunk > 0:
+        piece_ext = np.clip(ext[item] - k * chunk, 0, chunk)
+    else:
+        piece_ext = ext[item]
+    tiles = -(-piece_ext // block_n)
+    order = np.argsort(-tiles, kind="stable")                       # most key tiles first
+    work, piece_ext = work[order], piece_ext[order]
+    s_items = np.nonzero(split)[0]
+    merge = np.stack([req[s_items], tile[s_items], slot_base[s_items], pieces[s_items]], axis=1).astype(np.int32) \
+        if len(s_items) else np.zeros((0, PREFILL_COLS), np.int32)
+    return PrefillWorkList(work, merge.reshape(-1, PREFILL_COLS), int(sp.sum()), int(chunk) if len(s_items) else 0,
+                           piece_ext)
+
+
+def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, ctas_per_sm: int, block_n: int,
+                         max_slots: int | None = None) -> int:
+    """Keys per piece for split-KV prefill (0: none split): decode's rule (``choose_chunk``) over the
+    (request, query tile) items, pieces of at least PREFILL_MIN_CHUNK keys; then as large as needed
+    for the partial slots to fit ``max_slots`` (a fixed workspace)."""
+    chunk = choose_chunk(extents, num_kv_heads, num_sms, ctas_per_sm, block_n, min_chunk=PREFILL_MIN_CHUNK)
+    if chunk and max_slots is not None:
+        while chunk and int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
+            chunk *= 2
+    return 0 if chunk and chunk >= int(extents.max()) else chunk
+
+
 # ---------------------------------------------------------------------------- plan buffers
 
 
@@ -132,8 +236,8 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
 class DeviceBuffers:
     """Device memory owned by a wrapper: plan rows, uploaded indices, partial outputs."""
 
-    def __init__(self, device: int, fixed: bool):
-        self.device, self.fixed = device, fixed
+    def __init__(self, device: int, fixed: bool, owner: str = "BatchDecodeWithPagedKVCacheWrapper"):
+        self.device, self.fixed, self.owner = device, fixed, owner
         self.plan = None          # int32 cupy
         self.partial = None       # float32 cupy (when no workspace buffer was given)
         # plan() staging: pinned int32 host buffers, each with the event after its last upload;
@@ -181,10 +285,140 @@ class DeviceBuffers:
         if cur is not None and cur.size >= size:
             return cur
         if cur is not None and self.fixed:
-            raise ValueError(f"BatchDecodeWithPagedKVCacheWrapper.plan: {what} must fit the buffers "
+            raise ValueError(f"{self.owner}.plan: {what} must fit the buffers "
                              f"captured with use_cuda_graph=True ({cur.size} elements), got {size}; "
                              f"plan the largest batch first or make a new wrapper")
         with cp.cuda.Device(self.device):
             new = cp.empty(max(size, 1 if cur is None else 2 * cur.size), dtype)
         setattr(self, name, new)
         return new
+
+
+def refuse_capture(fn: str, use_cuda_graph: bool, stream) -> None:
+    """A wrapper built without ``use_cuda_graph`` refuses a run() on a stream capturing a CUDA graph:
+    its plan buffers move and its grid follows each plan, so a replay would read stale memory
+    (FlashInfer corrupts the output silently there: its issue #3904)."""
+    if not use_cuda_graph and arrays.is_capturing(stream):
+        raise RuntimeError(f"{fn}: the stream is capturing a CUDA graph, but this wrapper was built with "
+                           f"use_cuda_graph=False (its plan buffers move and its grid follows each plan, so a "
+                           f"replay would read stale memory); construct it with use_cuda_graph=True")
+
+
+def as_words(data: np.ndarray) -> np.ndarray:
+    """Bytes (a packed mask) as int32 words for a plan segment, zero-padded to a multiple of 4."""
+    b = np.ascontiguousarray(data, np.uint8).ravel()
+    if b.size % 4:
+        b = np.concatenate([b, np.zeros(4 - b.size % 4, np.uint8)])
+    return b.view(np.int32)
+
+
+_DEFAULT_GRAPH_WORKSPACE = 128 << 20    # bytes of split-KV partials a graph-mode wrapper takes when given none
+
+
+class PlanBuffers:
+    """A wrapper's plan on the GPU, for every wrapper that uses it (prefill, and through it the
+    cascade): named int32 segments (page table, work list, merge rows, ...) written into pinned
+    staging memory and uploaded with one asynchronous copy on the caller's stream inside plan(),
+    and the fp32 workspace of split-KV partial rows (``float_workspace_buffer`` when given).
+
+    With ``use_cuda_graph=True`` the first plan fixes what a captured run() holds: every segment's
+    capacity (twice its size, at least 256 int32; the merge rows as many as the work rows) and so its
+    address, the grid (padded with empty work items), the workspace (128 MiB unless given) and the
+    kernel configuration. A later plan past any of them raises ValueError saying which.
+    """
+
+    def __init__(self, owner: str, workspace=None, use_cuda_graph: bool = False):
+        self.owner, self.graph = owner, bool(use_cuda_graph)
+        self.device: int | None = None
+        self._workspace = None
+        if workspace is not None and arrays.is_device_array(workspace):
+            t = arrays.device_tensor(workspace, "float_workspace_buffer", owner)
+            nbytes = t.dtype.itemsize
+            for d in t.shape:
+                nbytes *= d
+            self._workspace = (t.ptr, nbytes, workspace)
+            self.device = t.device
+        self._bufs: DeviceBuffers | None = None
+        self.caps: dict | None = None      # graph mode: capacity of every segment (int32), from the first plan
+        self.kernel = None                 # graph mode: the first plan's kernel configuration
+        self._slots = None                 # graph mode: partial slots of the fixed workspace
+
+    def device_for(self, like) -> int | None:
+        """The GPU of this wrapper's plans (the workspace's, a device array ``like``'s, or the current
+        one), or None on a machine without one (a NumPy plan)."""
+        if self.device is None:
+            if arrays.is_device_array(like):
+                self.device = arrays.device_tensor(like, "plan array", self.owner).device
+            elif arrays.gpu_available():
+                self.device = arrays.cupy_module().cuda.runtime.getDevice()
+        return self.device
+
+    def upload(self, fn: str, segments: list, kernel, like) -> dict[str, int]:
+        """Device pointers by segment name (0 for an empty one) after one asynchronous upload of
+        ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
+        of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode)."""
+        sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
+        if self.graph:
+            if self.caps is None:
+                self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
+                if "merge" in self.caps and "work" in self.caps:
+                    self.caps["merge"] = self.caps["work"]
+                self.kernel = kernel
+            elif kernel != self.kernel:
+                raise ValueError(f"{fn}: with use_cuda_graph=True every plan must run the kernel configuration of "
+                                 f"the first plan ({self.kernel}), got {kernel}; make a wrapper per configuration")
+            for n, s in sizes.items():
+                if s > self.caps[n]:
+                    raise ValueError(f"{fn}: {n} ({s} int32) must fit the capacity fixed by the first plan with "
+                                     f"use_cuda_graph=True ({self.caps[n]}); plan the largest batch first or make "
+                                     f"a new wrapper")
+            sizes = self.caps
+        offsets, total = {}, 0
+        for name, _, _ in segments:
+            offsets[name] = total
+            total += -(-sizes[name] // 4) * 4              # 16-byte aligned segments (int4 loads)
+        cp = arrays.cupy_module()
+        if self._bufs is None:
+            self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
+        host = self._bufs.staging(total)
+        for name, a, fill in segments:
+            o, n = offsets[name], 0 if a is None else len(a)
+            if n:
+                host[o:o + n] = a
+            host[o + n:o + sizes[name]] = fill
+        with cp.cuda.Device(self.device):
+            dev = self._bufs._ensure("plan", total, np.int32, "the plan")
+            stream = arrays.resolve_stream(arrays.framework_of(like), self.device)
+            self._bufs.upload(dev.data.ptr, host, total, stream)
+        base = dev.data.ptr
+        return {name: base + 4 * offsets[name] if sizes[name] else 0 for name in offsets}
+
+    def rows(self, name: str, n: int, cols: int) -> int:
+        """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""
+        return self.caps[name] // cols if self.graph else n
+
+    def max_partial(self, slot_floats: int) -> int | None:
+        """Partial slots of ``slot_floats`` floats that a fixed workspace holds (None: grows as needed)."""
+        if self._workspace is not None:
+            return self._workspace[1] // (4 * slot_floats)
+        if self.graph:
+            if self._slots is None:
+                self._slots = _DEFAULT_GRAPH_WORKSPACE // (4 * slot_floats)
+            return self._slots
+        return None
+
+    def partial(self, fn: str, slot_floats: int, num_slots: int, row_floats: int) -> dict[str, int]:
+        """Pointers ``part_o`` (slots x row_floats fp32) and ``part_lse`` (after them) of the workspace."""
+        fixed = self.max_partial(slot_floats)
+        slots = fixed if fixed is not None else max(num_slots, 1)
+        if num_slots > slots:
+            raise ValueError(f"{fn}: float_workspace_buffer must hold {num_slots * slot_floats * 4} bytes of split-KV "
+                             f"partials for this plan, got {slots * slot_floats * 4}; pass a larger one or "
+                             f"fixed_split_size / disable_split_kv=True")
+        if self._workspace is not None:
+            base = self._workspace[0]
+        else:
+            cp = arrays.cupy_module()
+            with cp.cuda.Device(self.device):
+                base = self._bufs._ensure("partial", slots * slot_floats, np.float32, "the split-KV workspace").data.ptr
+        return {"part_o": base, "part_lse": base + 4 * slots * row_floats}

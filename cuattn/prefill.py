@@ -7,20 +7,21 @@ causal masks align bottom-right when qo_len < kv_len; custom masks are flattened
 ``qo_len x kv_len`` booleans or their little-bit-order packing; a fully masked row gives zeros
 and LSE -inf (natural log).
 
-Scheduling lives here (not in plan.py): ``plan()`` builds a flat work list of (request, query
-tile) pairs on the host, longest causal tiles first, and the kernel's grid is
-(work items, num_kv_heads). Query tiles pack the GQA group's heads into rows, so one CTA reads
-each K/V tile once for the whole group.
+Scheduling is plan.py's: ``plan()`` builds a flat work list of (request, query tile, kv piece)
+items on the host (longest first; long KV split into pieces when the items alone leave SMs idle,
+the pieces merged exactly by a second kernel), uploads it with the page table into the wrapper's
+plan buffers on the caller's stream, and the kernel's grid is (work items, num_kv_heads). Query
+tiles pack the GQA group's heads into rows, so one CTA reads each K/V tile once for the whole
+group. With ``use_cuda_graph=True`` the buffers and the grid keep the capacity of the first plan.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, prefill_sm90, reference, support, variants
+from . import arrays, jit, plan as _plan, prefill_sm90, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
@@ -194,25 +195,30 @@ def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarr
 
 # kernel parameters (prefill.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p mask:p "
-                               "mask_indptr:p work:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
+                               "mask_indptr:p work:p part_o:p part_lse:p kv_chunk:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
                                "page_rows:i q_s_tok:q q_s_head:q k_s_tok:q k_s_head:q k_s_page:q v_s_tok:q v_s_head:q "
                                "v_s_page:q o_s_tok:q o_s_head:q scale_log2:f")
+
+
+META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work", "part_o",
+        "part_lse", "kv_chunk")     # the plan's device pointers, by kernel parameter name
+MERGE_PARAMS = {entry: Params.define(entry, "merge:p qo_indptr:p part_o:p part_lse:p o:p lse:p group:i o_s_tok:q "
+                                            "o_s_head:q") for entry in ("cuattn_prefill_merge", "cuattn_prefill_sm90_merge")}
 
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
             page_size: int = 1, pdl: bool = False) -> None:
-    """One launch; ``meta`` = device pointers (qo_indptr, kv_indptr, kv_indices, last, mask,
-    mask_indptr, work) for batch mode, or None for the single-request case (mask ptr in single);
-    ``variant_args`` = variants.Bound.kernel_args (sm_scale first)."""
+    """One launch; ``meta`` = the plan's device pointers by name (META) for batch mode, or None for
+    the single-request case (mask ptr in single); ``variant_args`` = variants.Bound.kernel_args
+    (sm_scale first)."""
     if num_work == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     if meta is None:
-        meta = (0, 0, 0, 0, single[2] if len(single) > 2 else 0, 0, 0)
+        meta = {"mask": single[2] if len(single) > 2 else 0}
     args = PARAMS.pack(
-        q=q.ptr, k=k_ptr, v=v_ptr, o=out.ptr, lse=lse_ptr,
-        **dict(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work"), meta)),
+        q=q.ptr, k=k_ptr, v=v_ptr, o=out.ptr, lse=lse_ptr, **{n: meta.get(n, 0) for n in META},
         single_qo_len=single[0], single_kv_len=single[1], group=group, page_size=page_size,
         page_shift=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
         page_rows=k_strides[2] // k_strides[0] if k_strides[0] else 0, q_s_tok=q.strides[0], q_s_head=q.strides[1],
@@ -220,6 +226,18 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
         v_s_head=v_strides[1], v_s_page=v_strides[2], o_s_tok=out.strides[0], o_s_head=out.strides[1],
         scale_log2=spec.variant.scale_log2(sm_scale)) + tuple(variant_args)
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
+
+
+def _launch_merge(ctx, spec, entry: str, meta: dict, num_merge: int, num_kv_heads: int, group: int, out,
+                  lse_ptr: int) -> None:
+    """The merge of split items' pieces (``entry`` of ``spec``'s module): grid (merge rows, kv heads)."""
+    if num_merge == 0 or num_kv_heads == 0:
+        return
+    launch = jit.get_launcher(spec, entry, ctx.device, MERGE_PARAMS[entry].kinds)
+    launch((num_merge, num_kv_heads), 128, ctx.stream,
+           *MERGE_PARAMS[entry].pack(merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"],
+                                     part_lse=meta["part_lse"], o=out.ptr, lse=lse_ptr, group=group,
+                                     o_s_tok=out.strides[0], o_s_head=out.strides[1]))
 
 
 def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
@@ -240,94 +258,6 @@ def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype
     return out, ot, lse, lse_ptr
 
 
-# ---------------------------------------------------------------------------- single request
-
-
-def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal: bool = False,
-                                 kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
-                                 use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
-                                 window_left: int = -1, logits_soft_cap=None, rope_scale=None,
-                                 rope_theta=None, backend: str = "auto", return_lse: bool = False,
-                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, stream=None):
-    """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
-
-    Parameters
-    ----------
-    q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
-        NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
-    k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
-        head_dim) for "HND"; dtype of ``q``; last dimension contiguous.
-    custom_mask : array, shape (qo_len, kv_len) or flattened, bool, optional. True = attend.
-    packed_custom_mask : array, shape (ceil(qo_len * kv_len / 8),), uint8, optional
-        ``packbits(custom_mask)`` (little bit order).
-    causal : bool
-        Query i attends to keys j <= i + kv_len - qo_len (bottom-right aligned).
-    sm_scale : float, optional
-        Defaults to ``1 / sqrt(head_dim)``.
-    backend : "auto" | "fa2" | "fa3"
-        "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128, no custom mask;
-        UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90, else fa2.
-    window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant, variant_args :
-        attention variants (``cuattn.variants``); ``variant_args`` are the variant's parameters
-        not fixed by the options, in order.
-
-    Runs as a batch of one through ``BatchPrefillWithRaggedKVCacheWrapper``.
-
-    Returns
-    -------
-    out : array, shape (qo_len, num_qo_heads, head_dim), dtype of ``q``
-    lse : array, shape (qo_len, num_qo_heads), float32, natural log (only if ``return_lse``)
-    """
-    fn = "single_prefill_with_kv_cache"
-    options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                   use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                   variant=variant, rotary_dim=rotary_dim)
-    variants.resolve(fn, num_qo_heads=1, **options)       # options checked before any array
-    check_kv_layout(kv_layout, fn)
-    select_backend(backend, fn)
-    ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
-    describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
-    qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    qo_len, hq, d, kv_len, hkv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
-    q_dt, kv_dt = arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype)
-    if arrays.logical_dtype(vt.dtype) != kv_dt:
-        raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
-    # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
-    #    there is no mask: a plan depends on nothing else)
-    key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
-           tuple(sorted(options.items(), key=lambda kv: kv[0])), ctx)
-    if custom_mask is None and packed_custom_mask is None:
-        w = _single_wrapper(*key)
-    else:
-        w = _single_wrapper.__wrapped__(*key, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
-    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=ctx.stream)
-
-
-@functools.lru_cache(maxsize=64)
-def _single_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
-                    causal, sm_scale, options, ctx, custom_mask=None, packed_custom_mask=None):
-    """The ragged wrapper of single_prefill_with_kv_cache, planned once per shape, options and ``ctx``
-    (the call's framework, device and stream: a wrapper's device metadata is uploaded by its first
-    run on that stream, which another stream's call must not overtake)."""
-    w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
-    w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads, head_dim,
-           custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
-           q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
-    return w
-
-
-def _single_dims(qs, ks, vs, kv_layout, fn):
-    _check_q(qs, fn)
-    kv_len, hkv, dk = _kv_dims(ks, kv_layout, "k", fn)
-    if tuple(vs) != tuple(ks):
-        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
-    qo_len, hq, d = qs
-    if dk != d:
-        raise ValueError(f"{fn}: k head_dim must equal q head_dim={d}, got {dk}")
-    _check_group(hq, hkv, fn)
-    return qo_len, hq, d, kv_len, hkv
-
-
 def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
     """K and V have the plan's kv_data_type (both paths)."""
     for dt in (k_dtype, v_dtype):
@@ -346,13 +276,8 @@ class _BatchPrefillBase:
         self._kv_layout = check_kv_layout(kv_layout, self._fn)
         self.backend = select_backend(backend, self._fn)     # the backend the last run used (or will use)
         self._backend_req = backend
-        if use_cuda_graph:
-            # plan() reallocates the device metadata and the grid follows the work list, so a
-            # captured run() would replay stale pointers after the next plan(): refuse instead
-            raise UnsupportedError(f"{self._fn}: use_cuda_graph=True is not supported by the prefill wrappers "
-                                   f"yet (their plan buffers are not fixed); run them eagerly")
         self._plan = None
-        self._dev: dict[int, dict] = {}
+        self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options):
@@ -391,14 +316,12 @@ class _BatchPrefillBase:
         spec = None
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite)
-        work = _work_list(qo_lens, kv_lens, group, spec, causal) if spec is not None else np.zeros((0, 2), np.int32)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
-                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, work=work,
-                    group=group, bound=bound)
+                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
@@ -412,18 +335,92 @@ class _BatchPrefillBase:
             raise ValueError(f"{fn}: plan() must be called before run()")
         return self._plan
 
-    def _device_meta(self, ctx, names: tuple[str, ...]) -> tuple[int, ...]:
-        """Device copies of the plan's metadata (uploaded once per plan and device)."""
-        cp = arrays.cupy_module()
-        d = self._dev.get(ctx.device)
-        if d is None:
-            d = {}
-            with cp.cuda.Device(ctx.device), ctx.stream:
-                for key in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr", "work"):
-                    host = self._plan.get(key)
-                    d[key] = cp.asarray(np.ascontiguousarray(host)) if host is not None and len(host) else None
-            self._dev[ctx.device] = d
-        return tuple(d[n].data.ptr if d.get(n) is not None else 0 for n in names)
+    def _plan_device(self, fn: str, plan: dict, paged: bool, fixed_split_size, disable_split_kv: bool,
+                     stream_of) -> None:
+        """The GPU half of plan(): the backend for the device, the work list (split-KV chosen here, or
+        ``fixed_split_size`` / ``disable_split_kv``), and one upload of it with the page table into the
+        plan buffers, on the current stream of ``stream_of``'s framework. No GPU: a NumPy plan."""
+        bufs = self._bufs
+        device = bufs.device_for(stream_of)
+        plan["device"] = device
+        if device is None or plan["spec"] is None:
+            return
+        composite = plan["bound"].composite
+        backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
+        spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
+            arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite)
+        h_kv, group = plan["num_kv_heads"], plan["group"]
+        ext = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])[2]
+        slot_floats = h_kv * spec.block_m * (plan["head_dim"] + 1)      # a slot: every kv head's tile rows + LSE
+        max_slots = bufs.max_partial(slot_floats)
+        slots = _plan.num_sms(device) * (2 if backend == "fa2" else 1)       # resident CTAs
+        if disable_split_kv or not composite.use_softmax:       # weights without softmax: never split
+            chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
+        elif fixed_split_size is not None:
+            if int(fixed_split_size) < 1:
+                raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
+            chunk = -(-int(fixed_split_size) // spec.block_n) * spec.block_n    # whole key tiles
+            why = f"fixed_split_size={int(fixed_split_size)} (whole {spec.block_n}-key tiles)"
+        else:
+            chunk = _plan.choose_prefill_chunk(ext, h_kv, _plan.num_sms(device), slots // _plan.num_sms(device),
+                                               spec.block_n, max_slots)
+            why = _plan.split_reason(len(ext) * h_kv, slots, chunk)
+        wl = _plan.prefill_work_list(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, spec.block_n,
+                                     plan["causal"], chunk)
+        if len(wl.work) > 2 ** 31 - 1:
+            raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
+        mask = plan["mask"]
+        segments = [("kv_chunk", np.array([wl.chunk], np.int32), 0),
+                    ("qo_indptr", plan["qo_indptr"], 0), ("kv_indptr", plan["kv_indptr"], 0),
+                    ("kv_last_page_len", plan.get("last_page_len"), 0), ("kv_indices", plan.get("kv_indices"), 0),
+                    ("mask_indptr", plan["mask_indptr"], 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
+                    ("work", wl.work.ravel(), -1), ("merge", wl.merge.ravel(), -1)]
+        ptrs = bufs.upload(fn, segments, (spec.name, plan["num_qo_heads"], h_kv, plan.get("page_size")), stream_of)
+        ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan["head_dim"] * h_kv))
+        plan.update(backend=backend, run_spec=spec, work_list=wl, meta=ptrs, split_why=why,
+                    grid_work=bufs.rows("work", len(wl.work), _plan.PREFILL_COLS),
+                    grid_merge=bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS))
+
+    def describe(self) -> str:
+        """What the last plan() runs: the kernel specialization and its tiles, the work items, the
+        split-KV decision and its reason, and the balance the scheduler reached."""
+        p = self._plan
+        if p is None:
+            return f"{self._fn}: not planned"
+        lines = [f"{self._fn}: batch {p['batch']}, {int(p['qo_indptr'][-1])} queries, {p['num_qo_heads']}:"
+                 f"{p['num_kv_heads']} heads, head_dim {p['head_dim']}, {'causal' if p['causal'] else 'full'}"
+                 + ("" if p["mask"] is None else ", custom mask")]
+        if "meta" not in p:
+            return "\n".join(lines + ["NumPy reference path (no GPU at plan time)"])
+        wl, spec, h = p["work_list"], p["run_spec"], p["num_kv_heads"]
+        lines.append(f"kernel: {spec.name} (backend {p['backend']}), tiles of {spec.block_m} packed query rows x "
+                     f"{spec.block_n} keys")
+        lines.append(f"work: {len(wl.work)} items x {h} kv heads = {len(wl.work) * h} CTAs on "
+                     f"{_plan.num_sms(p['device'])} SMs" + (f"; grid padded to {p['grid_work']} items (CUDA graph)"
+                                                           if self._bufs.graph else ""))
+        if wl.split:
+            lines.append(f"split-KV: {len(wl.merge)} query tiles cut into pieces of {wl.chunk} keys, {wl.num_slots} "
+                         f"partial slots, merged by a second kernel; {p['split_why']}")
+        else:
+            lines.append(f"split-KV: none; {p['split_why']}")
+        lines.append(f"balance: {wl.balance(spec.block_n):.2f} (mean / max key tiles per CTA)")
+        return "\n".join(lines)
+
+    def _merge(self, ctx, plan, ot, lse_ptr) -> None:
+        """After the attention kernel: merge the pieces of split items (graph mode: always launched,
+        over the merge rows' capacity, so a replay after a plan that splits merges too)."""
+        if plan["grid_merge"] and (plan["work_list"].split or self._bufs.graph):
+            entry = "cuattn_prefill_merge" if plan["backend"] == "fa2" else "cuattn_prefill_sm90_merge"
+            _launch_merge(ctx, plan["run_spec"], entry, plan["meta"], plan["grid_merge"], plan["num_kv_heads"],
+                          plan["group"], ot, lse_ptr)
+
+    def _gpu_plan(self, ctx, plan, fn) -> None:
+        """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph
+        needs a wrapper built for graphs."""
+        if plan.get("device") != ctx.device or "meta" not in plan:
+            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {plan.get('device')}), "
+                             f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
+        _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
 
     def _run_checks(self, fn, q, plan):
         qt = arrays.device_tensor(q, "q", fn)
@@ -478,21 +475,6 @@ class _BatchPrefillBase:
         return arrays.host_results(ctx, out, lse, out_arg, lse_arg, return_lse, qa.dtype, fn)
 
 
-def _work_list(qo_lens, kv_lens, group: int, spec, causal: bool) -> np.ndarray:
-    """(request, tile) pairs, the most key tiles first (long causal tiles start early); tiles of
-    ``spec.block_m`` packed query rows and ``spec.block_n`` keys (either backend's spec)."""
-    bm, bn = spec.block_m, spec.block_n
-    tiles = -(-qo_lens * group // bm)
-    req = np.repeat(np.arange(len(qo_lens)), tiles)
-    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    kv = kv_lens[req]
-    if causal:
-        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * bm - 1) // group)
-        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
-    order = np.argsort(-((kv + bn - 1) // bn), kind="stable")
-    return np.stack([req[order], tile[order]], axis=1).astype(np.int32)
-
-
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     """Prefill over a ragged batch: request i's queries are ``q[qo_indptr[i]:qo_indptr[i+1]]`` and its
     keys ``k[kv_indptr[i]:kv_indptr[i+1]]`` (contiguous K/V, NHD ``(nnz_kv, num_kv_heads, head_dim)``
@@ -510,8 +492,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, window_left: int = -1,
              logits_soft_cap=None, sm_scale: float | None = None, rope_scale=None, rope_theta=None,
              q_data_type="float16", kv_data_type=None, non_blocking: bool = True, *, variant=None,
-             rotary_dim=None) -> None:
-        """Build the work list for a batch.
+             rotary_dim=None, fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
+        """Build the work list for a batch and upload it (asynchronously, on the current stream of
+        ``qo_indptr``'s framework; CuPy's for NumPy input).
 
         Parameters
         ----------
@@ -523,6 +506,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant :
             attention variants (``cuattn.variants``); a variant's parameters not fixed here are passed
             to ``run()`` positionally after ``v``.
+        fixed_split_size : int, optional
+            Cut every query tile's keys into pieces of this many (rounded up to whole key tiles),
+            merged exactly, instead of the scheduler's choice; ``disable_split_kv=True`` never splits.
+            With either, a request's output is bitwise the same alone or inside any batch.
         """
         fn = f"{self._fn}.plan"
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
@@ -535,7 +522,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                  head_dim_vo, custom_mask, packed_custom_mask, causal, sm_scale, q_data_type,
                                  kv_data_type, paged=False, options=options)
         plan["kv_indptr"] = kv.astype(np.int32)
-        self._plan, self._dev = plan, {}
+        self._plan_device(fn, plan, False, fixed_split_size, disable_split_kv, qo_indptr)
+        self._plan = plan
 
     def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None, stream=None):
         """Attention for the planned batch.
@@ -569,46 +557,31 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             kvp = plan["kv_indptr"]
             return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
                                        return_lse, fn, scale, vargs, out, lse)
+        self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
         kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
         self._check_kv(kt.shape, vt.shape, plan, fn)
         _check_kv_dtype(plan, kt.dtype, vt.dtype, "k and v", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
-        if self._run_backend(ctx, fn, plan, paged=False) == "fa3":
-            self._run_fa3(ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl, scale, vargs)
-            o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
-            return (o, arrays.export(ctx, lse)) if return_lse else o
-        meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
-                                       "mask_indptr", "work"))
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
-        _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
-                num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                sm_scale=scale, variant_args=vargs, meta=meta, pdl=pdl)
+        if plan["backend"] == "fa3":
+            with arrays.cupy_module().cuda.Device(ctx.device):
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
+                                    v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
+                                    lse_ptr=lse_ptr, num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"],
+                                    group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"],
+                                    pdl=pdl)
+        else:
+            _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
+                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                    k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
+                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl)
+        self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
-
-    def _run_fa3(self, ctx, fn, plan, qt, kt, vt, ot, lse_ptr, pdl, scale, vargs):
-        """The planned batch on the fa3 kernel: its own work list (128-row tiles), uploaded once per plan."""
-        spec = prefill_sm90.make_spec(arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], plan["bound"].composite)
-        cached = getattr(self, "_fa3_dev", None)
-        if cached is None or cached[0] is not plan or cached[1] != ctx.device:
-            cp = arrays.cupy_module()
-            work = _work_list(plan["qo_lens"], plan["kv_lens"], plan["group"], spec, plan["causal"])
-            with cp.cuda.Device(ctx.device), ctx.stream:
-                dev = [cp.asarray(np.ascontiguousarray(a)) for a in (plan["qo_indptr"], plan["kv_indptr"], work)]
-            cached = self._fa3_dev = (plan, ctx.device, dev, len(work))
-        dev, num_work = cached[2], cached[3]
-        tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
-        with arrays.cupy_module().cuda.Device(ctx.device):
-            prefill_sm90.launch(ctx, spec, q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
-                                v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
-                                lse_ptr=lse_ptr, num_work=num_work, num_kv_heads=plan["num_kv_heads"],
-                                group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn,
-                                meta=tuple(a.data.ptr for a in dev), pdl=pdl)
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
@@ -641,9 +614,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              custom_mask=None, packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type="float16",
-             kv_data_type=None, non_blocking: bool = True, *, variant=None, rotary_dim=None) -> None:
-        """Build the work list for a batch over the page table (arrays int32, host or device).
-        Variant options as in ``BatchPrefillWithRaggedKVCacheWrapper.plan``."""
+             kv_data_type=None, non_blocking: bool = True, *, variant=None, rotary_dim=None,
+             fixed_split_size: int | None = None, disable_split_kv: bool = False) -> None:
+        """Build the work list for a batch over the page table (arrays int32, host or device) and
+        upload it, on the current stream of ``paged_kv_indices``' framework. Variant options,
+        ``fixed_split_size`` and ``disable_split_kv`` as in ``BatchPrefillWithRaggedKVCacheWrapper.plan``."""
         fn = f"{self._fn}.plan"
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
@@ -662,7 +637,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         plan.update(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
                     last_page_len=last.astype(np.int32), page_size=page_size,
                     max_page=int(indices.max()) if len(indices) else -1)
-        self._plan, self._dev = plan, {}
+        self._plan_device(fn, plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
+        self._plan = plan
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,
             v_scale=None, enable_pdl=None, stream=None):
@@ -693,13 +669,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
                                                                   plan["last_page_len"], b), return_lse, fn,
                 scale, vargs, out, lse)
+        self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
         _check_kv_dtype(plan, kv.k.dtype, kv.v.dtype, "paged_kv_cache", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
-        meta = self._device_meta(ctx, ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask",
-                                       "mask_indptr", "work"))
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
                 or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):
@@ -708,9 +683,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                    f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
                                    f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
         _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
-                num_work=len(plan["work"]), num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=meta,
+                num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
                 page_size=plan["page_size"], pdl=jit.pdl_launch(ctx.device, enable_pdl))
+        self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
@@ -751,7 +727,8 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
              packed_custom_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              use_fp16_qk_reduction: bool = False, window_left: int | None = None, logits_soft_cap=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, q_data_type=None, kv_data_type=None,
-             non_blocking: bool = True, *, variant=None) -> None:
+             non_blocking: bool = True, *, variant=None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False) -> None:
         """As ``BatchPrefillWithPagedKVCacheWrapper.plan``; dtypes and window_left default to the constructor's."""
         d = self._defaults
         super().plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
@@ -759,7 +736,8 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
                      pos_encoding_mode, use_fp16_qk_reduction, d["window_left"] if window_left is None else window_left,
                      logits_soft_cap, sm_scale, rope_scale, rope_theta,
                      d["q_data_type"] if q_data_type is None else q_data_type,
-                     d["kv_data_type"] if kv_data_type is None else kv_data_type, non_blocking, variant=variant)
+                     d["kv_data_type"] if kv_data_type is None else kv_data_type, non_blocking, variant=variant,
+                     fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
 
     def run(self, q, paged_kv_cache, sink, sm_scale: float | None = None, *, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, stream=None):

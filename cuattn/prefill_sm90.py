@@ -27,7 +27,8 @@ HEAD_DIM = 128
 BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
-PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p work:p single_qo_len:i "
+PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p work:p part_o:p part_lse:p "
+                               "kv_chunk:p single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "scale_log2:f")
 
@@ -106,12 +107,15 @@ def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, bl
 
 # ---------------------------------------------------------------------------- launch
 
+META = ("qo_indptr", "kv_indptr", "work", "part_o", "part_lse", "kv_chunk")   # the plan's pointers
+
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
-           single=(0, 0), meta=(0, 0, 0), pdl: bool = False) -> None:
+           single=(0, 0), meta: dict | None = None, pdl: bool = False) -> None:
     """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
-    ``meta`` = device pointers (qo_indptr, kv_indptr, work) in batch mode, zeros for a single request."""
+    ``meta`` = the plan's device pointers by parameter name (qo_indptr, kv_indptr, work, part_o,
+    part_lse, kv_chunk) in batch mode, None for a single request."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
@@ -128,7 +132,7 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
-                       **dict(zip(("qo_indptr", "kv_indptr", "work"), meta)), single_qo_len=single[0],
+                       **{n: (meta or {}).get(n, 0) for n in META}, single_qo_len=single[0],
                        single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
                        q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
                        scale_log2=spec.variant.scale_log2(sm_scale))

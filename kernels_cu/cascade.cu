@@ -54,7 +54,8 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_merge_states(
     s_out[t * num_heads + h] = l > 0.f ? m_use + merge_log2(l) * MERGE_LN2 : merge_neg_inf();
 }
 
-// Two states given as separate arrays (merge_state): v_a/v_b (t, h, d), s_a/s_b (t, h).
+// Two states given as separate arrays (merge_state): v_a/v_b (t, h, d), s_a/s_b (t, h); out / s_out
+// may be v_a / s_a (merge_state_in_place: each thread reads an element before writing it).
 extern "C" __global__ void __launch_bounds__(128) cuattn_merge_state(
     const v_t* __restrict__ v_a, const float* __restrict__ s_a, const v_t* __restrict__ v_b,
     const float* __restrict__ s_b, v_t* __restrict__ out, float* __restrict__ s_out,
@@ -72,6 +73,7 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_merge_state(
     const float x = wa * to_float(v_a[t * a_t + h * a_h + d]) + wb * to_float(v_b[t * b_t + h * b_h + d]);
     out[t * o_t + h * o_h + d] = from_float<v_t>(x * inv);
   }
+  __syncthreads();     // every thread has read s_a / s_b: out and s_out may be v_a and s_a (in place)
   if (threadIdx.x == 0)
     s_out[t * num_heads + h] = l > 0.f ? m_use + merge_log2(l) * MERGE_LN2 : merge_neg_inf();
 }

@@ -18,8 +18,12 @@
 // masks at the mask site, a sliding window's leading tiles skipped (kv_lo), the sink at the store.
 //
 // Work: `work` == nullptr is the single-request case (lengths from arguments, tiles in reverse so
-// the longest causal tiles start first); otherwise work[2 * blockIdx.x + {0, 1}] = (request, tile)
-// and lengths come from qo_indptr / kv_indptr (ragged: token offsets; paged: page CSR).
+// the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
+// tile, kv piece, partial slot) (common/prefill_tile.cuh) and lengths come from qo_indptr /
+// kv_indptr (ragged: token offsets; paged: page CSR). Split-KV (kv_chunk > 0): an item reads only
+// its piece of kv_chunk keys and, when slot >= 0, writes an fp32 partial row + LSE to part_o /
+// part_lse; cuattn_prefill_merge then merges the pieces of each (request, tile) into o and lse.
+// cuattn_prefill_merge: grid (num_merge, num_kv_heads), block 128.
 #include "common/dtypes.cuh"
 #include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
@@ -55,6 +59,10 @@ constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass 
 #endif
 #ifndef PAGE_PREFETCH   // PAGE_CPASYNC=0 only: the next tile's page ids loaded an iteration ahead into a register
 #define PAGE_PREFETCH 1
+#endif
+#ifndef KV_LO_SMEM      // the first key kv_lo (a window's or a split piece's) reread from smem in the loop: hd128
+                        // 128x64 full on sm_80 spilled 4-8 bytes holding it; sm_90a spills with it (causal)
+#define KV_LO_SMEM (CUATTN_ARCH < 90)
 #endif
 #ifndef PAGE_ADDR32     // paged: row address = base + int32 row offset * int32 byte stride (one IMAD.WIDE per row,
                         // no select: rows past kv_len have offset 0) instead of 64-bit multiply, shift, add, select;
@@ -177,7 +185,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     const int32_t* __restrict__ kv_last_page_len,  // [batch] (PAGED)
     const uint8_t* __restrict__ mask,        // bit-packed, little bit order (CUSTOM_MASK)
     const int32_t* __restrict__ mask_indptr, // [batch + 1] byte offsets into mask (batch mode)
-    const int32_t* __restrict__ work,        // [num_work, 2] (request, tile), or nullptr: single
+    const int32_t* __restrict__ work,        // [num_work, WORK_COLS], or nullptr: single
+    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D] split items' partial rows
+    float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
+    const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
     int single_qo_len, int single_kv_len, int group, int page_size, int page_shift, int page_rows,
     int64_t q_s_tok, int64_t q_s_head, int64_t k_s_tok, int64_t k_s_head, int64_t k_s_page,
     int64_t v_s_tok, int64_t v_s_head, int64_t v_s_page, int64_t o_s_tok, int64_t o_s_head,
@@ -194,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   int64_t q_base = 0, kv_base = 0;
   int qo_len = single_qo_len, kv_len = single_kv_len;
   const int32_t* pages = kv_indices;
-  query_tile(work, qo_indptr, req, tile, q_base, qo_len);
+  if (!query_tile(work, qo_indptr, req, tile, q_base, qo_len)) return;
   if (work != nullptr) {
 #if PAGED
     const int p0 = kv_indptr[req], np = kv_indptr[req + 1] - p0;
@@ -212,7 +223,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const int packed_rows = qo_len * group;
   const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
   // -- the variant's first key for this tile's first row (sliding window): tiles before it are skipped
-  const int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
+  //    (and a split item's piece: its keys alone)
+  int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
+  int kv_end = kv_len;
+  clamp_to_piece(work, kv_chunk, kv_lo, kv_end);
+#if KV_LO_SMEM   // the loop rereads kv_lo from smem (one register less across it)
+  __shared__ int s_kv_lo;
+  if (tid == 0) s_kv_lo = kv_lo;
+#define LOOP_KV_LO s_kv_lo
+#else
+#define LOOP_KV_LO kv_lo
+#endif
 
   const uint32_t sQ = smem_u32(smem);
   constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;
@@ -242,11 +263,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   }
 
   // -- key range this tile needs; tiles from mask_from on need element masks
-  int kv_end = kv_len;
   int mask_from = kv_len;
   if (CAUSAL) {
     const int max_q = min(qo_len - 1, (row0 + BLOCK_M - 1) / group);
-    kv_end = min(kv_len, max_q + causal_shift + 1);
+    kv_end = min(kv_end, max_q + causal_shift + 1);
     mask_from = min(kv_len, row0 / group + causal_shift + 1);
   }
   const int num_tiles = kv_end > kv_lo ? (kv_end - kv_lo + BLOCK_N - 1) / BLOCK_N : 0;
@@ -337,11 +357,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #endif
 
   for (int it = 0; it < num_tiles; ++it) {
-    const int kv0 = kv_lo + it * BLOCK_N;     // first key of the tile
     const int stage = it % STAGES;
     const uint32_t sKs = sK + stage * TILE_BYTES, sVs = sV + stage * TILE_BYTES;
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // K[it] (and Q) visible; every warp done with P.V of it-1
+    const int kv0 = LOOP_KV_LO + it * BLOCK_N;   // first key of the tile (s_kv_lo visible after the barrier)
     if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
       if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, row_lim - nt * BLOCK_N, TILE_OFFS(nt));
@@ -349,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
 #if PAGED
     if (tid < BLOCK_N && it + STAGES < num_tiles) {   // -- offsets of tile it + STAGES into slot it % STAGES
-      const int pos = kv_lo + (it + STAGES) * BLOCK_N + tid;
+      const int pos = LOOP_KV_LO + (it + STAGES) * BLOCK_N + tid;
 #if PAGE_BASE_SMEM
       const int32_t* pages = kv_indices + s_page0;
 #endif
@@ -504,7 +524,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   cp_async_wait<0>();
   allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
-  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
+  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
+  //    writes its fp32 partial row instead (the sink joins piece 0 alone)
+  const ItemEnd item = item_end(work);
 #pragma unroll
   for (int i = 0; i < NUM_MMA_Q; ++i)
 #pragma unroll
@@ -515,8 +537,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
       if (pr >= packed_rows) continue;
       const int head = kvh * group + pr % group;
-      store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
-                          finish_row(vp, m_i[i][h], l, req, pr / group, head, true),
-                          [&](int n) { return make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]); });
+      const auto pair = [&](int n) { return make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]); };
+      if (item.slot >= 0)
+        store_partial_row<D>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+                             finish_row(vp, m_i[i][h], l, req, pr / group, head, item.with_sink), pair);
+      else
+        store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+                            finish_row(vp, m_i[i][h], l, req, pr / group, head, true), pair);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_merge(
+    const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)
+    const int32_t* __restrict__ qo_indptr, const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    dtype_t* __restrict__ o, float* __restrict__ lse, int group, int64_t o_s_tok, int64_t o_s_head) {
+  merge_pieces<D, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
 }

@@ -22,7 +22,8 @@
 // removed after that measurement: benchmarks/results/prefill_sm90_notes.md.)
 //
 // Work: `work` == nullptr is the single-request case (lengths from arguments, tiles in reverse so
-// the longest causal tiles start first); otherwise work[2 * blockIdx.x + {0, 1}] = (request, tile)
+// the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
+// tile, kv piece, partial slot) as in prefill.cu (split-KV pieces, cuattn_prefill_sm90_merge)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets). K / V rows are addressed
 // through the tensor maps (dims: HEAD_DIM, tokens, kv heads): keys past a request's kv_len are
 // masked in S (the TMA zero-fills rows past the tensor's end).
@@ -69,7 +70,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     float* __restrict__ lse,                 // [nnz_qo, num_qo_heads] or nullptr
     const int32_t* __restrict__ qo_indptr,   // [batch + 1] (batch mode)
     const int32_t* __restrict__ kv_indptr,   // [batch + 1] token offsets (batch mode)
-    const int32_t* __restrict__ work,        // [num_work, 2] (request, tile), or nullptr: single
+    const int32_t* __restrict__ work,        // [num_work, WORK_COLS], or nullptr: single
+    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D] split items' partial rows
+    float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
+    const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
     int single_qo_len, int single_kv_len, int group, int num_qo_heads,
     int64_t q_s_tok, int64_t q_s_head, int64_t o_s_tok, int64_t o_s_head, float scale_log2 CUATTN_VARIANT_ARGS) {
   extern __shared__ uint8_t smem_raw[];
@@ -92,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   // -- which request and tile; lengths and offsets of the request
   int req = 0, tile, qo_len = single_qo_len, kv_base = 0, kv_len = single_kv_len;
   int64_t q_base = 0;
-  query_tile(work, qo_indptr, req, tile, q_base, qo_len);
+  if (!query_tile(work, qo_indptr, req, tile, q_base, qo_len)) return;
   if (work != nullptr) {
     kv_base = kv_indptr[req];
     kv_len = kv_indptr[req + 1] - kv_base;
@@ -102,8 +106,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
   int kv_end = kv_len;
   if (CAUSAL) kv_end = min(kv_len, min(qo_len - 1, (row0 + BLOCK_M - 1) / group) + causal_shift + 1);
-  // -- the variant's first key for the CTA's first row (sliding window): tiles before it are skipped
-  const int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
+  // -- the variant's first key for the CTA's first row (sliding window): tiles before it are skipped;
+  //    a split item's piece: its keys alone
+  int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
+  clamp_to_piece(work, kv_chunk, kv_lo, kv_end);
   const int num_tiles = kv_end > kv_lo ? (kv_end - kv_lo + BLOCK_N - 1) / BLOCK_N : 0;
 
   if (tid == 0) {
@@ -311,7 +317,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
-  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf
+  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
+  //    writes its fp32 partial row instead (the sink joins piece 0 alone)
+  const ItemEnd item = item_end(work);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = l_i[h];
@@ -320,12 +328,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int pr = my_row0 + 8 * h;
     if (pr >= packed_rows) continue;
     const int head = kvh * group + pr % group;
-    store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
-                        finish_row(vp, m_i[h], l, req, pr / group, head, true),
-                        [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); });
+    const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
+    if (item.slot >= 0)
+      store_partial_row<D>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+                           finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink), pair);
+    else
+      store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+                          finish_row(vp, m_i[h], l, req, pr / group, head, true), pair);
   }
 #undef FULL_K
 #undef FULL_V
 #undef EMPTY_K
 #undef EMPTY_V
+}
+
+extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(
+    const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)
+    const int32_t* __restrict__ qo_indptr, const float* __restrict__ part_o, const float* __restrict__ part_lse,
+    dtype_t* __restrict__ o, float* __restrict__ lse, int group, int64_t o_s_tok, int64_t o_s_head) {
+  merge_pieces<D, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
 }

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn.errors import UnsupportedError
 from tests.oracle import dense_attention, rel_err
 
 TOL = 1e-2
@@ -107,8 +106,6 @@ def test_merge_state_in_place_with_mask_on_cpu():
 def test_cascade_rejects_bad_plans():
     with pytest.raises(ValueError, match="num_levels"):
         cuattn.MultiLevelCascadeAttentionWrapper(0)
-    with pytest.raises(UnsupportedError, match="use_cuda_graph"):
-        cuattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=True)
     tables, cache, q, _ = make_cascade(1, CASES["2-level decode"], 8, 2, 64, 16)
     w = cuattn.MultiLevelCascadeAttentionWrapper(2)
     with pytest.raises(ValueError, match="list of num_levels=2"):

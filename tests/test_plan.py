@@ -108,3 +108,78 @@ def test_empty_request_gets_one_empty_piece():
 def test_validate_page_table_rejects_bad_metadata(indptr, lpl, match):
     with pytest.raises(ValueError, match=match):
         validate_page_table("f", np.array(indptr), np.array(lpl), 16, 2)
+
+
+# ---------------------------------------------------------------------------- prefill
+
+
+def test_prefill_work_list_puts_longest_causal_tiles_first():
+    wl = plan.prefill_work_list(np.array([300, 40]), np.array([300, 1000]), 1, 128, 64, True)
+    assert sorted(map(tuple, wl.work[:, :2].tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert tuple(wl.work[0, :2]) == (1, 0) and tuple(wl.work[-1, :2]) == (0, 0)
+    assert (wl.work[:, 3] == -1).all() and not wl.split
+
+
+def _prefill_keys(wl, qo_lens, kv_lens, group, block_m, causal):
+    """Multiset of (request, packed query row, key) the work rows attend, from the kernel's rule:
+    piece p of an item reads keys [p * chunk, (p + 1) * chunk) below its tile's causal end."""
+    seen = []
+    for req, tile, piece, slot in wl.work.tolist():
+        qo, kv = int(qo_lens[req]), int(kv_lens[req])
+        rows = range(tile * block_m, min((tile + 1) * block_m, qo * group))
+        end = kv
+        if causal:
+            end = min(kv, min(qo - 1, ((tile + 1) * block_m - 1) // group) + kv - qo + 1)
+        lo, hi = (piece * wl.chunk, min(end, (piece + 1) * wl.chunk)) if wl.chunk else (0, end)
+        for r in rows:
+            for key in range(lo, hi):
+                if not causal or key <= r // group + kv - qo:
+                    seen.append((req, r, key))
+    return seen
+
+
+@settings(max_examples=40, deadline=None)
+@given(qo=st.lists(st.integers(0, 300), min_size=1, max_size=5), extra=st.lists(st.integers(0, 3000), min_size=5,
+       max_size=5), group=st.sampled_from([1, 4, 7]), causal=st.booleans(), heads=st.integers(1, 8),
+       sms=st.integers(1, 132), fixed=st.one_of(st.none(), st.sampled_from([64, 512, 1024])))
+def test_prefill_work_list_covers_every_request_row_key_exactly_once(qo, extra, group, causal, heads, sms, fixed):
+    qo_lens = np.array(qo, np.int64)
+    kv_lens = qo_lens + np.array(extra[:len(qo)], np.int64)          # kv_len >= qo_len (append / prefill)
+    block_m, block_n = 128, 64
+    ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal)[2]
+    chunk = fixed if fixed is not None else plan.choose_prefill_chunk(ext, heads, sms, 2, block_n)
+    assert chunk % block_n == 0
+    wl = plan.prefill_work_list(qo_lens, kv_lens, group, block_m, block_n, causal, chunk)
+    seen = _prefill_keys(wl, qo_lens, kv_lens, group, block_m, causal)
+    expect = [(r, row, key) for r in range(len(qo)) for row in range(int(qo_lens[r]) * group)
+              for key in range(int(kv_lens[r])) if not causal or key <= row // group + kv_lens[r] - qo_lens[r]]
+    assert len(seen) == len(expect) == len(set(seen)) and set(seen) == set(expect)
+    # pieces of split items own distinct slots, and every split item has one merge row naming them
+    slots = wl.work[wl.work[:, 3] >= 0]
+    assert len(set(slots[:, 3].tolist())) == len(slots) == wl.num_slots
+    for req, tile, first, n in wl.merge.tolist():
+        mine = slots[(slots[:, 0] == req) & (slots[:, 1] == tile)]
+        assert sorted(mine[:, 3].tolist()) == list(range(first, first + n)) and n > 1
+    assert 0 < wl.balance(block_n) <= 1
+
+
+def test_choose_prefill_chunk_splits_a_shared_prefix_over_the_gpu():
+    """128 decode queries of a 4:1 GQA group over a 32k prefix: 4 query tiles x 8 kv heads fill 32 of
+    264 CTA slots unsplit; split, ~one wave of pieces."""
+    ext = plan.prefill_items(np.array([128]), np.array([32768]), 4, 128, False)[2]
+    chunk = plan.choose_prefill_chunk(ext, 8, 132, 2, 64)
+    wl = plan.prefill_work_list(np.array([128]), np.array([32768]), 4, 128, 64, False, chunk)
+    assert 200 <= len(wl.work) * 8 <= 264 and wl.balance(64) > 0.95
+
+
+def test_choose_prefill_chunk_keeps_a_batch_that_fills_the_gpu_whole():
+    ext = plan.prefill_items(np.full(64, 2048), np.full(64, 2048), 4, 128, True)[2]
+    assert plan.choose_prefill_chunk(ext, 8, 132, 2, 64) == 0
+
+
+def test_choose_prefill_chunk_grows_pieces_to_fit_a_fixed_workspace():
+    ext = plan.prefill_items(np.array([128]), np.array([32768]), 4, 128, False)[2]
+    free = plan.choose_prefill_chunk(ext, 8, 132, 2, 64)
+    fixed = plan.choose_prefill_chunk(ext, 8, 132, 2, 64, max_slots=10)
+    assert fixed > free and int(np.where(ext > fixed, -(-ext // fixed), 0).sum()) <= 10
+    assert plan.choose_prefill_chunk(ext, 8, 132, 2, 64, max_slots=1) == 0

@@ -253,11 +253,6 @@ def test_shipped_specs_compile_without_spills(arch):
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (spec.name, arch, res)
 
 
-def test_work_list_puts_longest_causal_tiles_first():
-    spec = prefill.make_spec(128, "f16", True, False, False)
-    work = prefill._work_list(np.array([300, 40]), np.array([300, 1000]), 1, spec, True)
-    assert sorted(map(tuple, work.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0)]
-    assert tuple(work[0]) == (1, 0) and tuple(work[-1]) == (0, 0)
 
 
 # ============================================================================ GPU
@@ -462,13 +457,6 @@ def test_single_prefill_gpu_jax_inputs():
                                               causal=True)
     assert isinstance(out, jax.Array)
     assert rel_err(np.asarray(out), dense_attention(q, k, v, causal=True)[0]) < TOL["float16"]
-
-
-@pytest.mark.parametrize("wrapper", [cuattn.BatchPrefillWithRaggedKVCacheWrapper,
-                                     cuattn.BatchPrefillWithPagedKVCacheWrapper])
-def test_batch_prefill_refuses_cuda_graph_mode_it_cannot_honour(wrapper):
-    with pytest.raises(UnsupportedError, match="use_cuda_graph=True is not supported"):
-        wrapper(use_cuda_graph=True)
 
 
 @pytest.mark.gpu
