@@ -9,8 +9,11 @@ strictly more probable than i hold less than ``top_p`` of the row's mass (the nu
 top-p on the renormalized probabilities; ``"joint"`` keeps the intersection of both sets on the original
 probabilities. Rows need not be normalized (top-p is a fraction of the row's sum).
 
-GPU (``kernels_cu/sampling.cu``): one CTA per row, no sort: the threshold is found by passes over the row
-that each test several candidate thresholds (block reductions), and the token is drawn by an exponential
+GPU (``kernels_cu/sampling.cu``): one CTA per row, no sort over the vocabulary. Top-k with k <= 1024 takes
+one extra pass: the k-th largest of the threads' maxima bounds the threshold from below, the few elements
+above it are sorted in shared memory, and top-p within them comes from one warp's prefix sums. Other
+thresholds (top-p alone, k > 1024, heavy ties) are found by passes over the row that each test several
+candidate thresholds (block reductions). The token is drawn by an exponential
 race, ``argmin E_i / p_i`` over the kept set, with ``E_i`` from Philox4x32-10 keyed by ``seed`` and
 counted by ``(element, output row, offset)``. Draws are therefore reproducible: the same (seed, offset) give
 the same tokens on every run, block size and GPU; every kernel is deterministic, so ``deterministic`` is
@@ -566,7 +569,7 @@ def _uniform(bits: np.ndarray) -> np.ndarray:
 def _race(values32: np.ndarray, keep: np.ndarray, rows: np.ndarray, seed: int, offset: int) -> np.ndarray:
     """argmin over kept i of E_i / value_i (E exponential from the Philox stream); ties: lower index."""
     e = -np.log1p(-_uniform(_random_bits(rows, values32.shape[1], seed, offset, _TAG_RACE)))
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         score = np.where(keep, e / values32, np.float32(np.inf))
     score = np.where(np.isnan(score), np.float32(np.inf), score)
     tok = np.argmin(score, axis=1)
