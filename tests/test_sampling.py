@@ -221,8 +221,14 @@ def test_sampling_rejects_bad_inputs_naming_the_argument():
                                             np.ones((1, 2, 4), np.float32))
 
 
+@pytest.fixture(scope="module")
+def compiled_for_shipped_archs():
+    """Both archs compiled at once (one NVRTC process each) into the test session's cache."""
+    jit.precompile([(spec, arch) for spec in sampling.shipped_specs() for arch in jit.SHIPPED_ARCHS])
+
+
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
-def test_shipped_sampling_kernels_compile_without_spills(arch):
+def test_shipped_sampling_kernels_compile_without_spills(arch, compiled_for_shipped_archs):
     entries = {"cuattn_sample", "cuattn_top_k_renorm", "cuattn_top_p_renorm", "cuattn_top_k_mask_logits",
                "cuattn_chain_speculative"}
     for spec in sampling.shipped_specs():
