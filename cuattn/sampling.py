@@ -558,7 +558,7 @@ def _random_bits(rows: np.ndarray, vocab: int, seed: int, offset: int, tag: int)
     r = np.asarray(rows, np.uint64)[:, None]
     words = philox4x32(groups, r, offset & 0xFFFFFFFF, ((offset >> 32) ^ (tag << 24)) & 0xFFFFFFFF,
                        seed & 0xFFFFFFFF, seed >> 32)
-    return np.stack(words, axis=-1).reshape(len(rows), -1)[:, :vocab]
+    return np.stack(words, axis=-1).reshape(len(rows), 4 * groups.shape[1])[:, :vocab]
 
 
 def _uniform(bits: np.ndarray) -> np.ndarray:
@@ -633,7 +633,7 @@ def _np_chain_speculative(draft, ids, target, seed: int, offset: int):
     q = np.take_along_axis(draft, ids[:, :, None].astype(np.int64), axis=2)[:, :, 0]
     p = np.take_along_axis(target[:, :n], ids[:, :, None].astype(np.int64), axis=2)[:, :, 0]
     rejected = ~(u * q < p)
-    pos = np.where(rejected.any(axis=1), np.argmax(rejected, axis=1), n)
+    pos = np.where(rejected.any(axis=1), np.argmax(rejected, axis=1), n) if n else np.zeros(batch, np.int64)
     later = (np.arange(n)[None, :] >= pos[:, None]) & (w * q < p)
     acc = (pos + later.sum(axis=1)).astype(np.int32)
     vals = target[b_all, pos].copy()

@@ -188,6 +188,20 @@ def test_chain_speculative_sampling_emits_the_target_distribution():
     assert ((emitted == 1) == (out[:, 1] >= 0)).all() and (acc >= emitted).all()
 
 
+def test_sampling_of_empty_batches_and_chains_without_drafts():
+    assert sampling.sampling_from_probs(np.empty((0, 5), np.float32), seed=1).shape == (0,)
+    assert sampling.top_k_renorm_probs(np.empty((0, 5), np.float32), 2).shape == (0, 5)
+    assert sampling.top_p_sampling_from_probs(np.ones((2, 5), np.float32), 0.5, indices=np.empty(0, np.int64)).shape == (0,)
+    ids, acc, emitted = sampling.chain_speculative_sampling(np.ones((0, 2, 4), np.float32), np.zeros((0, 2), np.int32),
+                                                            np.ones((0, 3, 4), np.float32), seed=1)
+    assert ids.shape == (0, 3) and acc.shape == emitted.shape == (0,)
+    target = np.zeros((2, 1, 4), np.float32)
+    target[:, 0, 3] = 1.0
+    ids, acc, emitted = sampling.chain_speculative_sampling(np.ones((2, 0, 4), np.float32), np.zeros((2, 0), np.int32),
+                                                            target, seed=1)
+    assert ids.tolist() == [[3], [3]] and acc.tolist() == emitted.tolist() == [0, 0]
+
+
 def test_sampling_rejects_bad_inputs_naming_the_argument():
     p = np.full((2, 8), 0.125, np.float32)
     with pytest.raises(ValueError, match="top_p_sampling_from_probs: top_p must be a float in \\(0, 1\\]"):
