@@ -5,8 +5,10 @@ Shapes (the cascade issue's): a 32768-token shared prefix, 128 requests with 256
 (2 levels), and a 3-level case (a 4096-token system prompt, 8 users x 16 requests with 8192-token
 per-user prefixes, 256 unique each). 32:8 heads, head_dim 128, fp16, page 16, random page order.
 Timing: CUDA events around each run() (every level's launch and the merges), 256 MB L2 read-flush
-before every timed call, 5 warm-up + N timed, median. Floor: the bytes of every level's K and V read
-once, at the read bandwidth measured in the run.
+before every timed call, 5 warm-up + N timed, median. Floors: the bytes of every level's K and V read
+once, at the read bandwidth measured in the run; and the FLOPs (4 x queries x heads x head_dim x keys
+per level: QK^T and PV) at the fp16 tensor-core rate of a cuBLAS 8192^3 matmul measured in the run.
+The level that attends the shared prefix is a multi-query prefill, so compute bound on that level.
 
     python benchmarks/bench_cascade.py [--reps 30] [--out results.json]
 """
@@ -60,6 +62,16 @@ def flat_table(tables):
     return indptr, indices, last
 
 
+def matmul_tflops(reps: int) -> float:
+    """The fp16 tensor-core ceiling: cuBLAS 8192^3 (2 n^3 FLOPs) through CuPy, median of ``reps``."""
+    a = cp.empty((8192, 8192), cp.uint16)
+    fill_random(a, "float16", 3)
+    a = a.view(cp.float16)
+    c = cp.empty_like(a)
+    us = time_events(lambda: cp.matmul(a, a, out=c), reps)
+    return 2 * 8192 ** 3 / (us * 1e-6) / 1e12
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -67,7 +79,9 @@ def main():
     args = ap.parse_args()
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     read_tbs, _ = ceilings(10)
-    print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, read ceiling {read_tbs:.2f} TB/s")
+    mma = matmul_tflops(10)
+    print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, read ceiling {read_tbs:.2f} TB/s, "
+          f"fp16 matmul {mma:.0f} TFLOP/s")
     flush = l2_flush()
     cases = {
         "2-level 32768 + 128 x 256": [([128], [32768]), ([1] * 128, [256] * 128)],
@@ -102,9 +116,11 @@ def main():
         b = cp.asnumpy(dw.run(q, cache)).astype(np.float32)
         err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
         kv_bytes = sum(sum(lens) for _, lens in levels) * HKV * D * 2 * 2
-        floor_us = kv_bytes / (read_tbs * 1e12) * 1e6
+        flops = sum(4 * g * HQ * D * n for groups, lens in levels for g, n in zip(groups, lens))
+        floor_us = max(kv_bytes / (read_tbs * 1e12), flops / (mma * 1e12)) * 1e6
         row = dict(case=name, cascade_us=round(cascade_us, 1), plain_decode_us=round(plain_us, 1),
-                   kv_bytes_levels=kv_bytes, floor_us=round(floor_us, 1), rel_diff_vs_plain=err)
+                   kv_bytes_levels=kv_bytes, flops=flops, floor_us=round(floor_us, 1), rel_diff_vs_plain=err,
+                   plan=w.describe())
         if flashinfer is not None:
             fw = flashinfer.MultiLevelCascadeAttentionWrapper(
                 len(levels), torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
@@ -114,11 +130,13 @@ def main():
             tq, tc = torch.from_dlpack(q), torch.from_dlpack(cache)
             row["flashinfer_cascade_us"] = round(time_events(lambda: fw.run(tq, tc), args.reps, flush), 1)
         rows.append(row)
+        print(w.describe())
         print(f"{name:<38} cascade {cascade_us:8.1f} us   plain decode {plain_us:8.1f} us   "
               f"floor {floor_us:6.1f} us   FlashInfer {row.get('flashinfer_cascade_us', '-')}   "
               f"|cascade - plain| / |plain| {err:.1e}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), read_tbs=read_tbs,
+                                                  matmul_tflops=mma,
                                                   method=__doc__, rows=rows), indent=1))
 
 

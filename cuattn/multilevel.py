@@ -4,9 +4,10 @@
 Level i groups the queries by ``qo_indptr_arr[i]`` (contiguous runs of ``q`` that share that level's
 KV) and gives each group its KV through that level's page table. Level 0 is typically one group of
 every query over the shared prefix (system prompt), the last level one group per request over its
-own tokens. Each level is one paged-prefill launch (``BatchPrefillWithPagedKVCacheWrapper``): the
-shared KV is read once for all the queries that share it, the group's queries packed into the
-kernel's rows, and the scheduler splits a long shared level's keys across the SMs (split-KV pieces
+own tokens. A level whose groups hold one query each (the unique tokens of a decode step) runs the
+decode kernel (``BatchDecodeWithPagedKVCacheWrapper``); any other level is one paged-prefill launch
+(``BatchPrefillWithPagedKVCacheWrapper``): the shared KV is read once for all the queries that share
+it, the group's queries packed into the kernel's rows, and the scheduler splits a long shared level's keys across the SMs (split-KV pieces
 merged exactly inside the level); the levels' (output, LSE) states are then merged exactly, in place
 (``merge_state_in_place``). ``causal`` applies to the last level (the unique tokens), as in
 FlashInfer; shared levels are wholly visible. ``use_cuda_graph=True`` builds every level for graphs
@@ -23,6 +24,7 @@ import numpy as np
 from . import arrays
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
+from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 
@@ -110,9 +112,11 @@ class MultiLevelCascadeAttentionWrapper:
             raise ValueError(f"{fn}: num_levels must be an int >= 1, got {num_levels!r}")
         self._num_levels = int(num_levels)
         self._graph = bool(use_cuda_graph)
-        self._levels = [BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout=kv_layout,
-                                                            use_cuda_graph=use_cuda_graph)
-                        for _ in range(self._num_levels)]
+        self._make = {
+            "decode": lambda: BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph),
+            "prefill": lambda: BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph)}
+        self._levels: list = [None] * self._num_levels     # each level's wrapper, of the kind its plan needs
+        self._kinds: list = [None] * self._num_levels
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
 
@@ -139,13 +143,28 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
-        for i, w in enumerate(self._levels):
+        for i in range(self._num_levels):
             qo = arrays.host_int_vector(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
             totals.add(int(qo[-1]) if len(qo) else 0)
-            w.plan(qo, paged_kv_indptr_arr[i], paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                   num_kv_heads, head_dim, page_size, causal=bool(causal) and i == self._num_levels - 1,
-                   sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                   fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+            # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
+            #    for one bottom-right query); else a paged prefill
+            kv_indptr = arrays.host_int_vector(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
+            kind = "decode" if len(qo) > 1 and len(kv_indptr) == len(qo) and \
+                np.array_equal(qo, np.arange(len(qo))) else "prefill"
+            if kind != self._kinds[i]:
+                if self._graph and self._kinds[i] is not None:
+                    raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
+                                     f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
+                self._levels[i], self._kinds[i] = self._make[kind](), kind
+            common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+            if kind == "decode":
+                self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
+                                     num_kv_heads, head_dim, page_size, **common)
+            else:
+                self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
+                                     num_kv_heads, head_dim, page_size,
+                                     causal=bool(causal) and i == self._num_levels - 1, **common)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
@@ -156,7 +175,8 @@ class MultiLevelCascadeAttentionWrapper:
     def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
         at the first plan, with room for twice its queries)."""
-        device = self._levels[0]._plan.get("device")
+        w = self._levels[0]
+        device = w._device if self._kinds[0] == "decode" else w._bufs.device
         if device is None or self._num_levels == 1:
             return
         if self._states is not None:

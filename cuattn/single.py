@@ -17,6 +17,17 @@ from .page import check_kv_layout
 from .prefill import BatchPrefillWithRaggedKVCacheWrapper, _check_group, _check_q, _kv_dims, select_backend
 
 
+@contextlib.contextmanager
+def _on_call_stream(ctx: arrays.Context):
+    """The call's device and stream current for CuPy (a plan uploads on CuPy's current stream for
+    host metadata); nothing on the NumPy path."""
+    if not ctx.on_gpu:
+        yield
+        return
+    with arrays.cupy_module().cuda.Device(ctx.device), ctx.stream:
+        yield
+
+
 # ---------------------------------------------------------------------------- decode
 
 
@@ -28,11 +39,7 @@ def _decode_wrapper(kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim:
     calls on different streams never share its split-KV workspace). The plan's upload runs on the
     call's stream."""
     w = BatchDecodeWithPagedKVCacheWrapper(kv_layout=kv_layout)
-    on_device = contextlib.nullcontext()
-    if ctx.on_gpu:
-        cp = arrays.cupy_module()
-        on_device = cp.cuda.Device(ctx.device)
-    with on_device, (ctx.stream if ctx.on_gpu else contextlib.nullcontext()):
+    with _on_call_stream(ctx):
         w.plan(np.array([0, 1], np.int32), np.zeros(1, np.int32), np.array([kv_len], np.int32), num_qo_heads,
                num_kv_heads, head_dim, kv_len, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
     return w
@@ -183,12 +190,13 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
 def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
                     causal, sm_scale, options, ctx, custom_mask=None, packed_custom_mask=None):
     """The ragged wrapper of single_prefill_with_kv_cache, planned once per shape, options and ``ctx``
-    (the call's framework, device and stream: a wrapper's device metadata is uploaded by its first
-    run on that stream, which another stream's call must not overtake)."""
+    (the call's framework, device and stream: the plan's upload runs on that stream, and calls on
+    other streams have wrappers of their own)."""
     w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
-    w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads, head_dim,
-           custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal, sm_scale=sm_scale,
-           q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
+    with _on_call_stream(ctx):
+        w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads,
+               head_dim, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+               sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
     return w
 
 

@@ -1,0 +1,315 @@
+"""The scheduler and plan buffers shared by every wrapper: split-KV prefill merged exactly, CUDA-graph
+capture and replay after re-plans (CuPy and torch), refusal of a capture a wrapper cannot honour,
+batch invariance with fixed_split_size, and describe(). Work-list coverage by hypothesis is in
+tests/test_plan.py."""
+import numpy as np
+import pytest
+
+import cuattn
+
+from .conftest import gpu_cc
+from .oracle import dense_attention, rel_err
+from .test_multilevel import CASES, make_cascade, oracle as cascade_oracle
+from .test_prefill import _paged_inputs, _ragged_inputs, oracle_batch, rand
+
+TOL, LSE_TOL = 5e-3, 1e-3
+HQ, HKV, D = 32, 8, 128
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+# ============================================================================ CPU (CI)
+
+
+def test_describe_names_the_numpy_path_without_a_gpu_and_every_wrapper_has_one():
+    rng = np.random.default_rng(0)
+    cache, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7], 16, 2, 64, "NHD")
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    assert "not planned" in w.describe()
+    w.plan(np.array([0, 3, 4], np.int32), indptr, indices, last, 4, 2, 64, 16, causal=True)
+    d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    d.plan(indptr, indices, last, 4, 2, 64, 16)
+    c = cuattn.MultiLevelCascadeAttentionWrapper(1)
+    c.plan([np.array([0, 3, 4], np.int32)], [indptr], [indices], [last], 4, 2, 64, 16)
+    for wrapper, name in ((w, "BatchPrefillWithPagedKVCacheWrapper"), (d, "BatchDecodeWithPagedKVCacheWrapper"),
+                          (c, "MultiLevelCascadeAttentionWrapper")):
+        text = wrapper.describe()
+        assert text.startswith(name)
+        if not cuattn.arrays.gpu_available():
+            assert "NumPy reference path" in text
+
+
+def test_prefill_plan_rejects_a_bad_fixed_split_size_on_every_path():
+    rng = np.random.default_rng(1)
+    _, _, _, qo_indptr, kv_indptr = _ragged_inputs(rng, [3], [9], 4, 2, 64)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    if cuattn.arrays.gpu_available():
+        with pytest.raises(ValueError, match="fixed_split_size must be >= 1"):
+            w.plan(qo_indptr, kv_indptr, 4, 2, 64, fixed_split_size=0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        w.plan(qo_indptr, kv_indptr, 4, 2, 64, split_size=64)
+
+
+# ============================================================================ GPU
+
+
+def _poisoned(shape, dtype=np.float16):
+    return _cp().full(shape, np.nan, dtype)
+
+
+SPLIT_CASES = [   # (kind, backend, causal, fixed_split_size): None = the scheduler's choice
+    ("paged", "fa2", False, None), ("paged", "fa2", True, 64), ("paged", "fa2", True, 512),
+    ("ragged", "fa2", True, None), ("ragged", "fa3", False, None), ("ragged", "fa3", True, 128),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,backend,causal,split", SPLIT_CASES,
+                         ids=[f"{k}-{b}-{'causal' if c else 'full'}-{s}" for k, b, c, s in SPLIT_CASES])
+def test_split_kv_prefill_matches_the_oracle(kind, backend, causal, split):
+    """Short query runs over long keys (append, shared prefix): the scheduler splits the keys across
+    the SMs and merges the pieces exactly; out and LSE poisoned with NaN before the run."""
+    if backend == "fa3" and gpu_cc() < 90:
+        pytest.skip("the fa3 backend needs compute capability 9.0")
+    cp = _cp()
+    rng = np.random.default_rng(7)
+    qo_lens, kv_lens = [1, 17, 64, 200], [5000, 700, 3000, 3001]
+    q, k, v, qo_indptr, kv_indptr = _ragged_inputs(rng, qo_lens, kv_lens, HQ, HKV, D)
+    if kind == "paged":
+        cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, HKV, D, "NHD")
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend=backend)
+        w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, 16, causal=causal, fixed_split_size=split)
+        kv_args = (cp.asarray(cache),)
+    else:
+        ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(4)]
+        vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(4)]
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+        w.plan(qo_indptr, kv_indptr, HQ, HKV, D, causal=causal, fixed_split_size=split)
+        kv_args = (cp.asarray(k), cp.asarray(v))
+    assert w._plan["work_list"].split, w.describe()
+    assert "split-KV: " in w.describe() and w._plan["run_spec"].name in w.describe()
+    out, lse = _poisoned(q.shape), _poisoned(q.shape[:2], np.float32)
+    w.run(cp.asarray(q), *kv_args, out=out, lse=lse)
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, causal)
+    assert rel_err(cp.asnumpy(out), ref_o) < TOL
+    assert rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+def test_split_kv_prefill_counts_the_sink_once_and_keeps_the_window():
+    """A sink joins the first piece of a split item alone; a sliding window skips whole pieces."""
+    cp = _cp()
+    rng = np.random.default_rng(8)
+    qo_lens, kv_lens = [3, 40], [4000, 2500]
+    cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, HKV, D, "NHD")
+    qo_indptr = np.array([0, 3, 43], np.int32)
+    q = rand(rng, (43, HQ, D), np.float16)
+    sink = rng.standard_normal(HQ).astype(np.float32) + 3
+    w = cuattn.BatchAttentionWithAttentionSinkWrapper(q_data_type="float16", kv_data_type="float16",
+                                                      head_dim_qk=D, head_dim_vo=D, window_left=1500)
+    w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, 16, causal=True, fixed_split_size=512)
+    assert w._plan["work_list"].split
+    out = w.run(cp.asarray(q), cp.asarray(cache), cp.asarray(sink), 1 / np.sqrt(D))
+    w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, 16, causal=True, disable_split_kv=True)
+    whole = w.run(cp.asarray(q), cp.asarray(cache), cp.asarray(sink), 1 / np.sqrt(D))
+    assert rel_err(cp.asnumpy(out), cp.asnumpy(whole).astype(np.float64)) < 2e-3
+    # the float64 answer: keys j in (i + shift - 1500 - 1, i + shift], plus exp(sink) in the denominator
+    got = cp.asnumpy(out).astype(np.float64)
+    for b, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
+        qb = q[qo_indptr[b]:qo_indptr[b + 1]].astype(np.float64)
+        kb, vb = ks[b].astype(np.float64), vs[b].astype(np.float64)
+        for i in (0, qo - 1):
+            pos = i + kv - qo
+            keys = np.arange(max(0, pos - 1500), pos + 1)
+            for h in (0, HQ - 1):
+                s = kb[keys, h // (HQ // HKV)] @ qb[i, h] / np.sqrt(D)
+                m = max(s.max(), sink[h])
+                p = np.exp(s - m)
+                want = p @ vb[keys, h // (HQ // HKV)] / (p.sum() + np.exp(sink[h] - m))
+                assert rel_err(got[qo_indptr[b] + i, h], want) < 1e-2
+
+
+def _graph_prefill_case(seed, kv_lens, qo_lens, kind, kv_tokens):
+    rng = np.random.default_rng(seed)
+    if kind == "paged":
+        pages = sum(-(-n // 16) for n in kv_lens)        # every case's cache has 512 pages (the graph holds it)
+        cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, HKV, D, "NHD",
+                                                             extra_pages=max(512 - pages, 0))
+        return dict(cache=cache, indptr=indptr, indices=indices, last=last, ks=ks, vs=vs,
+                    q=rand(rng, (sum(qo_lens), HQ, D), np.float16),
+                    qo_indptr=np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32))
+    q, k, v, qo_indptr, kv_indptr = _ragged_inputs(rng, qo_lens, kv_lens, HQ, HKV, D)
+    kk, vv = rand(rng, (kv_tokens, HKV, D), np.float16), rand(rng, (kv_tokens, HKV, D), np.float16)
+    kk[:len(k)], vv[:len(v)] = k, v                        # fixed arrays (the graph holds their address)
+    return dict(q=q, k=kk, v=vv, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                ks=[k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(qo_lens))],
+                vs=[v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(qo_lens))])
+
+
+def _plan_graph_case(w, c, kind, causal):
+    if kind == "paged":
+        w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], HQ, HKV, D, 16, causal=causal)
+    else:
+        w.plan(c["qo_indptr"], c["kv_indptr"], HQ, HKV, D, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,backend", [("paged", "fa2"), ("ragged", "auto")])
+def test_prefill_cuda_graph_replays_after_replans_with_new_lengths(kind, backend):
+    """Captured once; re-planned with other lengths (a split and an unsplit plan; the same number of
+    queries, the graph holds q's address), the replay equals the oracle each time."""
+    cp = _cp()
+    wrapper = cuattn.BatchPrefillWithPagedKVCacheWrapper if kind == "paged" else cuattn.BatchPrefillWithRaggedKVCacheWrapper
+    w = wrapper(backend=backend, use_cuda_graph=True)
+    plans = [([300, 40, 900], [3, 1, 60]), ([4000, 41, 20], [30, 33, 1]), ([17, 17, 300], [17, 17, 30])]
+    cases = [_graph_prefill_case(11 + i, kv, qo, kind, 6000) for i, (kv, qo) in enumerate(plans)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    q = cp.asarray(cases[0]["q"])
+    kv = [cp.asarray(cases[0]["cache"])] if kind == "paged" else [cp.asarray(cases[0]["k"]), cp.asarray(cases[0]["v"])]
+    out, lse = _poisoned(q.shape), _poisoned(q.shape[:2], np.float32)
+    splits = []
+    with stream:
+        _plan_graph_case(w, cases[0], kind, True)
+        w.run(q, *kv, out=out, lse=lse)                          # warm-up: compiles, sets smem sizes
+        stream.begin_capture()
+        w.run(q, *kv, out=out, lse=lse)
+        graph = stream.end_capture()
+        for c in cases:
+            _plan_graph_case(w, c, kind, True)
+            splits.append(w._plan["work_list"].split)
+            q[...] = cp.asarray(c["q"])
+            if kind == "paged":
+                kv[0][...] = cp.asarray(c["cache"])
+            else:
+                kv[0][...], kv[1][...] = cp.asarray(c["k"]), cp.asarray(c["v"])
+            out.fill(np.nan)
+            graph.launch()
+            stream.synchronize()
+            ref_o, ref_s = oracle_batch(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+            assert rel_err(cp.asnumpy(out), ref_o) < TOL and rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+    assert any(splits) and not all(splits), splits                # the graph replays split and unsplit plans
+    with pytest.raises(ValueError, match="use_cuda_graph=True"):   # past the first plan's capacity
+        many = _graph_prefill_case(20, [1] * 4000, [1] * 4000, kind, 6000)
+        _plan_graph_case(w, many, kind, True)
+
+
+@pytest.mark.gpu
+def test_prefill_cuda_graph_through_torch_replays_after_a_replan():
+    torch = pytest.importorskip("torch")
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=True)
+    cases = [_graph_prefill_case(30 + i, kv, [5, 2], "paged", 0) for i, kv in enumerate(([700, 30], [60, 3000]))]
+    q = torch.tensor(cases[0]["q"], device="cuda")
+    cache = torch.tensor(cases[0]["cache"], device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _plan_graph_case(w, cases[0], "paged", False)
+    _cp().cuda.Device().synchronize()          # plan() of NumPy arrays uploads on CuPy's current stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        w.run(q, cache, out=out)                                   # warm-up on a side stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out)
+    for c in cases:
+        _plan_graph_case(w, c, "paged", False)
+        _cp().cuda.Device().synchronize()
+        q.copy_(torch.tensor(c["q"]))
+        cache.copy_(torch.tensor(c["cache"]))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _ = oracle_batch(c["q"], c["ks"], c["vs"], c["qo_indptr"], False)
+        assert rel_err(out.cpu().numpy(), ref_o) < TOL
+
+
+@pytest.mark.gpu
+def test_cascade_cuda_graph_replays_after_a_replan():
+    cp = _cp()
+    levels = CASES["3-level decode"]
+    tables, cache, q, per_q = make_cascade(3, levels, HQ, HKV, D, 16)
+    w = cuattn.MultiLevelCascadeAttentionWrapper(3, use_cuda_graph=True)
+    args = lambda t: ([x[0] for x in t], [x[1] for x in t], [x[2] for x in t], [x[3] for x in t])
+    w.plan(*args(tables), HQ, HKV, D, 16)
+    assert "level 2: BatchDecodeWithPagedKVCacheWrapper" in w.describe()     # one query per group: decode
+    qd, cd = cp.asarray(q), cp.asarray(cache)
+    out, lse = _poisoned(q.shape), _poisoned(q.shape[:2], np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        w.run(qd, cd, out=out, lse=lse)
+        stream.begin_capture()
+        w.run(qd, cd, out=out, lse=lse)
+        graph = stream.end_capture()
+        # the same queries over other suffix lengths (the same pages in all: the graph holds the cache)
+        levels2 = levels[:2] + [([1] * 6, [30, 12, 3, 16, 9, 1])]
+        tables2, cache2, q2, per_q2 = make_cascade(4, levels2, HQ, HKV, D, 16)
+        assert cache2.shape == cache.shape
+        w.plan(*args(tables2), HQ, HKV, D, 16)
+        cd[...], qd[...] = cp.asarray(cache2), cp.asarray(q2)
+        graph.launch()
+        stream.synchronize()
+    want, want_lse = cascade_oracle(q2, per_q2)
+    assert rel_err(cp.asnumpy(out), want) < 1e-2 and np.abs(cp.asnumpy(lse) - want_lse).max() < 2e-3 * np.abs(want_lse).max()
+
+
+@pytest.mark.gpu
+def test_run_refuses_a_capture_the_wrapper_was_not_built_for():
+    cp = _cp()
+    rng = np.random.default_rng(5)
+    cache, indptr, indices, last, _, _ = _paged_inputs(rng, [300, 20], 16, HKV, D, "NHD")
+    cd = cp.asarray(cache)
+    d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    d.plan(indptr, indices, last, HQ, HKV, D, 16)
+    p = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    p.plan(np.array([0, 2, 3], np.int32), indptr, indices, last, HQ, HKV, D, 16)
+    c = cuattn.MultiLevelCascadeAttentionWrapper(1)
+    c.plan([np.array([0, 1, 2], np.int32)], [indptr], [indices], [last], HQ, HKV, D, 16)
+    q2, q3 = cp.asarray(rand(rng, (2, HQ, D), np.float16)), cp.asarray(rand(rng, (3, HQ, D), np.float16))
+    out2, out3 = cp.empty_like(q2), cp.empty_like(q3)
+    runs = [lambda: d.run(q2, cd, out=out2), lambda: p.run(q3, cd, out=out3), lambda: c.run(q2, cd, out=out2)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    for run in runs:
+        with stream:
+            run()                                        # eager: fine (and allocates outside the capture)
+            stream.begin_capture()
+            try:
+                with pytest.raises(RuntimeError, match="use_cuda_graph=True"):
+                    run()
+            finally:
+                stream.end_capture()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "paged", "ragged"])
+def test_fixed_split_size_makes_a_request_bitwise_the_same_alone_or_in_any_batch(kind):
+    cp = _cp()
+    rng = np.random.default_rng(21)
+    n = 64
+    kv_lens = [3000] + list(rng.integers(1, 5000, n - 1))
+    qo_lens = [1] * n if kind == "decode" else [37] + list(rng.integers(1, 200, n - 1))
+    q, k, v, qo_indptr, kv_indptr = _ragged_inputs(rng, qo_lens, kv_lens, HQ, HKV, D)
+    cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, HKV, D, "NHD")
+    cd, kd, vd = cp.asarray(cache), cp.asarray(k), cp.asarray(v)
+    answers = []
+    for batch in (1, 4, 12, 64):
+        sub = lambda a, b=batch: a[:b + 1]
+        rows = int(qo_indptr[batch])
+        if kind == "decode":
+            w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+            w.plan(sub(indptr), indices[:indptr[batch]], last[:batch], HQ, HKV, D, 16, fixed_split_size=1024)
+            o = w.run(cp.asarray(q[:rows]), cd)
+        elif kind == "paged":
+            w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+            w.plan(sub(qo_indptr), sub(indptr), indices[:indptr[batch]], last[:batch], HQ, HKV, D, 16, causal=True,
+                   fixed_split_size=1024)
+            o = w.run(cp.asarray(q[:rows]), cd)
+        else:
+            w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+            w.plan(sub(qo_indptr), sub(kv_indptr), HQ, HKV, D, causal=True, fixed_split_size=1024)
+            o = w.run(cp.asarray(q[:rows]), kd, vd)
+        answers.append(cp.asnumpy(o[:qo_lens[0]]))
+    for a in answers[1:]:
+        assert np.array_equal(a.view(np.uint16), answers[0].view(np.uint16))
+    k0, v0 = (k[:kv_lens[0]], v[:kv_lens[0]]) if kind == "ragged" else (ks[0], vs[0])
+    assert rel_err(answers[0], dense_attention(q[:qo_lens[0]], k0, v0, causal=kind != "decode")[0]) < TOL
