@@ -107,6 +107,9 @@ def main():
                HQ, HKV, D, PS)
         out = cp.empty_like(q)
         cascade_us = time_events(lambda: w.run(q, cache, out=out), args.reps, flush)
+        lse = cp.empty((128, HQ), cp.float32)
+        level_us = [round(time_events(lambda lv=lv: lv.run(q, cache, out=out, lse=lse), args.reps, flush), 1)
+                    for lv in w._levels]        # each level alone (the merges are the rest)
         indptr, indices, last = flat_table(tables)
         dw = cuattn.BatchDecodeWithPagedKVCacheWrapper()
         dw.plan(indptr, indices, last, HQ, HKV, D, PS)
@@ -120,7 +123,7 @@ def main():
         floor_us = max(kv_bytes / (read_tbs * 1e12), flops / (mma * 1e12)) * 1e6
         row = dict(case=name, cascade_us=round(cascade_us, 1), plain_decode_us=round(plain_us, 1),
                    kv_bytes_levels=kv_bytes, flops=flops, floor_us=round(floor_us, 1), rel_diff_vs_plain=err,
-                   plan=w.describe())
+                   level_us=level_us, plan=w.describe())
         if flashinfer is not None:
             fw = flashinfer.MultiLevelCascadeAttentionWrapper(
                 len(levels), torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
@@ -133,7 +136,7 @@ def main():
         print(w.describe())
         print(f"{name:<38} cascade {cascade_us:8.1f} us   plain decode {plain_us:8.1f} us   "
               f"floor {floor_us:6.1f} us   FlashInfer {row.get('flashinfer_cascade_us', '-')}   "
-              f"|cascade - plain| / |plain| {err:.1e}", flush=True)
+              f"|cascade - plain| / |plain| {err:.1e}   levels {level_us} us", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), read_tbs=read_tbs,
                                                   matmul_tflops=mma,

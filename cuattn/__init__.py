@@ -15,6 +15,11 @@ from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31
 from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
 from .variants import Variant
 from .mask import packbits, segment_packbits
+from .sampling import (chain_speculative_sampling, min_p_sampling_from_probs, sampling_from_logits,
+                       sampling_from_probs, top_k_mask_logits, top_k_renorm_probs, top_k_sampling_from_probs,
+                       top_k_top_p_sampling_from_logits, top_k_top_p_sampling_from_probs, top_p_renorm_probs,
+                       top_p_sampling_from_probs)
+from .distributed import ContextParallelDecodeWrapper, KVSharding, ShardedPagedKVCache
 
 __all__ = [
     "__version__",
@@ -30,4 +35,8 @@ __all__ = [
     "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",
     "apply_llama31_rope_inplace", "apply_llama31_rope_pos_ids", "apply_llama31_rope_pos_ids_inplace",
     "apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
+    "sampling_from_probs", "sampling_from_logits", "top_k_sampling_from_probs", "top_p_sampling_from_probs",
+    "min_p_sampling_from_probs", "top_k_top_p_sampling_from_probs", "top_k_top_p_sampling_from_logits",
+    "top_k_renorm_probs", "top_p_renorm_probs", "top_k_mask_logits", "chain_speculative_sampling",
+    "ContextParallelDecodeWrapper", "KVSharding", "ShardedPagedKVCache",
 ]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, prefill, prefill_sm90
+from cuattn import jit, plan, prefill, prefill_sm90
 from cuattn.errors import UnsupportedError
 
 from .conftest import gpu_cc
@@ -64,9 +64,10 @@ def test_fa3_numpy_inputs_run_the_reference():
 
 
 def test_sm90_work_list_puts_longest_causal_tiles_first():
-    w = prefill._work_list(np.array([300, 5]), np.array([300, 100]), 4, prefill_sm90.make_spec("f16", True), True)
-    assert w.shape == (-(-1200 // 128) + 1, 2)
-    assert w[0][0] == 0 and w[0][1] >= 8 and tuple(w[-1]) == (1, 0)   # 3 key tiles first, request 1's 1 last
+    spec = prefill_sm90.make_spec("f16", True)
+    w = plan.prefill_work_list(np.array([300, 5]), np.array([300, 100]), 4, spec.block_m, spec.block_n, True).work
+    assert w.shape == (-(-1200 // 128) + 1, 4)
+    assert w[0][0] == 0 and w[0][1] >= 8 and tuple(w[-1, :2]) == (1, 0)   # 3 key tiles first, request 1's 1 last
 
 
 # ============================================================================ GPU (sm_90)
