@@ -179,15 +179,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fn = "BatchDecodeWithPagedKVCacheWrapper"
         self._kv_layout = check_kv_layout(kv_layout, fn)
         self._use_cuda_graph = bool(use_cuda_graph)
-        self._workspace = None
-        self._device = None
-        if workspace_buffer is not None and arrays.is_device_array(workspace_buffer):
-            t = arrays.device_tensor(workspace_buffer, "workspace_buffer", fn)
-            nbytes = t.dtype.itemsize
-            for s in t.shape:
-                nbytes *= s
-            self._workspace = (t.ptr, nbytes, workspace_buffer)
-            self._device = t.device
+        self._workspace, self._device = _plan.workspace_of(workspace_buffer, "workspace_buffer", fn)
         self._bufs: _plan.DeviceBuffers | None = None
         self._planned = False
         self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)

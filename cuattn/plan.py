@@ -312,6 +312,18 @@ def as_words(data: np.ndarray) -> np.ndarray:
     return b.view(np.int32)
 
 
+def workspace_of(buffer, name: str, owner: str) -> tuple:
+    """((pointer, bytes, the array kept alive), device) of a caller's GPU workspace buffer (any
+    framework and dtype), or (None, None) when there is none (or it is a host array: unused)."""
+    if buffer is None or not arrays.is_device_array(buffer):
+        return None, None
+    t = arrays.device_tensor(buffer, name, owner)
+    nbytes = t.dtype.itemsize
+    for d in t.shape:
+        nbytes *= d
+    return (t.ptr, nbytes, buffer), t.device
+
+
 _DEFAULT_GRAPH_WORKSPACE = 128 << 20    # bytes of split-KV partials a graph-mode wrapper takes when given none
 
 
@@ -329,15 +341,7 @@ class PlanBuffers:
 
     def __init__(self, owner: str, workspace=None, use_cuda_graph: bool = False):
         self.owner, self.graph = owner, bool(use_cuda_graph)
-        self.device: int | None = None
-        self._workspace = None
-        if workspace is not None and arrays.is_device_array(workspace):
-            t = arrays.device_tensor(workspace, "float_workspace_buffer", owner)
-            nbytes = t.dtype.itemsize
-            for d in t.shape:
-                nbytes *= d
-            self._workspace = (t.ptr, nbytes, workspace)
-            self.device = t.device
+        self._workspace, self.device = workspace_of(workspace, "float_workspace_buffer", owner)
         self._bufs: DeviceBuffers | None = None
         self.caps: dict | None = None      # graph mode: capacity of every segment (int32), from the first plan
         self.kernel = None                 # graph mode: the first plan's kernel configuration
