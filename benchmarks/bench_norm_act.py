@@ -141,7 +141,7 @@ def check(op: str, arrs: dict, dtype: str) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096, 16384])
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192, 16384, 4099],
@@ -155,7 +155,7 @@ def main():
     p.add_argument("--latency-elements", type=int, help="tuning: calls of at most this many elements (rows x "
                    "hidden) run the norms with a thread per 8 elements (cuattn.norm._LATENCY_ELEMENTS; 0: never)")
     p.add_argument("--out")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not arrays.gpu_available():
         sys.exit("bench_norm_act: no CUDA GPU visible to CuPy; this benchmark runs only on a GPU")
     if args.latency_elements is not None:

@@ -113,7 +113,7 @@ def check(op, logits, probs) -> float:
     return float(np.max(np.abs(got[fin] - host[fin]), initial=0.0)) + float(np.sum(np.isfinite(host) != np.isfinite(got)))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--vocab", type=int, default=128256)
@@ -126,7 +126,7 @@ def main():
                    help="tuning: also time top_k_top_p_sampling_from_logits and top_p_sampling_from_probs with "
                         "these SamplingSpec shapes (e.g. 512x12)")
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not arrays.gpu_available():
         sys.exit("bench_sampling: no CUDA GPU visible to CuPy; this benchmark runs only on a GPU")
     try:
