@@ -33,6 +33,16 @@ def requires_sm(cc: int):
 
 
 @pytest.fixture
+def announce(capsys, request):
+    """say(msg): a line on the terminal now, past pytest's capture, for a test that compiles for
+    a minute or more (so the suite does not sit silent)."""
+    def say(msg: str) -> None:
+        with capsys.disabled():
+            print(f"\n  [{request.node.name}] {msg}", flush=True)
+    return say
+
+
+@pytest.fixture
 def tmp_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"

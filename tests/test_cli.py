@@ -18,8 +18,10 @@ def test_info_reports_versions_gpu_and_cache():
         assert word in out.stdout
 
 
-def test_every_shipped_kernel_compiles_for_sm80_and_sm90a_without_spills():
+def test_every_shipped_kernel_compiles_for_sm80_and_sm90a_without_spills(announce):
     jobs = [(spec, arch) for arch in jit.SHIPPED_ARCHS for spec in cli.shipped_specs(arch)]
+    announce(f"compiling {len(jobs)} kernels for {' and '.join(jit.SHIPPED_ARCHS)} with NVRTC over the cores "
+             f"(about a minute on 2 cores; later tests load them from the cache)")
     jit.precompile(jobs)          # in parallel over the cores into the session's cache; then checked
     for arch in jit.SHIPPED_ARCHS:
         for spec in cli.shipped_specs(arch):
@@ -28,8 +30,9 @@ def test_every_shipped_kernel_compiles_for_sm80_and_sm90a_without_spills():
                 assert res.get("spill_stores", 0) == 0 and res.get("spill_loads", 0) == 0, (spec.name, arch, entry, res)
 
 
-def test_precompile_then_cache_clear(tmp_cache_dir):
+def test_precompile_then_cache_clear(tmp_cache_dir, announce):
     import os
+    announce("cuattn precompile --arch sm_80 into an empty cache (a minute or so on 2 cores)")
     env = {**os.environ, "CUATTN_CACHE_DIR": str(tmp_cache_dir)}
     out = run_cli("precompile", "--arch", "sm_80", env=env)
     assert out.returncode == 0, out.stderr

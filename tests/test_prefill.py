@@ -245,8 +245,9 @@ def test_paged_rejects_bad_last_page_len():
 
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
-def test_shipped_specs_compile_without_spills(arch):
+def test_shipped_specs_compile_without_spills(arch, announce):
     specs = prefill.shipped_specs()
+    announce(f"checking {len(specs)} prefill kernels for {arch} (compiled now unless cached)")
     assert len({s.name for s in specs}) == len(specs)
     for spec in specs:
         res = jit.compile_kernel(spec, arch).resources["cuattn_prefill"]
