@@ -13,6 +13,8 @@ from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31
                    apply_llama31_rope_pos_ids_inplace, apply_rope, apply_rope_inplace, apply_rope_pos_ids,
                    apply_rope_pos_ids_inplace, apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace)
 from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
+from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
+from .attention import BatchAttention
 from .variants import Variant
 from .mask import packbits, segment_packbits
 from .sampling import (chain_speculative_sampling, min_p_sampling_from_probs, sampling_from_logits,
@@ -29,7 +31,7 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
     "BatchAttentionWithAttentionSinkWrapper", "Variant", "MultiLevelCascadeAttentionWrapper",
-    "merge_state_in_place",
+    "merge_state_in_place", "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "BatchAttention",
     "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm",
     "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
     "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",

@@ -421,6 +421,20 @@ def _torch_device(index: int):
     return torch.device("cuda", index)
 
 
+def rearranged(x: Any, shape: tuple, axes: tuple, out_shape: tuple):
+    """``x`` viewed as ``shape``, its axes permuted by ``axes`` and copied contiguous as ``out_shape``,
+    in x's own framework (NumPy, CuPy, PyTorch, JAX): one copy, on the framework's current stream."""
+    v = x.reshape(shape)
+    if framework_of(x) == "torch":
+        return v.permute(*axes).contiguous().reshape(out_shape)
+    v = v.transpose(axes)
+    if framework_of(x) == "cupy":
+        return cupy_module().ascontiguousarray(v).reshape(out_shape)
+    if framework_of(x) == "numpy":
+        return np.ascontiguousarray(v).reshape(out_shape)
+    return v.reshape(out_shape)          # JAX: a new array either way
+
+
 def writable(x: Any, name: str, fn: str, hint: str | None = None) -> None:
     """Refuse an array that the caller gives cuattn to write in place (``out=``, ``lse=``, a paged
     KV cache) when it cannot be written: a JAX array (immutable; on the GPU a kernel would change
