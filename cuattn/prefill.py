@@ -38,15 +38,19 @@ _NUM_THREADS = 128
 # ---------------------------------------------------------------------------- specs
 
 
-def tile_config(head_dim: int, custom_mask: bool, paged: bool = False) -> tuple[int, int, int]:
+def tile_config(head_dim: int, custom_mask: bool, paged: bool = False, small_q: bool = False) -> tuple[int, int, int]:
     """(num_mma_q, block_n, stages): the largest tiles that compile without register spills,
     and as many K/V stages as keep two CTAs per SM within shared memory. hd128: 128 x 64 tiles
-    (two stages: 96 KiB, two CTAs per SM), paged too since its page offsets live in smem."""
+    (two stages: 96 KiB, two CTAs per SM), paged too since its page offsets live in smem.
+    ``small_q``: no request has more than 64 packed query rows (block-sparse row blocks, decode
+    steps): 64-row tiles, so half of every tile is not padding."""
     if head_dim == 64:
-        return 2, 64, 3
+        return (1 if small_q else 2), 64, 3
     if head_dim == 128:
         if custom_mask:
             return 1, 64, 3
+        if small_q:             # two stages: 81 KiB, two CTAs per SM (three stages fit one)
+            return 1, 64, 2
         return 2, 64, 2
     return 1, 32, 2
 
@@ -94,18 +98,19 @@ class PrefillSpec:
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
-              variant: variants.Composite = variants.DEFAULT) -> PrefillSpec:
+              variant: variants.Composite = variants.DEFAULT, small_q: bool = False) -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_rope,
-                                             paged)
+                                             paged, small_q)
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
                        variant=variant)
 
 
 def shipped_specs() -> list[PrefillSpec]:
-    return [make_spec(d, t, c, m, p) for d in HEAD_DIMS for t in DTYPES for c in (False, True)
-            for m in (False, True) for p in (False, True)]
+    return [make_spec(d, t, c, m, p, small_q=s) for d in HEAD_DIMS for t in DTYPES for c in (False, True)
+            for m in (False, True) for p in (False, True) for s in (False, True)
+            if not s or (p and not m and d in (64, 128))]     # small-q tiles: paged, no mask (a mask has them)
 
 
 def select_backend(backend: str, fn: str) -> str:
@@ -315,7 +320,10 @@ class _BatchPrefillBase:
         group = num_qo_heads // num_kv_heads
         spec = None
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
-            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite)
+            # every request within 64 packed rows (block-sparse row blocks, decode-heavy steps): 64-row
+            # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
+            small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
+            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
