@@ -62,6 +62,10 @@ def block_sparse(args, mma, fi, torch, flush) -> list:
         us = time_events(lambda: w.run(q, k, v, out=out), args.reps, flush)
         row = dict(case=f"block-sparse 16k, 64x64, density {density}", nnz=len(indices), us=round(us, 1),
                    tflops=round(flops / us / 1e6, 1), of_matmul=round(flops / us / 1e6 / mma, 3), plan=w.describe())
+        if cp.cuda.Device().compute_capability == "90":     # the Hopper kernel's 128-row tiles, for the record
+            w3 = cuattn.BlockSparseAttentionWrapper(backend="fa3")
+            w3.plan(indptr, indices, seq, seq, bs, bs, h, h, d)
+            row["fa3_us"] = round(time_events(lambda: w3.run(q, k, v, out=out), args.reps, flush), 1)
         if fi is not None:
             try:
                 fw = fi.BlockSparseAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
@@ -75,7 +79,8 @@ def block_sparse(args, mma, fi, torch, flush) -> list:
             except Exception as e:       # noqa: BLE001 - report and go on
                 row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
-        print(f"{row['case']:<40} {us:9.1f} us {row['tflops']:6.1f} TFLOP/s ({row['of_matmul']:.0%} of matmul)   "
+        print(f"{row['case']:<40} {us:9.1f} us {row['tflops']:6.1f} TFLOP/s ({row['of_matmul']:.0%} of matmul), "
+              f"fa3 {row.get('fa3_us', '-')} us   "
               f"FlashInfer {row.get('flashinfer_us', row.get('flashinfer_error', '-'))}", flush=True)
     return rows
 

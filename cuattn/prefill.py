@@ -124,20 +124,23 @@ def select_backend(backend: str, fn: str) -> str:
 # ---------------------------------------------------------------------------- backend "fa3" (sm_90a)
 # "auto" picks fa3 wherever it has a kernel: faster than fa2 in every measured case, causal or not
 # (1.5-2.1x; benchmarks/results/prefill_sm90_notes.md); every other case, and every other arch, runs fa2.
+# A paged batch whose every request fits 64 packed query rows (block-sparse row blocks, decode-only
+# steps) runs fa2's 64-row tiles instead: fa3's 128-row tile would be half padding there.
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool, rope: bool = False) -> str:
+                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None,
+                    small_q: bool = False) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device."""
     if backend == "fa2":
         return "fa2"
-    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope)
+    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size)
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
         return "fa3"
-    return "fa3" if reason is None and arch is not None else "fa2"
+    return "fa3" if reason is None and arch is not None and not small_q else "fa2"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -285,7 +288,8 @@ class _BatchPrefillBase:
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
-                     custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options):
+                     custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
+                     page_size=None):
         qo = arrays.host_int_vector(qo_indptr, "qo_indptr", fn).astype(np.int64)
         if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
@@ -319,23 +323,26 @@ class _BatchPrefillBase:
         support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt)     # every path
         group = num_qo_heads // num_kv_heads
         spec = None
+        # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
+        # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
+        small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
-            # every request within 64 packed rows (block-sparse row blocks, decode-heavy steps): 64-row
-            # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
-            small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
-                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope)   # fa3 asked where it has none
+                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope,
+                        page_size=page_size)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
-                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
+                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound,
+                    small_q=small_q)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
-                                       paged=paged, rope=plan["bound"].composite.has_rope)
+                                       paged=paged, rope=plan["bound"].composite.has_rope,
+                                       page_size=plan.get("page_size"), small_q=plan["small_q"])
         return self.backend
 
     def _require_plan(self, fn):
@@ -356,7 +363,7 @@ class _BatchPrefillBase:
         composite = plan["bound"].composite
         backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
         spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-            arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite)
+            arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged)
         h_kv, group = plan["num_kv_heads"], plan["group"]
         ext = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])[2]
         slot_floats = h_kv * spec.block_m * (plan["head_dim"] + 1)      # a slot: every kv head's tile rows + LSE
@@ -641,9 +648,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
-                                 paged=True, options=options)
+                                 paged=True, options=options, page_size=int(page_size))
         plan.update(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
-                    last_page_len=last.astype(np.int32), page_size=page_size,
+                    last_page_len=last.astype(np.int32), page_size=int(page_size),
                     max_page=int(indices.max()) if len(indices) else -1)
         self._plan_device(fn, plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
         self._plan = plan
@@ -684,16 +691,25 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         _check_kv_dtype(plan, kv.k.dtype, kv.v.dtype, "paged_kv_cache", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
-        if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
-                or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):
-            raise UnsupportedError(f"{fn}: the paged kernel addresses rows as page * (page stride / slot stride) + "
-                                   f"slot in int32 and the slot stride in bytes in int32; page stride "
-                                   f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
-                                   f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
-        _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
-                num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
-                page_size=plan["page_size"], pdl=jit.pdl_launch(ctx.device, enable_pdl))
+        pdl = jit.pdl_launch(ctx.device, enable_pdl)
+        if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
+            with arrays.cupy_module().cuda.Device(ctx.device):
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=kv.v, k_strides=None, v_strides=None,
+                                    kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
+                                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                                    sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"], pdl=pdl,
+                                    paged=(kv.page_size, kv.num_pages, strides))
+        else:
+            if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
+                    or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):
+                raise UnsupportedError(f"{fn}: the paged kernel addresses rows as page * (page stride / slot stride) "
+                                       f"+ slot in int32 and the slot stride in bytes in int32; page stride "
+                                       f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
+                                       f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
+            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
+                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+                    k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
+                    page_size=plan["page_size"], pdl=pdl)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o

@@ -27,7 +27,8 @@ HEAD_DIM = 128
 BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
-PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p work:p part_o:p part_lse:p "
+PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
+                               "kv_last_page_len:p page_size:i page_shift:i page_box:i work:p part_o:p part_lse:p "
                                "kv_chunk:p single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "scale_log2:f")
@@ -42,6 +43,7 @@ class Sm90PrefillSpec:
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
+    paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -51,7 +53,7 @@ class Sm90PrefillSpec:
     @property
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2"
         return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                f"{'_paged' if self.paged else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
     @property
@@ -60,24 +62,33 @@ class Sm90PrefillSpec:
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}") + \
+            tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
         return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
 
 
-def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT) -> Sm90PrefillSpec:
-    return Sm90PrefillSpec(dtype, bool(causal), variant=variant)
+def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
+              paged: bool = False) -> Sm90PrefillSpec:
+    return Sm90PrefillSpec(dtype, bool(causal), variant=variant, paged=bool(paged))
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
-    return [make_spec(t, c) for t in ("f16", "bf16") for c in (False, True)]
+    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)]
+
+
+def page_box(page_size: int, block_n: int = 128) -> int | None:
+    """Keys per TMA box of a paged tile: min(page_size, block_n) when it divides both (page sizes 16,
+    32, 64, 128 and multiples of 128), else None (no fa3 kernel: the fa2 gather path)."""
+    box = min(page_size, block_n)
+    return box if box >= 16 and page_size % box == 0 and block_n % box == 0 else None
 
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
-                       paged: bool, rope: bool = False) -> str | None:
+                       paged: bool, rope: bool = False, page_size: int | None = None) -> str | None:
     """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
@@ -87,8 +98,9 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
     if custom_mask:
         return "fa3 has no custom-mask kernel"
-    if paged:
-        return "fa3 has no paged-KV kernel (BatchPrefillWithPagedKVCacheWrapper)"
+    if paged and page_size is not None and page_box(page_size) is None:
+        return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
+                f"{page_size} (the fa2 kernel gathers any page size)")
     if rope:
         return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA')"
     return None
@@ -105,17 +117,27 @@ def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, bl
                                 "the fa3 kernel", fn)
 
 
+@functools.lru_cache(maxsize=256)
+def paged_tensor_map(ptr: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int, fn: str) -> bytes:
+    """The tensor map of a paged K or V cache: dims (HEAD_DIM, page_size, heads, pages), element
+    strides (slot, head, page), box (64, box, 1, 1) with the 128-byte swizzle."""
+    return jit.tensor_map_16bit(ptr, (HEAD_DIM, page_size, max(heads, 1), max(num_pages, 1)), strides, (64, box, 1, 1),
+                                "the fa3 paged kernel", fn)
+
+
 # ---------------------------------------------------------------------------- launch
 
-META = ("qo_indptr", "kv_indptr", "work", "part_o", "part_lse", "kv_chunk")   # the plan's pointers
+META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "part_o", "part_lse",
+        "kv_chunk")   # the plan's pointers
 
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
-           single=(0, 0), meta: dict | None = None, pdl: bool = False) -> None:
+           single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None) -> None:
     """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
     ``meta`` = the plan's device pointers by parameter name (qo_indptr, kv_indptr, work, part_o,
-    part_lse, kv_chunk) in batch mode, None for a single request."""
+    part_lse, kv_chunk; the page table when paged) in batch mode, None for a single request.
+    ``paged`` = (page_size, num_pages, (s_tok, s_head, s_page)): k / v are a paged cache's K and V."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
@@ -128,11 +150,19 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
                            cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(lse_ptr, out.shape[0] * out.shape[1] * 4, None), 0)
                            ).fill(-np.inf)
         return
-    tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
-    tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
+    page_size, box = 0, 0
+    if paged is not None:
+        page_size, num_pages, strides = paged
+        box = page_box(page_size, spec.block_n)
+        tk, tv = (paged_tensor_map(x.ptr, page_size, num_kv_heads, num_pages, strides, box, fn) for x in (k, v))
+    else:
+        tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
+        tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
-                       **{n: (meta or {}).get(n, 0) for n in META}, single_qo_len=single[0],
+                       **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,
+                       page_shift=page_size.bit_length() - 1 if page_size and page_size & (page_size - 1) == 0 else -1,
+                       page_box=box, single_qo_len=single[0],
                        single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
                        q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
                        scale_log2=spec.variant.scale_log2(sm_scale))

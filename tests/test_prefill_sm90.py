@@ -20,7 +20,7 @@ from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poi
 
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    assert len({s.name for s in specs}) == len(specs) == 4
+    assert len({s.name for s in specs}) == len(specs) == 8      # f16 / bf16 x full / causal x contiguous / paged
     for spec in specs:
         assert spec.archs == ("sm_90a",)
         compiled = jit.compile_kernel(spec, "sm_90a")
@@ -43,17 +43,19 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
     with pytest.raises(UnsupportedError, match="custom-mask"):
         cuattn.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones((4, 4), bool), backend="fa3")
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="paged-KV"):
+    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
-               np.array([4], np.int32), 4, 4, 128, 16)
+               np.array([4], np.int32), 4, 4, 128, 5)
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
-    # auto never picks fa3 off sm_90, with a mask or paged K/V
-    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True)):
+    # auto never picks fa3 off sm_90, with a mask, pages it cannot box, or a batch of <= 64 packed rows
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True, page_size=5),
+               dict(arch="sm_90a", paged=True, page_size=16, small_q=True)):
         args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
-    assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
-                                   paged=False) == "fa3"
+    for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):
+        assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
+                                       **kw) == "fa3"
 
 
 def test_fa3_numpy_inputs_run_the_reference():
@@ -166,3 +168,40 @@ def test_fa3_close_to_fa2_and_auto_reports_its_choice():
     w.plan(np.array([0, 300], np.int32), np.array([0, 700], np.int32), 32, 8, 128, causal=True)
     w.run(q, k, v)
     assert w.backend == "fa3"
+
+
+PAGED_CASES = [   # (page_size, layout, one array or a (k, v) pair, causal, fixed_split_size)
+    (16, "NHD", "one", True, None), (32, "HND", "pair", False, None), (64, "NHD", "pair", True, 256),
+    (128, "HND", "one", True, None), (256, "NHD", "one", False, 128),
+]
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,layout,form,causal,split", PAGED_CASES,
+                         ids=[f"ps{p}-{lay}-{f}-{'causal' if c else 'full'}-{s}" for p, lay, f, c, s in PAGED_CASES])
+def test_fa3_paged_prefill_reads_pages_by_tma_boxes(page_size, layout, form, causal, split):
+    """The Hopper kernel over a paged cache in random page order: a TMA box per page; the slots past
+    each request's last key hold NaN (a serving cache's free slots hold anything) and must not leak."""
+    import cupy as cp
+    from .test_prefill import _paged_inputs, oracle_batch, rand
+    rng = np.random.default_rng(page_size)
+    qo_lens, kv_lens = [200, 1, 77, 129], [200, 3000, 1037, 129 + page_size // 2]
+    cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, page_size, 8, 128, layout)
+    nhd = cache if layout == "NHD" else cache.transpose(0, 1, 3, 2, 4)
+    for b, n in enumerate(kv_lens):            # NaN in every free slot of each request's last page
+        nhd[indices[indptr[b + 1] - 1], :, last[b]:] = np.nan
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], 32, 128), np.float16)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
+    w.plan(qo_indptr, indptr, indices, last, 32, 8, 128, page_size, causal=causal, fixed_split_size=split)
+    assert w.backend == "fa3" and "_paged" in w.describe()
+    cd = cp.asarray(cache)
+    kv = cd if form == "one" else (cp.ascontiguousarray(cd[:, 0]), cp.ascontiguousarray(cd[:, 1]))
+    out = cp.full(q.shape, np.nan, np.float16)
+    lse = cp.full(q.shape[:2], np.nan, np.float32)
+    w.run(cp.asarray(q), kv, out=out, lse=lse)
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, causal)
+    got = cp.asnumpy(out)
+    assert np.isfinite(got).all() and rel_err(got, ref_o) < 5e-3
+    assert np.abs(cp.asnumpy(lse) - ref_s).max() < 1e-3

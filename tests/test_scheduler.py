@@ -63,6 +63,7 @@ def _poisoned(shape, dtype=np.float16):
 SPLIT_CASES = [   # (kind, backend, causal, fixed_split_size): None = the scheduler's choice
     ("paged", "fa2", False, None), ("paged", "fa2", True, 64), ("paged", "fa2", True, 512),
     ("ragged", "fa2", True, None), ("ragged", "fa3", False, None), ("ragged", "fa3", True, 128),
+    ("paged", "fa3", True, None), ("paged", "fa3", False, 256),
 ]
 
 
