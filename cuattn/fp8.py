@@ -39,12 +39,12 @@ ONE = Scale(1.0, 0, False, None, None)
 def parse_scale(x, name: str, num_kv_heads: int, fn: str, *, on_gpu: bool) -> Scale:
     """Check one scale argument (None: 1.0)."""
     if x is None:
-        return ONE._replace(host=np.ones(num_kv_heads, np.float32))
+        return ONE if on_gpu else ONE._replace(host=np.ones(num_kv_heads, np.float32))
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         v = float(x)
         if not (np.isfinite(v) and v > 0):
             raise ValueError(f"{fn}: {name} must be a positive finite number, got {x!r}")
-        return Scale(v, 0, False, np.full(num_kv_heads, v, np.float32), None)
+        return Scale(v, 0, False, None if on_gpu else np.full(num_kv_heads, v, np.float32), None)   # run()'s hot path
     try:
         device = arrays.is_device_array(x, name, fn)
     except TypeError:
