@@ -8,7 +8,7 @@ when importable, is timed the same way in the same process: its CUDA-core (defau
 tensor-core decode kernels, the faster one compared. Ceilings are measured in the same process: read-only
 bandwidth (16-byte loads, 2 GiB) and device-to-device copy (1 GiB, bytes read + written).
 TB/s = 1e12 bytes/s over the K, V, q and o bytes.
---fp8 e4m3|e5m2 (default e4m3; none: off) adds fp8 columns for the shipped variant: the same shape over
+--fp8 e4m3|e5m2 (default e4m3; none: off) adds fp8 columns to every variant: the same shape over
 an fp8 cache (random finite bytes, k_scale = v_scale = 0.5), its µs, fp16 µs / fp8 µs, % of the read
 ceiling counted on the fp8 bytes, and FlashInfer's fp8 decode (when importable) timed the same way. Host µs = wall time of eager run() calls with
 out= given, averaged over 200 back-to-back calls of the bs 1 x 512 shape (not synced per call).
@@ -391,7 +391,7 @@ def main():
                     fi8 = flashinfer_fp8_us(args, batch, kv_len, hq, hkv, indptr, indices, lpl, cache8, q, reps,
                                             flush) if have_fi else None
                 for variant in args.variants:
-                    fp8_case = (cache8, fi8) if cache8 is not None and variant == "shipped" else None
+                    fp8_case = (cache8, fi8) if cache8 is not None else None
                     rows.append(time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
                                           lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation,
                                           fp8_case))

@@ -217,14 +217,14 @@ def test_fp8_batch_decode_gpu_matches_float64_oracle(case_args, tma):
     case = make_fp8_case(b, n, ps, hq, hkv, d, kv, qdt, sk, seed=n + d, layout=layout)
     w = plan_fp8(case, hq, hkv, d, ps, kv, qdt, layout, tma=tma)
     assert w._spec.tma == tma and w._spec.dtype_kv == kv
-    q = cupy.asarray(case["q"].view(np.uint16))
-    out = cupy.full((b, hq, d), 0x7e00 if qdt == "float16" else 0x7fc0, np.uint16)    # NaN-poisoned
+    q = cupy.asarray(case["q"].view(np.uint16) if qdt == "bfloat16" else case["q"])    # CuPy: bf16 as uint16
+    out = cupy.full((b, hq, d), 0x7fc0, np.uint16) if qdt == "bfloat16" else cupy.full((b, hq, d), np.nan, np.float16)
     lse = cupy.full((b, hq), np.nan, np.float32)
     dev = sk == "head"
     res = w.run(q, (_cupy_fp8(case["k"]), _cupy_fp8(case["v"])), out=out, lse=lse,
                 k_scale=_scale_arg(case["k_scale"], dev), v_scale=_scale_arg(case["v_scale"], dev))
     assert res is out
-    o = cupy.asnumpy(out).view(QDT[qdt]).astype(np.float64)
+    o = cupy.asnumpy(out).view(QDT[qdt]).astype(np.float64)                   # out was NaN-poisoned
     ref_o, ref_lse = fp8_oracle(case)
     assert np.isfinite(o).all()
     assert rel_err(o, ref_o) < TOL
