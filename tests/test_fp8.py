@@ -37,6 +37,12 @@ def make_fp8_case(batch, kv_len, page_size, hq, hkv, head_dim, kv, q_dtype, scal
     k = (rng.standard_normal((num_pages, page_size, hkv, head_dim)) * 3).astype(FP8[kv])
     v = (rng.standard_normal((num_pages, page_size, hkv, head_dim)) * 3).astype(FP8[kv])
     q = rng.standard_normal((batch, hq, head_dim)).astype(QDT[q_dtype])
+    # slots no request owns hold NaN bits (0x7f in both formats): the kernels must not read them into P V
+    owned = np.zeros((num_pages, page_size), bool)
+    for p_i, page_id in enumerate(indices):
+        owned[page_id, :min(page_size, kv_len - (p_i % pages) * page_size)] = True
+    k.view(np.uint8)[~owned] = 0x7f
+    v.view(np.uint8)[~owned] = 0x7f
     real = []
     for b in range(batch):
         idx = indices[indptr[b]:indptr[b + 1]]
