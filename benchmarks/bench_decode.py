@@ -7,7 +7,10 @@ write rewrites it, PEERS.md's method, whose dirty lines the timed kernel then wr
 when importable, is timed the same way in the same process: its CUDA-core (default) and
 tensor-core decode kernels, the faster one compared. Ceilings are measured in the same process: read-only
 bandwidth (16-byte loads, 2 GiB) and device-to-device copy (1 GiB, bytes read + written).
-TB/s = 1e12 bytes/s over the K, V, q and o bytes. Host µs = wall time of eager run() calls with
+TB/s = 1e12 bytes/s over the K, V, q and o bytes.
+--fp8 e4m3|e5m2 (default e4m3; none: off) adds fp8 columns to every variant: the same shape over
+an fp8 cache (random finite bytes, k_scale = v_scale = 0.5), its µs, fp16 µs / fp8 µs, % of the read
+ceiling counted on the fp8 bytes, and FlashInfer's fp8 decode (when importable) timed the same way. Host µs = wall time of eager run() calls with
 out= given, averaged over 200 back-to-back calls of the bs 1 x 512 shape (not synced per call).
 --stream also times run() back to back over R copies of the cache (>= 256 MB in all, so L2
 holds none of the next one), as a serving loop runs one layer after another: a spinning kernel
@@ -15,7 +18,8 @@ holds the GPU while the host queues 16+ calls, events bracket the calls, µs per
 calls (launch gaps and, with PDL, each kernel's start-up overlap the previous kernel's tail).
 
     python benchmarks/bench_decode.py [--batch 1 16 64 256] [--kv-len 512 2048 8192 32768]
-        [--heads 32:8 32:32] [--dtype float16|bfloat16] [--reps 30] [--check] [--out results.json]
+        [--heads 32:8 32:32] [--dtype float16|bfloat16] [--fp8 e4m3|e5m2|none] [--reps 30] [--check]
+        [--out results.json]
 """
 from __future__ import annotations
 
@@ -81,6 +85,16 @@ _FILL_BF16 = cp.ElementwiseKernel("uint64 seed", "uint16 y", """
   float u = (float)(z & 0xffffff) / 16777216.0f * 2.0f - 1.0f;
   y = (unsigned short)(__float_as_uint(u) >> 16);
 """, "fill_rand_bf16")
+
+
+_FILL_FP8 = cp.ElementwiseKernel("uint64 seed, int32 e5m2", "uint8 y", """
+  unsigned long long z = (i + seed) * 0x9E3779B97F4A7C15ull;
+  z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
+  unsigned b = (unsigned)(z >> 24) & 0xff;
+  // finite values only: e4m3 0x7f / 0xff are NaN; e5m2 exponent 11111 is inf / NaN; smaller magnitudes
+  if (e5m2) { if ((b & 0x7c) == 0x7c) b &= 0xbf; } else { if ((b & 0x7f) == 0x7f) b ^= 1; }
+  y = (unsigned char)b;
+""", "fill_rand_fp8")
 
 
 def fill_random(x, dtype, seed):
@@ -217,6 +231,52 @@ def check_case(w, q, cache, indptr, indices, lpl, dtype, n_req=2):
     return max(errs)
 
 
+FP8_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def check_case_fp8(w, q, cache8, indptr, indices, lpl, args, n_req=2):
+    """The fp8 run (scales 0.5) of the first requests against a float64 dense attention over the
+    fp8 values times the scales."""
+    from tests.oracle import dense_attention, rel_err
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
+    f8 = np.dtype(getattr(ml_dtypes, FP8_DTYPE[args.fp8]))
+    out = cp.asnumpy(w.run(q, cache8, k_scale=0.5, v_scale=0.5)).view(dt)
+    qh = cp.asnumpy(q).view(dt)
+    errs = []
+    for b in range(min(n_req, len(lpl))):
+        idx = cp.asarray(indices[indptr[b]:indptr[b + 1]])
+        kv = cp.asnumpy(cache8[idx]).view(f8).astype(np.float64) * 0.5     # [pages, 2, ps, hkv, d]
+        n = (len(idx) - 1) * kv.shape[2] + int(lpl[b])
+        k = kv[:, 0].reshape(-1, *kv.shape[3:])[:n]
+        v = kv[:, 1].reshape(-1, *kv.shape[3:])[:n]
+        ref, _ = dense_attention(qh[b:b + 1].astype(np.float64), k, v)
+        errs.append(rel_err(out[b:b + 1].astype(np.float64), ref))
+    return max(errs)
+
+
+def flashinfer_fp8_us(args, batch, kv_len, hq, hkv, indptr, indices, lpl, cache8, q, reps, flush):
+    """µs of FlashInfer's faster fp8 decode (CUDA-core or tensor-core) over the same fp8 cache, or None
+    when it refuses the configuration."""
+    import flashinfer
+    import torch
+    tdt = torch.float16 if args.dtype == "float16" else torch.bfloat16
+    t8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[args.fp8]
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
+    tc = torch.from_dlpack(cache8).view(t8)
+    times = []
+    for tensor_cores in (False, True):
+        try:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+            w.plan(torch.from_numpy(indptr), torch.from_numpy(indices).cuda(), torch.from_numpy(lpl),
+                   hq, hkv, args.head_dim, args.page_size, q_data_type=tdt, kv_data_type=t8)
+            times.append(time_events(lambda: w.run(tq, tc, k_scale=0.5, v_scale=0.5), reps, flush))
+        except Exception as e:    # noqa: BLE001 - a peer's refusal is reported, not fatal
+            print(f"FlashInfer fp8 (tensor_cores={tensor_cores}) failed: {type(e).__name__}: {e}"[:300], flush=True)
+    return min(times) if times else None
+
+
 def flashinfer_us(batch, kv_len, hq, hkv, d, page_size, dtype, indptr, indices, lpl, cache, q, reps, flush,
                   rotation=None):
     """(isolated µs, back-to-back µs or None) of FlashInfer's faster kernel (CUDA-core or tensor-core,
@@ -252,6 +312,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--fp8", default="e4m3", choices=["e4m3", "e5m2", "none"],
+                    help="also time the shipped kernel over an fp8 cache of each shape (and FlashInfer's fp8)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--max-gb", type=float, default=36.0, help="skip shapes whose cache exceeds this")
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
@@ -304,6 +366,7 @@ def main():
     hdr = (f"{'variant':>{vw}} {'heads':>6} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'%copy':>6} "
            f"{'split':>5} {'FI us':>8} {'FI/us':>6}"
            + (f" {'b2b us':>8} {'%read':>6} {'FI b2b':>8}" if args.stream else "")
+           + (f" {'fp8 us':>8} {'x16':>5} {'%rd8':>6} {'FI fp8':>8} {'FI8/us':>6}" if args.fp8 != "none" else "")
            + f"{'  err' if args.check else ''}")
     print(hdr, flush=True)
     itemsize = 2
@@ -321,16 +384,24 @@ def main():
                 fi = (flashinfer_us(batch, kv_len, hq, hkv, args.head_dim, args.page_size, args.dtype, indptr,
                                     indices, lpl, cache, q, reps, flush, rotation) if have_fi else
                       (peers.get((heads, batch, kv_len)), None))
+                cache8 = None
+                if args.fp8 != "none":
+                    cache8 = cp.empty(cache.shape, cp.uint8)
+                    _FILL_FP8(np.uint64(batch + kv_len), np.int32(args.fp8 == "e5m2"), cache8)
+                    fi8 = flashinfer_fp8_us(args, batch, kv_len, hq, hkv, indptr, indices, lpl, cache8, q, reps,
+                                            flush) if have_fi else None
                 for variant in args.variants:
+                    fp8_case = (cache8, fi8) if cache8 is not None else None
                     rows.append(time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
-                                          lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation))
-                del cache, q, rotation
+                                          lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation,
+                                          fp8_case))
+                del cache, q, rotation, cache8
                 cp.get_default_memory_pool().free_all_blocks()
     return finish(args, env, read_tbs, copy_tbs, rows, reps, empty_us)
 
 
 def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices, lpl, cache, q, reps, flush,
-              read_tbs, copy_tbs, fi, have_fi, rotation):
+              read_tbs, copy_tbs, fi, have_fi, rotation, fp8_case=None):
     fi, fi_stream = fi if fi is not None else (None, None)
     tweaks = set(variant.split("+")) - {"shipped"}
     plan_kw, spec_kw = {}, {}
@@ -367,19 +438,35 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
     if rotation is not None:
         stream_us = time_back_to_back([lambda c=c: w.run(q, c, out=out, enable_pdl=pdl) for c in rotation[1]], reps)
     err = check_case(w, q, cache, indptr, indices, lpl, args.dtype) if args.check else None
+    fp8_row, fp8_s = {}, ""
+    if fp8_case is not None:
+        cache8, fi8 = fp8_case
+        w8 = cuattn.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+        w8._tuning = dict(w._tuning)
+        w8.plan(indptr, indices, lpl, hq, hkv, args.head_dim, args.page_size, q_data_type=args.dtype,
+                kv_data_type=FP8_DTYPE[args.fp8], **plan_kw)
+        us8 = time_events(lambda: w8.run(q, cache8, out=out, k_scale=0.5, v_scale=0.5, enable_pdl=pdl), reps, flush)
+        bytes8 = 2 * batch * kv_len * hkv * args.head_dim * 1 + 2 * batch * hq * args.head_dim * 2   # fp8 K/V, 16-bit q/o
+        err8 = check_case_fp8(w8, q, cache8, indptr, indices, lpl, args) if args.check else None
+        fp8_row = dict(fp8=args.fp8, fp8_us=us8, fp8_speedup=us / us8, fp8_of_read=bytes8 / (us8 * 1e-6) / 1e12 / read_tbs,
+                       fp8_spec=w8._spec.name, flashinfer_fp8_us=fi8, fp8_rel_err=err8)
+        fp8_s = (f" {us8:8.1f} {us / us8:5.2f} {100 * fp8_row['fp8_of_read']:5.1f}%"
+                 + (f" {fi8:8.1f} {fi8 / us8:6.2f}" if fi8 else f" {'-':>8} {'-':>6}")
+                 + (f"  err8 {err8:.1e}" if err8 is not None else ""))
+        del w8
     row = dict(variant=variant, spec=w._spec.name, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
                tbs=tbs, of_read=tbs / read_tbs,
                of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
                plan_us=plan_us, flashinfer_us=fi, flashinfer_measured=have_fi, rel_err=err,
                b2b_us=stream_us, b2b_of_read=nbytes / (stream_us * 1e-6) / 1e12 / read_tbs if stream_us else None,
-               flashinfer_b2b_us=fi_stream)
+               flashinfer_b2b_us=fi_stream, **fp8_row)
     fi_s = f"{fi:8.1f} {fi / us:6.2f}" if fi else f"{'-':>8} {'-':>6}"
     if args.stream:
         fi_s += (f" {stream_us:8.1f} {100 * row['b2b_of_read']:5.1f}%" if stream_us else f" {'-':>8} {'-':>6}")
         fi_s += f" {fi_stream:8.1f}" if fi_stream else f" {'-':>8}"
     print(f"{variant:>{vw}} {heads:>6} {batch:>5} {kv_len:>6} {us:9.1f} {tbs:6.3f} "
           f"{100 * tbs / read_tbs:5.1f}% "
-          f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}"
+          f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}{fp8_s}"
           f"{f'  {err:.1e}' if err is not None else ''}  {w._spec.name}", flush=True)
     del out, w
     return row

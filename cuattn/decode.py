@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
@@ -36,7 +36,7 @@ _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and piece
 class DecodeSpec:
     head_dim: int       # 64 | 128 | 256
     dtype_q: str        # "f16" | "bf16"
-    dtype_kv: str       # "f16" | "bf16"
+    dtype_kv: str       # "f16" | "bf16" | "e4m3" | "e5m2" (fp8: converted to f16 when fragments load)
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
     num_warps: int = 4   # warps per CTA (16 tokens each per stage); plan() picks 8 at <= 1 CTA/SM (hd128)
     # cp.async L2 prefetch size hint in bytes (0 | 128 | 256). 128 on H100 (same run, read flush):
@@ -64,12 +64,21 @@ class DecodeSpec:
         return (_TMA_ARCH,) if self.tma else None
 
     @property
-    def stages(self) -> int:   # cp.async depth: ~70-135 KB of K/V in flight per CTA
-        return self.num_stages or {64: 4, 128: 3, 256: 2}[self.head_dim]
+    def kv_bytes(self) -> int:   # bytes per K/V element
+        return 1 if self.dtype_kv in FP8 else 2
+
+    @property
+    def stages(self) -> int:   # pipeline depth: ~70-135 KB of K/V in flight per CTA
+        if self.num_stages:
+            return self.num_stages
+        if self.kv_bytes == 1:   # stages of half the bytes: more of them (as many as keep 2 CTAs/SM at hd128)
+            return {64: 8, 128: 5, 256: 4}[self.head_dim]
+        return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
-                f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DSTAGES={self.stages}",
+                f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DKV_FP8={FP8.get(self.dtype_kv, 0)}",
+                f"-DSTAGES={self.stages}",
                 f"-DNUM_WARPS={self.num_warps}", f"-DL2_PREFETCH={self.l2_prefetch}", f"-DTMA={int(self.tma)}")
 
     @property
@@ -83,9 +92,10 @@ class DecodeSpec:
     @property
     def smem_bytes(self) -> int:
         q_rows = _M_TILE * (self.head_dim * 2 + 16)
+        kvb = self.kv_bytes
         if self.tma:     # 1024-byte alignment, unpadded stages, query rows, an mbarrier per (warp, stage)
-            return 1024 + self.stages * 2 * self.block_n * self.head_dim * 2 + q_rows + 8 * self.num_warps * self.stages
-        row = self.head_dim * 2 + 16
+            return 1024 + self.stages * 2 * self.block_n * self.head_dim * kvb + q_rows + 8 * self.num_warps * self.stages
+        row = self.head_dim * kvb + 16
         return self.stages * 2 * self.block_n * row + q_rows + 2 * 512 * 4   # + page-id windows
 
     @property
@@ -93,8 +103,11 @@ class DecodeSpec:
         return max(1, min(4, (228 * 1024) // (self.smem_bytes + 1024)))
 
 
+FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8
+
+
 def shipped_specs() -> list[DecodeSpec]:
-    dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16")]
+    dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16", "e4m3", "e5m2")]
     return [DecodeSpec(d, q, kv, tma=tma) for tma in (False, True) for d in HEAD_DIMS for q, kv in dts] + \
         [DecodeSpec(128, q, kv, num_warps=8, tma=tma) for tma in (False, True) for q, kv in dts]
 
@@ -124,7 +137,7 @@ _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_pre
 _PLAN = ("work:p kv_indices:p part_o:p part_lse:p page_size:i page_shift:i num_qo_heads:i group:i m_tiles:i "
          "scale_log2:f counters:p ids_in_plan:i req_kv_len:p ")
 _CACHE, _MAPS = "k_cache:p v_cache:p s_page:q s_tok:q s_head:q ", "tmap_k:t tmap_v:t "
-_CALL = "q:p out:p lse:p q_s_b:q q_s_h:q o_s_b:q o_s_h:q"
+_CALL = "q:p out:p lse:p q_s_b:q q_s_h:q o_s_b:q o_s_h:q k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i"
 PARAMS = {tma: Params.define(_ENTRY, _PLAN + _CACHE + (_MAPS if tma else "") + _CALL) for tma in (False, True)}
 MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p part_o:p part_lse:p out:p lse:p o_s_b:q o_s_h:q num_qo_heads:i")
 _ALIGN = {"q": 16, "out": 8, "lse": 4}      # bytes the kernels move at a time through run()'s arrays
@@ -139,12 +152,14 @@ def _launchers(spec: DecodeSpec, device: int):
 
 @functools.lru_cache(maxsize=256)      # every layer's cache: hit after the first step
 def _paged_tensor_maps(k_ptr: int, v_ptr: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       s_page: int, s_tok: int, s_head: int) -> tuple[bytes, bytes]:
+                       s_page: int, s_tok: int, s_head: int, kv_bytes: int = 2) -> tuple[bytes, bytes]:
     """The TMA kernel's views of the K and V caches: dims (head_dim, page_size, num_kv_heads,
-    num_pages), box 64 dims x 16 slots of one page and head."""
-    return tuple(jit.tensor_map_16bit(ptr, (head_dim, page_size, num_kv_heads, num_pages), (s_tok, s_head, s_page),
-                                      (64, _TMA_ALIGN, 1, 1), "the TMA decode kernel",
-                                      "BatchDecodeWithPagedKVCacheWrapper.run") for ptr in (k_ptr, v_ptr))
+    num_pages), box (128 bytes of dims, or the whole row if shorter) x 16 slots of one page and head."""
+    cols = min(head_dim, 128 // kv_bytes)
+    return tuple(jit.tensor_map(ptr, (head_dim, page_size, num_kv_heads, num_pages), (s_tok, s_head, s_page),
+                                (cols, _TMA_ALIGN, 1, 1), "the TMA decode kernel",
+                                "BatchDecodeWithPagedKVCacheWrapper.run", elem_bytes=kv_bytes,
+                                swizzle_bytes=cols * kv_bytes) for ptr in (k_ptr, v_ptr))
 
 
 def _page_shift(page_size: int) -> int:
@@ -218,6 +233,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         head_dim : int (GPU: 64, 128, 256)
         page_size : int >= 1
         q_data_type, kv_data_type : dtype (NumPy, string or torch); kv defaults to q's.
+            kv: float16, bfloat16, float8_e4m3fn or float8_e5m2 (a uint8 cache is read as the fp8
+            type named here). With fp8 the tensor cores run f16: a bfloat16 q is converted to f16
+            (exact for |q| in [2^-14, 65504]).
         sm_scale : float, optional, default ``1 / sqrt(head_dim)``
         fixed_split_size : int, optional
             Cut every request into pieces of this many tokens (split-KV), instead of the
@@ -258,6 +276,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indices_h = None
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
         support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
+        if fp8.is_fp8(kv_dtype) and bound.composite.has_rope:
+            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
+                                   f"got kv_data_type={kv_dtype}")
         if indices_h is not None and len(indices_h) and indices_h.min() < 0:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
         max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
@@ -315,6 +336,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not warps:
                 ctas, sms, tokens = self._batch * heads_work, _num_sms(device), int(kv_lens.sum())
                 long_waves = ctas >= 8 * sms and tokens >= 2048 * self._batch
+                # fp8 K/V: 8 warps for requests of >= 2048 tokens on average (H100, one run, bs64x8192
+                # 32:8 e4m3, TMA: 4 warps x 5 stages 393.0 us, 8 warps 387.5; fp16 705.3)
+                long_waves = long_waves or (self._spec.kv_bytes == 1 and tokens >= 2048 * self._batch)
                 few_tokens = tokens <= 2048
                 warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
                          and ((ctas <= sms and not few_tokens) or long_waves) else 4)
@@ -506,6 +530,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             head_dim]; dtype kv_data_type.
         out : array, optional, shape of q, dtype of q: written in place (no allocation).
         args : the plan's variant parameters not fixed by plan(), in order (``cuattn.variants``).
+        k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+            Stored value x scale = real value (FlashInfer's meaning; any KV dtype). A CUDA array is
+            read by the kernel (no sync; its values are not checked); host values must be positive
+            and finite (ValueError).
         lse : float32 array, optional, shape (batch, num_qo_heads): written in place.
         return_lse : bool
             Also return the LSE, float32 [batch, num_qo_heads], natural log (base e).
@@ -527,8 +555,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fn = "BatchDecodeWithPagedKVCacheWrapper.run"
         if not self._planned:
             raise ValueError(f"{fn}: plan() must be called before run()")
-        if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
-            raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) are not implemented")
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         launcher, bound = self._variant_state(sinks is not None, fn)
@@ -538,9 +564,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plain = not args and sinks is None and q_rope_offset is None and not bound.runtime
         if not plain:
             values = self._variant_values(bound, args, sinks, q_rope_offset, fn)
-        if not arrays.is_device_array(q, "q", fn):
+        on_gpu = arrays.is_device_array(q, "q", fn)
+        if k_scale is None and v_scale is None:
+            scales = _NO_SCALES
+        else:
+            ks = fp8.parse_scale(k_scale, "k_scale", self._num_kv_heads, fn, on_gpu=on_gpu)
+            vs = fp8.parse_scale(v_scale, "v_scale", self._num_kv_heads, fn, on_gpu=on_gpu)
+            scales = (ks, vs)
+        if not on_gpu:
             values = bound.values((), fn) if plain else values
-            return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn))
+            return self._run_host(q, paged_kv_cache, out, lse, return_lse, fn, bound, bound.host_values(values, fn),
+                                  scales)
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
         num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
         if self._max_index >= num_pages:
@@ -557,8 +591,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if lse is not None:
             lse_ptr = self._operand(lse, "lse", fn)[0]
         vargs = self._fixed_vargs if plain else bound.kernel_args(self._sm_scale, values, fn)
+        ks, vs = scales
         self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
-                     jit.pdl_launch(self._device, enable_pdl), vargs)
+                     jit.pdl_launch(self._device, enable_pdl),
+                     (ks.value, vs.value, ks.ptr, vs.ptr, int(ks.per_head) | 2 * int(vs.per_head)) + vargs)
         result = arrays.export(ctx, out, self._q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse)
@@ -627,7 +663,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         _check_aligned(kv.v, "paged_kv_cache", 16, fn)
         maps = () if not self._spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
-            kv.stride_slot, kv.stride_head)
+            kv.stride_slot, kv.stride_head, self._spec.kv_bytes)
         cache = dict(k_cache=kv.k.ptr, v_cache=kv.v.ptr, s_page=kv.stride_page, s_tok=kv.stride_slot,
                      s_head=kv.stride_head)
         if maps:
@@ -673,6 +709,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _launch(self, launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool,
                 vargs: tuple):
+        """vargs: the scale arguments (k_scale .. scale_per_head), then the variant's."""
         if not self._grid_work:       # an empty batch: nothing to launch (a grid of 0 is invalid)
             return
         launcher(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
@@ -681,7 +718,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
                            out_ptr, lse_ptr, out_strides[0], out_strides[1], self._num_qo_heads)
 
-    def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn, bound, values):
+    def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn, bound, values, scales):
         qa = arrays.host_array(q, "q", fn)
         ctx = arrays.Context(arrays.framework_of(q), -1, None)
         want_q = (self._batch, self._num_qo_heads, self._head_dim)
@@ -694,6 +731,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
                              f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
                              f"{k_pages.shape[1:]} (kv_layout={self._kv_layout})")
+        if k_pages.dtype == np.uint8 and fp8.is_fp8(self._kv_dtype):    # raw bits of the plan's fp8 type
+            k_pages, v_pages = k_pages.view(self._kv_dtype), v_pages.view(self._kv_dtype)
         if k_pages.dtype != self._kv_dtype:
             raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
                              f"got {k_pages.dtype}")
@@ -707,10 +746,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
         s = np.empty(want_q[:2], np.float32)
         for b in range(self._batch):
             k, v = reference.gather_paged_kv(k_pages, v_pages, indices, self._indptr_h, self._lpl_h, b)
+            if scales is not _NO_SCALES or fp8.is_fp8(self._kv_dtype):      # real values, float32
+                ks, vs = scales
+                k, v = fp8.dequantize(k, ks.host, 1), fp8.dequantize(v, vs.host, 1)
             ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale, variant=bound.composite,
                                          values=values, batch_idx=b, fn=fn)
             o[b], s[b] = ob[0], sb[0]
         return arrays.host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
+
+
+_NO_SCALES = (fp8.ONE, fp8.ONE)     # run() without k_scale / v_scale (host factors filled on use)
 
 
 def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:

@@ -368,7 +368,9 @@ def get_function(spec: KernelSpec, entry: str, device_id: int):
 
 # ---------------------------------------------------------------------------- tensor maps (TMA)
 
+_TMAP_UINT8 = 0           # 8-bit elements (fp8)
 _TMAP_UINT16 = 1          # 16-bit elements (fp16 / bf16: the copy moves bits)
+_TMAP_SWIZZLE_64B = 2
 _TMAP_SWIZZLE_128B = 3
 _TMAP_L2_256B = 3
 
@@ -385,23 +387,30 @@ def _encode_tiled():
 
 
 def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple, user: str, fn: str) -> bytes:
-    """A 128-byte CUtensorMap (``cuTensorMapEncodeTiled``) of 16-bit elements, for a kernel's
-    ``__grid_constant__`` parameter (launcher kind "t"): ``dims`` innermost first (dimension 0
-    contiguous), ``strides`` in elements of dimensions 1.., ``box`` the tile one TMA load copies,
-    written with the 128-byte swizzle (box[0] = 64 elements), the L2 fetching 256 bytes at once.
-    ``user`` names the kernel in the error for misaligned inputs."""
-    if ptr % 16 or any((s * 2) % 16 for s in strides):
+    """``tensor_map`` of 16-bit elements with the 128-byte swizzle (box[0] = 64 elements)."""
+    return tensor_map(ptr, dims, strides, box, user, fn)
+
+
+def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, user: str, fn: str, *, elem_bytes: int = 2,
+               swizzle_bytes: int = 128) -> bytes:
+    """A 128-byte CUtensorMap (``cuTensorMapEncodeTiled``) of 16-bit or 8-bit (``elem_bytes``)
+    elements, for a kernel's ``__grid_constant__`` parameter (launcher kind "t"): ``dims`` innermost
+    first (dimension 0 contiguous), ``strides`` in elements of dimensions 1.., ``box`` the tile one
+    TMA load copies, written with the 128- or 64-byte swizzle (box[0] * elem_bytes = swizzle_bytes),
+    the L2 fetching 256 bytes at once. ``user`` names the kernel in the error for misaligned inputs."""
+    if ptr % 16 or any((s * elem_bytes) % 16 for s in strides):
         raise ValueError(f"{fn}: {user} loads K/V with TMA, which needs a 16-byte aligned base and strides; "
                          f"got base {ptr:#x} and strides {tuple(strides)} elements")
     rank = len(dims)
     buf = (ctypes.c_uint64 * 24)()        # 128 bytes, plus room to align them to 64
     addr = (ctypes.addressof(buf) + 63) & ~63
     c_dims = (ctypes.c_uint64 * rank)(*dims)
-    c_strides = (ctypes.c_uint64 * (rank - 1))(*(s * 2 for s in strides))
+    c_strides = (ctypes.c_uint64 * (rank - 1))(*(s * elem_bytes for s in strides))
     c_box = (ctypes.c_uint32 * rank)(*box)
     c_elem = (ctypes.c_uint32 * rank)(*([1] * rank))
-    status = _encode_tiled()(addr, _TMAP_UINT16, rank, ptr, c_dims, c_strides, c_box, c_elem, 0, _TMAP_SWIZZLE_128B,
-                             _TMAP_L2_256B, 0)
+    dtype = {1: _TMAP_UINT8, 2: _TMAP_UINT16}[elem_bytes]
+    swizzle = {64: _TMAP_SWIZZLE_64B, 128: _TMAP_SWIZZLE_128B}[swizzle_bytes]
+    status = _encode_tiled()(addr, dtype, rank, ptr, c_dims, c_strides, c_box, c_elem, 0, swizzle, _TMAP_L2_256B, 0)
     if status != 0:
         raise RuntimeError(f"{fn}: cuTensorMapEncodeTiled failed with CUresult {status} (dims {list(dims)}, "
                            f"element strides {list(strides)}, box {list(box)})")

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, jit, reference
+from . import arrays, fp8, jit, reference
 from .errors import CacheFullError
 from .arrays import Tensor
 
@@ -35,8 +35,25 @@ class PageSpec:
         return (f"-DVEC_BYTES={self.vec_bytes}",)
 
 
-def shipped_specs() -> list[PageSpec]:
-    return [PageSpec(v) for v in (16, 8, 4, 2, 1)]
+@dataclass(frozen=True)
+class PageFp8Spec:
+    """cuattn_page_append_fp8: 16-bit rows in, fp8 rows stored (scaled, saturating)."""
+    dtype_in: str           # "f16" | "bf16"
+    dtype_kv: str           # "e4m3" | "e5m2"
+    source = _SOURCE
+
+    @property
+    def name(self) -> str:
+        return f"page_append_{self.dtype_in}_kv{self.dtype_kv}"
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DIN_BF16={int(self.dtype_in == 'bf16')}", f"-DKV_FP8={1 if self.dtype_kv == 'e4m3' else 2}",
+                "-DVEC_BYTES=16")
+
+
+def shipped_specs() -> list:
+    return [PageSpec(v) for v in (16, 8, 4, 2, 1)] + [PageFp8Spec(i, kv) for i in ("f16", "bf16")
+                                                       for kv in ("e4m3", "e5m2")]
 
 
 # ---------------------------------------------------------------------------- cache arrays
@@ -227,12 +244,14 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, *, stream=Non
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout: str = "NHD", *,
-                          stream=None) -> None:
+                          k_scale=None, v_scale=None, kv_data_type=None, stream=None) -> None:
     """Write appended tokens' K/V rows into their page slots (in place).
 
     Parameters
     ----------
-    append_key, append_value : array, shape (nnz, num_kv_heads, head_dim), dtype of the cache
+    append_key, append_value : array, shape (nnz, num_kv_heads, head_dim), dtype of the cache, or
+        float16 / bfloat16 for an fp8 cache: stored as round(x / scale) (nearest even), saturating
+        at +-(max finite) (448 e4m3, 57344 e5m2): no NaN or inf from overflow.
     batch_indices, positions : array, shape (nnz,), int32
         From ``get_batch_indices_positions``: each token's request and position in its KV.
     paged_kv_cache : array or (k_cache, v_cache)
@@ -240,6 +259,10 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         be given as uint8 / uint16 views from frameworks without those types).
     kv_indices, kv_indptr, kv_last_page_len : array, int32
         The page table, already covering the appended positions.
+    k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+        fp8 caches: stored value x scale = real value (as the decode's ``run(k_scale=, v_scale=)``).
+    kv_data_type : dtype, optional
+        The fp8 type of a uint8 cache ("float8_e4m3fn" or "float8_e5m2"); default: the cache's dtype.
 
     On the GPU, a token whose position lies beyond its request's pages, or whose page index is
     out of range, is skipped rather than written out of bounds; NumPy inputs raise ValueError.
@@ -260,18 +283,32 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     hint = "keep the KV cache in a NumPy, CuPy or PyTorch array (cuattn.PagedKVCache allocates one)"
     arrays.writable(k0, "paged_kv_cache" if combined else "paged_kv_cache[0]", fn, hint)
     arrays.writable(v0, "paged_kv_cache[1]", fn, hint)
+    want = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else None
+    if want is not None and not fp8.is_fp8(want):
+        raise ValueError(f"{fn}: kv_data_type must be float8_e4m3fn or float8_e5m2 (the type of a uint8 cache), "
+                         f"got {want}")
     if not ctx.on_gpu:
-        _append_host(fn, kv_layout, paged_kv_cache, **named)
+        _append_host(fn, kv_layout, paged_kv_cache, **named, k_scale=k_scale, v_scale=v_scale, kv_dtype=want)
         return
     cache = paged_kv_tensors(paged_kv_cache, kv_layout, fn)
     ak = arrays.device_tensor(append_key, "append_key", fn)
     av = arrays.device_tensor(append_value, "append_value", fn)
+    kv_dtype = _cache_dtype(cache.dtype, want, fn)
+    quantize = fp8.is_fp8(kv_dtype) and ak.dtype in (np.dtype(np.float16), arrays.bfloat16, np.dtype(np.uint16))
     expected = (ak.shape[0], cache.num_kv_heads, cache.head_dim)
     for name, t in (("append_key", ak), ("append_value", av)):
         if t.shape != expected:
             raise ValueError(f"{fn}: {name} must have shape (nnz, num_kv_heads, head_dim)={expected}, got {t.shape}")
-        if not arrays.same_storage(t.dtype, cache.dtype):
-            raise TypeError(f"{fn}: {name} must have the cache's dtype {cache.dtype}, got {t.dtype}")
+        if quantize:
+            if t.dtype != ak.dtype:
+                raise TypeError(f"{fn}: append_key and append_value must have the same dtype, got {ak.dtype} "
+                                f"and {av.dtype}")
+        elif not arrays.same_storage(t.dtype, cache.dtype):
+            raise TypeError(f"{fn}: {name} must have the cache's dtype {cache.dtype}"
+                            + (" or float16 / bfloat16" if fp8.is_fp8(kv_dtype) else "") + f", got {t.dtype}")
+    if not quantize and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{fn}: k_scale / v_scale must be None unless float16 / bfloat16 rows are stored into "
+                         f"an fp8 cache, got a {kv_dtype} cache and {ak.dtype} rows")
     nnz = ak.shape[0]
     meta = {}
     for name, length in (("batch_indices", nnz), ("positions", nnz), ("kv_indptr", None), ("kv_indices", None)):
@@ -281,6 +318,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                              + f", got {t.dtype} {t.shape}")
         meta[name] = t
     if nnz == 0:
+        return
+    if quantize:
+        _launch_append_fp8(fn, ctx, cache, ak, av, meta, nnz, kv_dtype, k_scale, v_scale)
         return
     item = cache.dtype.itemsize
     row_bytes = cache.head_dim * item
@@ -298,17 +338,60 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
            cache.page_size, cache.num_pages, *strides_bytes)
 
 
+def _cache_dtype(stored: np.dtype, want, fn: str) -> np.dtype:
+    """The cache's element type: ``want`` (kv_data_type) for a uint8 cache, else its own dtype."""
+    if want is None:
+        return stored
+    if not arrays.same_storage(stored, want):
+        raise ValueError(f"{fn}: paged_kv_cache must have dtype {want} (kv_data_type) or uint8, got {stored}")
+    return want
+
+
+def _launch_append_fp8(fn, ctx, cache, ak, av, meta, nnz, kv_dtype, k_scale, v_scale):
+    """cuattn_page_append_fp8: 8 values per thread (16 bytes of input, 8 of cache)."""
+    ks = fp8.parse_scale(k_scale, "k_scale", cache.num_kv_heads, fn, on_gpu=True)
+    vs = fp8.parse_scale(v_scale, "v_scale", cache.num_kv_heads, fn, on_gpu=True)
+    strides_in = [s * 2 for s in (ak.strides[0], ak.strides[1], av.strides[0], av.strides[1])]
+    strides_c = [s for s in (cache.stride_page, cache.stride_slot, cache.stride_head)]
+    if cache.head_dim % 8 or any(x % 16 for x in [ak.ptr, av.ptr, *strides_in]) or \
+            any(x % 8 for x in [cache.k.ptr, cache.v.ptr, *strides_c]):
+        raise ValueError(f"{fn}: storing into an fp8 cache needs head_dim % 8 == 0, 16-byte aligned append_key / "
+                         f"append_value rows and 8-byte aligned cache rows, got head_dim {cache.head_dim}, "
+                         f"input strides {strides_in} bytes, cache strides {strides_c} bytes")
+    spec = PageFp8Spec("bf16" if ak.dtype != np.float16 else "f16", arrays.SHORT_NAME[kv_dtype])
+    launch = jit.get_launcher(spec, "cuattn_page_append_fp8", ctx.device, "pppppppp" "q" "iiii" "qqqqqqq" "ffppi")
+    vecs_per_row = cache.head_dim // 8
+    total = nnz * cache.num_kv_heads * vecs_per_row
+    launch(((total + 255) // 256,), 256, ctx.stream,
+           ak.ptr, av.ptr, meta["batch_indices"].ptr, meta["positions"].ptr, cache.k.ptr, cache.v.ptr,
+           meta["kv_indices"].ptr, meta["kv_indptr"].ptr, nnz, cache.num_kv_heads, vecs_per_row,
+           cache.page_size, cache.num_pages, *strides_in, *strides_c,
+           ks.value, vs.value, ks.ptr, vs.ptr, int(ks.per_head) | 2 * int(vs.per_head))
+
+
 def _append_host(fn, kv_layout, paged_kv_cache, append_key, append_value, batch_indices, positions,
-                 kv_indices, kv_indptr, kv_last_page_len):
+                 kv_indices, kv_indptr, kv_last_page_len, k_scale=None, v_scale=None, kv_dtype=None):
     k_pages, v_pages = paged_kv_host(paged_kv_cache, kv_layout, fn)
+    kv_dtype = _cache_dtype(k_pages.dtype, kv_dtype, fn)
+    if k_pages.dtype != kv_dtype:        # raw uint8 bits of an fp8 cache
+        k_pages, v_pages = k_pages.view(kv_dtype), v_pages.view(kv_dtype)
     num_pages, page_size, heads, head_dim = k_pages.shape
     ak = arrays.host_array(append_key, "append_key", fn)
     av = arrays.host_array(append_value, "append_value", fn)
+    quantize = fp8.is_fp8(kv_dtype) and ak.dtype in (np.dtype(np.float16), arrays.bfloat16)
     for name, a in (("append_key", ak), ("append_value", av)):
         if a.ndim != 3 or a.shape[1:] != (heads, head_dim):
             raise ValueError(f"{fn}: {name} must have shape (nnz, {heads}, {head_dim}), got {a.shape}")
-        if a.dtype != k_pages.dtype:
-            raise TypeError(f"{fn}: {name} must have the cache's dtype {k_pages.dtype}, got {a.dtype}")
+        if a.dtype != (ak.dtype if quantize else k_pages.dtype):
+            raise TypeError(f"{fn}: {name} must have the cache's dtype {k_pages.dtype}"
+                            + (" or float16 / bfloat16" if fp8.is_fp8(kv_dtype) else "") + f", got {a.dtype}")
+    if quantize:
+        ks = fp8.parse_scale(k_scale, "k_scale", heads, fn, on_gpu=False)
+        vs = fp8.parse_scale(v_scale, "v_scale", heads, fn, on_gpu=False)
+        ak, av = fp8.quantize(ak, kv_dtype, ks.host, 1), fp8.quantize(av, kv_dtype, vs.host, 1)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"{fn}: k_scale / v_scale must be None unless float16 / bfloat16 rows are stored into "
+                         f"an fp8 cache, got a {kv_dtype} cache and {ak.dtype} rows")
     nnz = ak.shape[0]
     if av.shape[0] != nnz:
         raise ValueError(f"{fn}: append_value must have {nnz} rows like append_key, got {av.shape[0]}")
@@ -481,9 +564,12 @@ class PagedKVCache:
             raise IndexError(f"PagedKVCache.layer: layer must be in 0..{self.num_layers - 1}, got {layer}")
         return self.storage[layer]
 
-    def append(self, layer: int, keys, values, batch: AppendBatch, *, stream=None) -> None:
-        """Write one layer's new K/V rows ([nnz, num_kv_heads, head_dim]) where ``batch`` says."""
+    def append(self, layer: int, keys, values, batch: AppendBatch, *, k_scale=None, v_scale=None,
+               stream=None) -> None:
+        """Write one layer's new K/V rows ([nnz, num_kv_heads, head_dim]) where ``batch`` says; an
+        fp8 cache takes float16 / bfloat16 rows and stores them scaled (``append_paged_kv_cache``)."""
         meta = batch.device if self.device_id >= 0 else batch.__dict__
         append_paged_kv_cache(keys, values, meta["batch_indices"], meta["positions"], self.layer(layer),
                               meta["kv_indices"], meta["kv_indptr"], meta["kv_last_page_len"],
-                              self.kv_layout, stream=stream)
+                              self.kv_layout, k_scale=k_scale, v_scale=v_scale,
+                              kv_data_type=self.dtype if fp8.is_fp8(self.dtype) else None, stream=stream)

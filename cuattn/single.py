@@ -50,7 +50,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                                 window_left: int = -1, logits_soft_cap: float | None = None, *,
                                 sm_scale: float | None = None, rope_scale=None, rope_theta=None,
                                 return_lse: bool = False, variant=None, variant_args: tuple = (), rotary_dim=None,
-                                stream: Any = None):
+                                kv_data_type: Any = None, stream: Any = None):
     """Attention of one new token over one request's contiguous KV.
 
     Parameters
@@ -60,6 +60,12 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         (PyTorch, JAX), runs the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD",
         (num_kv_heads, kv_len, head_dim) for "HND"; last dimension contiguous; same strides.
+        float16, bfloat16, float8_e4m3fn or float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as
+        ``kv_data_type``).
+    k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+        Stored value x scale = real value (see ``BatchDecodeWithPagedKVCacheWrapper.run``).
+    kv_data_type : dtype, optional
+        The fp8 type of a uint8 k / v ("float8_e4m3fn" or "float8_e5m2"); default: their dtype.
     sm_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     return_lse : bool
@@ -80,8 +86,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                    sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, variant=variant,
                    rotary_dim=rotary_dim)
     variants.resolve(fn, num_qo_heads=1, **{k: v for k, v in options.items() if k != "sm_scale"})
-    if any(s not in (None, 1.0) for s in (q_scale, k_scale, v_scale)):
-        raise UnsupportedError(f"{fn}: q_scale/k_scale/v_scale (fp8) are not implemented")
+    if q_scale not in (None, 1.0):
+        raise UnsupportedError(f"{fn}: q_scale (fp8 q) is not implemented; q is float16 or bfloat16")
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
     describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
     qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -100,9 +106,16 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
         result = arrays.export(ctx, out, q_dtype)
         return (result, arrays.export(ctx, lse)) if return_lse else result
     # -- a batch of one: the contiguous K/V is one page of kv_len tokens
-    w = _decode_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype),
+    kv_dt = arrays.logical_dtype(kt.dtype)
+    if kv_data_type is not None:
+        want = arrays.as_dtype(kv_data_type, "kv_data_type", fn)
+        if not arrays.same_storage(kv_dt, want):
+            raise ValueError(f"{fn}: k must have dtype {want} (kv_data_type) or its raw view, got {kt.dtype}")
+        kv_dt = want
+    w = _decode_wrapper(kv_len, hq, hkv, d, arrays.logical_dtype(qt.dtype), kv_dt,
                         kv_layout, ctx, tuple(sorted(options.items(), key=lambda kv: kv[0])))
-    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, stream=ctx.stream)
+    result = w.run(q[None], (k[None], v[None]), *variant_args, return_lse=return_lse, k_scale=k_scale,
+                   v_scale=v_scale, stream=ctx.stream)
     if return_lse:
         return result[0][0], result[1][0]
     return result[0]

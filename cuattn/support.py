@@ -13,7 +13,8 @@ from .errors import UnsupportedError
 TABLE = {
     "decode": dict(
         api="BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache",
-        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"), kv_dtypes=("float16", "bfloat16"),
+        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"),
+        kv_dtypes=("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1 (TMA on sm_90 when page_size % 16 == 0)",
         archs="sm_80+ (sm_90a: TMA loads)"),
     "prefill": dict(
@@ -23,8 +24,12 @@ TABLE = {
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
         archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, contiguous K/V, no custom mask"),
 }
+# what a refused kv dtype is told, per family
+KV_NOT_YET = {"decode": "fp32 KV: not yet",
+              "prefill": "fp8 KV: decode only so far (BatchDecodeWithPagedKVCacheWrapper); fp32 KV: not yet"}
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
-            "(every family); pos_encoding_mode='ROPE_LLAMA' (decode and fa2; not fa3); not yet: "
+            "(every family); pos_encoding_mode='ROPE_LLAMA' (decode and fa2; not fa3; not with an fp8 KV "
+            "cache); fp8 KV (decode): k_scale / v_scale as floats, 1-element or per-kv-head arrays; not yet: "
             "use_fp16_qk_reduction")
 
 
@@ -41,7 +46,7 @@ def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype) -> None:
     kv_ok = [q] if t["kv_dtypes"] == ("same as q",) else [np.dtype(arrays.as_dtype(d, "kv", fn)) for d in t["kv_dtypes"]]
     if kv not in kv_ok:
         raise UnsupportedError(f"{fn}: kv dtype {kv} with q dtype {q} has no kernel; supported kv dtypes: "
-                               f"{', '.join(t['kv_dtypes'])} (fp8 / fp32 KV: not yet)")
+                               f"{', '.join(t['kv_dtypes'])} ({KV_NOT_YET[family]})")
 
 
 def markdown() -> str:

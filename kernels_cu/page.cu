@@ -72,3 +72,93 @@ extern "C" __global__ void cuattn_batch_indices_positions(
   batch_indices[t] = lo;
   positions[t] = seq_lens[lo] - append_len + (t - append_indptr[lo]);
 }
+
+#if KV_FP8
+// cuattn_page_append_fp8 (PageFp8Spec; compile-time IN_BF16 (0: fp16 rows in, 1: bf16), KV_FP8
+// (1: e4m3, 2: e5m2)): like cuattn_page_append, but each thread converts 8 values of a row
+// (16 bytes in, 8 bytes out): stored = round_to_nearest_even(clamp(x / scale, +-max finite)), the
+// division in fp32 (IEEE, as NumPy's), so the bits equal cuattn.fp8.quantize's (no NaN or inf from
+// overflow). scale = k_scale * (k_scales ? k_scales[head or 0] : 1), likewise v.
+// grid ceil(nnz * num_heads * head_dim / 8 / 256), block 256.
+namespace cuattn {
+#if KV_FP8 == 1
+constexpr int MANT = 3, BIAS = 7;
+constexpr float MAX_FINITE = 448.f;
+#else
+constexpr int MANT = 2, BIAS = 15;
+constexpr float MAX_FINITE = 57344.f;
+#endif
+#if IN_BF16
+typedef bf16 in_t;
+#else
+typedef f16 in_t;
+#endif
+
+// fp32 -> fp8 bits, saturating, round to nearest even (subnormals included; NaN stays NaN)
+__device__ __forceinline__ uint32_t to_fp8(float x) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 24) & 0x80u;
+  const float a = fminf(fabsf(x), MAX_FINITE);
+  if (x != x) return sign | (KV_FP8 == 1 ? 0x7fu : 0x7eu);   // NaN (as ml_dtypes)
+  const uint32_t au = __float_as_uint(a);
+  constexpr int EMIN = 1 - BIAS;                     // the smallest normal exponent
+  if (a < __uint_as_float(uint32_t(127 + EMIN) << 23)) {
+    // subnormal (or zero): a multiple of 2^(EMIN - MANT); 2^MANT rounds up to the smallest normal
+    const float m = a * __uint_as_float(uint32_t(127 - EMIN + MANT) << 23);   // exact (a power of 2)
+    return sign | uint32_t(__float2int_rn(m));
+  }
+  constexpr int SHIFT = 23 - MANT;
+  const uint32_t r = au + ((1u << (SHIFT - 1)) - 1u) + ((au >> SHIFT) & 1u);   // round the mantissa (RNE)
+  return sign | ((r >> SHIFT) - (uint32_t(127 - BIAS) << MANT));
+}
+}  // namespace cuattn
+
+extern "C" __global__ void cuattn_page_append_fp8(
+    const char* __restrict__ append_key,      // [nnz, num_heads, head_dim] of in_t
+    const char* __restrict__ append_value,
+    const int32_t* __restrict__ batch_indices,  // [nnz]
+    const int32_t* __restrict__ positions,      // [nnz]
+    char* __restrict__ k_cache,               // page p, slot s, head h at p*page + s*slot + h*head (bytes)
+    char* __restrict__ v_cache,
+    const int32_t* __restrict__ kv_indices,   // [nnz_pages]
+    const int32_t* __restrict__ kv_indptr,    // [batch + 1]
+    int64_t nnz, int num_heads, int vecs_per_row, int page_size, int num_pages,
+    int64_t ak_tok, int64_t ak_head, int64_t av_tok, int64_t av_head,   // byte strides of inputs
+    int64_t c_page, int64_t c_slot, int64_t c_head,                     // byte strides of cache
+    float k_scale, float v_scale, const float* __restrict__ k_scales, const float* __restrict__ v_scales,
+    int scale_per_head) {   // bit 0: k_scales per head, bit 1: v_scales
+  using namespace cuattn;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t total = nnz * num_heads * vecs_per_row;
+  if (i >= total) return;
+  int vec = int(i % vecs_per_row);
+  int head = int((i / vecs_per_row) % num_heads);
+  int64_t tok = i / (int64_t(vecs_per_row) * num_heads);
+
+  int b = batch_indices[tok];
+  int pos = positions[tok];
+  int64_t page_iter = int64_t(kv_indptr[b]) + pos / page_size;
+  if (pos < 0 || page_iter >= kv_indptr[b + 1]) return;
+  int page = kv_indices[page_iter];
+  if (page < 0 || page >= num_pages) return;
+  float ks = k_scale, vs = v_scale;
+  if (k_scales != nullptr) ks *= k_scales[(scale_per_head & 1) ? head : 0];
+  if (v_scales != nullptr) vs *= v_scales[(scale_per_head & 2) ? head : 0];
+
+  int64_t dst = page * c_page + int64_t(pos % page_size) * c_slot + head * c_head + vec * 8;
+  const uint4 k = *reinterpret_cast<const uint4*>(append_key + tok * ak_tok + head * ak_head + vec * 16);
+  const uint4 v = *reinterpret_cast<const uint4*>(append_value + tok * av_tok + head * av_head + vec * 16);
+  auto pack = [](uint4 x, float s) {    // 8 values -> 8 fp8 bytes
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    uint32_t out[2] = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = unpack2<in_t>(w[j]);
+      const uint32_t lo = to_fp8(__fdiv_rn(f.x, s)), hi = to_fp8(__fdiv_rn(f.y, s));
+      out[j / 2] |= (lo | (hi << 8)) << (16 * (j % 2));
+    }
+    return make_uint2(out[0], out[1]);
+  };
+  *reinterpret_cast<uint2*>(k_cache + dst) = pack(k, ks);
+  *reinterpret_cast<uint2*>(v_cache + dst) = pack(v, vs);
+}
+#endif
