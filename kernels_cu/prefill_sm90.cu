@@ -65,6 +65,7 @@ constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
 constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;    // one K or V tile: D / 64 column blocks
 constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 
 // -- smem byte offset of 16-byte chunk c (0..D/8) of row r in a swizzled [rows][D] tile of `rows` rows
 __device__ __forceinline__ uint32_t swz128(int rows, int r, int c) {
@@ -153,16 +154,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         const uint32_t ph = (t / STAGES) & 1;
         const int tok = kv_base + kv_lo + t * BLOCK_N;
 #if PAGED
-        // -- box j of the tile: keys tok + j * page_box .. of one page (past the end: the last page, slot 0)
-#define PAGED_BOXES(buf, map, bar)                                                                          \
-  for (int j = 0; j < BLOCK_N; j += page_box) {                                                             \
-    const int key = tok + j;                                                                                \
-    const int k_in = min(key, kv_len - 1);                                                                  \
-    const int page = pages[page_shift >= 0 ? k_in >> page_shift : k_in / page_size];                        \
-    const int slot = key < kv_len ? (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0;        \
-    _Pragma("unroll") for (int h = 0; h < D / 64; ++h)                                                      \
-        tma_load_4d((buf) + h * HALF_BYTES + j * 128, &(map), h * 64, slot, kvh, page, (bar));               \
-  }
+        // -- the tile's boxes: page_box keys each, from their pages (past the end: the last page, slot 0).
+        //    Every page id is loaded before the first box is issued (the loads overlap; each TMA issue
+        //    is ordered after them), and K and V share them.
+        int page[MAX_BOXES];                 // the producer runs in 40 registers: slots are recomputed
+#pragma unroll
+        for (int j = 0; j < MAX_BOXES; ++j) {
+          const int k_in = min(tok + j * page_box, kv_len - 1);
+          page[j] = j * page_box < BLOCK_N ? pages[page_shift >= 0 ? k_in >> page_shift : k_in / page_size] : 0;
+        }
+#define PAGED_BOXES(buf, map, bar)                                                                \
+  _Pragma("unroll") for (int j = 0; j < MAX_BOXES; ++j)                                           \
+    if (j * page_box < BLOCK_N) {                                                                 \
+      const int key = tok + j * page_box;                                                         \
+      const int slot = key < kv_len ? (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0; \
+      _Pragma("unroll") for (int h = 0; h < D / 64; ++h)                                          \
+          tma_load_4d((buf) + h * HALF_BYTES + j * page_box * 128, &(map), h * 64, slot, kvh, page[j], (bar)); \
+    }
         mbar_wait(EMPTY_K(s), ph ^ 1);
         mbar_arrive_expect_tx(FULL_K(s), TILE_BYTES);
         PAGED_BOXES(sK + s * TILE_BYTES, tmap_k, FULL_K(s))
