@@ -124,13 +124,14 @@ def select_backend(backend: str, fn: str) -> str:
 # ---------------------------------------------------------------------------- backend "fa3" (sm_90a)
 # "auto" picks fa3 wherever it has a kernel: faster than fa2 in every measured case, causal or not
 # (1.5-2.1x; benchmarks/results/prefill_sm90_notes.md); every other case, and every other arch, runs fa2.
-# A paged batch whose every request fits 64 packed query rows (block-sparse row blocks, decode-only
-# steps) runs fa2's 64-row tiles instead: fa3's 128-row tile would be half padding there.
+# That holds for paged batches whose requests fill half of its 128-row tile too (H100, block-sparse
+# 16k x 16k, 32 heads, 64 x 64 blocks: fa3 1705 / 7424 us at 10% / 50% density against fa2's 64-row
+# tiles 2132 / 9141: benchmarks/results/sparse_H100_2026-11-25.json); fa2 runs its 64-row tiles where
+# it runs such a batch (sm_80, page sizes fa3 cannot box).
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None,
-                    small_q: bool = False) -> str:
+                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device."""
     if backend == "fa2":
@@ -140,7 +141,7 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
         return "fa3"
-    return "fa3" if reason is None and arch is not None and not small_q else "fa2"
+    return "fa3" if reason is None and arch is not None else "fa2"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -334,15 +335,14 @@ class _BatchPrefillBase:
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
-                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound,
-                    small_q=small_q)
+                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_rope,
-                                       page_size=plan.get("page_size"), small_q=plan["small_q"])
+                                       page_size=plan.get("page_size"))
         return self.backend
 
     def _require_plan(self, fn):

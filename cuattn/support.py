@@ -19,10 +19,12 @@ TABLE = {
         archs="sm_80+ (sm_90a: TMA loads)"),
     "prefill": dict(
         api="BatchPrefillWith{Paged,Ragged}KVCacheWrapper, single_prefill_with_kv_cache, "
-            "BatchAttentionWithAttentionSinkWrapper",
+            "BatchAttentionWithAttentionSinkWrapper, MultiLevelCascadeAttentionWrapper, "
+            "BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, BatchAttention",
         head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"), kv_dtypes=("same as q",),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
-        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, contiguous K/V, no custom mask"),
+        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, no custom mask, contiguous K/V or pages of 16, 32, 64, "
+              "128 or a multiple of 128"),
 }
 # what a refused kv dtype is told, per family
 KV_NOT_YET = {"decode": "fp32 KV: not yet",

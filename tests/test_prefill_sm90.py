@@ -48,9 +48,8 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
                np.array([4], np.int32), 4, 4, 128, 5)
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
-    # auto never picks fa3 off sm_90, with a mask, pages it cannot box, or a batch of <= 64 packed rows
-    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True, page_size=5),
-               dict(arch="sm_90a", paged=True, page_size=16, small_q=True)):
+    # auto never picks fa3 off sm_90, with a mask, or pages it cannot box
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True, page_size=5)):
         args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
     for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):
