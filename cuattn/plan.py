@@ -185,12 +185,18 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
 
 
 def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
-                      chunk: int = 0) -> PrefillWorkList:
+                      chunk: int = 0, items: tuple | None = None) -> PrefillWorkList:
     """Work rows for every (request, query tile), each cut into pieces of ``chunk`` keys (0: none),
     the most key tiles first (long pieces start early); split items' pieces get partial slots and a
-    merge row each."""
-    req, tile, ext = prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group, block_m, causal)
+    merge row each. ``items``: ``prefill_items``' result when the caller has it already."""
+    req, tile, ext = items if items is not None else prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group,
+                                                                  block_m, causal)
     n = len(req)
+    if chunk <= 0 or (n and int(ext.max()) <= chunk):       # nothing split: one row per item
+        order = np.argsort(-(-(-ext // block_n)), kind="stable") if n else np.zeros(0, np.int64)
+        work = np.full((n, PREFILL_COLS), -1, np.int32)
+        work[:, 0], work[:, 1], work[:, 2] = req[order], tile[order], 0
+        return PrefillWorkList(work, np.zeros((0, PREFILL_COLS), np.int32), 0, 0, ext[order])
     pieces = np.ones(n, np.int64) if chunk <= 0 else np.maximum(1, -(-ext // chunk))
     ends = np.cumsum(pieces)
     total = int(ends[-1]) if n else 0

@@ -365,7 +365,8 @@ class _BatchPrefillBase:
         spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
             arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged)
         h_kv, group = plan["num_kv_heads"], plan["group"]
-        ext = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])[2]
+        items = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])
+        ext = items[2]
         slot_floats = h_kv * spec.block_m * (plan["head_dim"] + 1)      # a slot: every kv head's tile rows + LSE
         max_slots = bufs.max_partial(slot_floats)
         slots = _plan.num_sms(device) * (2 if backend == "fa2" else 1)       # resident CTAs
@@ -381,7 +382,7 @@ class _BatchPrefillBase:
                                                spec.block_n, max_slots)
             why = _plan.split_reason(len(ext) * h_kv, slots, chunk)
         wl = _plan.prefill_work_list(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, spec.block_n,
-                                     plan["causal"], chunk)
+                                     plan["causal"], chunk, items)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         mask = plan["mask"]
