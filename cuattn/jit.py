@@ -23,6 +23,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -445,6 +446,12 @@ class Launcher:
     raises the function's dynamic shared-memory limit. ``pdl=True`` launches with programmatic
     stream serialization (sm_90+: the grid may start while the previous kernel in the stream
     finishes; see common/grid_dependency.cuh).
+
+    One Launcher serves every caller of its kernel (``get_launcher`` memoizes it), so a lock keeps
+    the packed arguments and the configuration of one call from being overwritten by another
+    thread's before the driver has read them (the ctypes call releases the GIL): ranks or layers
+    launched from several threads got each other's arguments without it (H100, 2026-11-25: four
+    simulated context-parallel ranks as threads disagreed).
     """
 
     _libcuda = None
@@ -486,15 +493,17 @@ class Launcher:
         self._config.block[1:] = 1, 1
         self._config_ref = ctypes.byref(self._config)
         self._configured = None      # (grid, block, stream, pdl) in the config
+        self._lock = threading.Lock()
 
     def __call__(self, grid: tuple, block: int, stream, *args, pdl: bool = False) -> None:
         """Launch ``grid`` x ``block`` threads on ``stream`` (a CuPy stream) with ``args``."""
-        self._pack(self._slots, self._pack_offset, *args)
-        self.configure(grid, block, stream.ptr, pdl)
-        if self._runtime.getDevice() != self.device_id:     # the launch uses the current context
-            with self._device:
-                return self.launch()
-        self.launch()
+        with self._lock:
+            self._pack(self._slots, self._pack_offset, *args)
+            self.configure(grid, block, stream.ptr, pdl)
+            if self._runtime.getDevice() != self.device_id:     # the launch uses the current context
+                with self._device:
+                    return self.launch()
+            self.launch()
 
     def configure(self, grid: tuple, block: int, stream_ptr: int, pdl: bool) -> None:
         """Write the launch configuration (ctypes field writes cost ~0.2 µs each: only on a change)."""

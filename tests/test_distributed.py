@@ -325,9 +325,9 @@ GPU_CASES = [  # (world, mode, block, lens, dtype)
     (2, "round_robin", 16, [3000, 0, 37], "float16"),
     (3, "contiguous", 1024, [2500, 5, 1100], "bfloat16"),
     pytest.param(4, "round_robin", 64, [700, 1], "float16", marks=pytest.mark.xfail(
-        reason="open bug: on an H100 (2026-11-25) the 4 simulated ranks (threads sharing one GPU) returned "
-               "different merged outputs here; the 3 other cases and the CPU path agree. Not yet found: the "
-               "threads' exchange or the wrapper", strict=False)),
+        reason="on an H100 (2026-11-25) the 4 simulated ranks (threads sharing one GPU) returned different "
+               "merged outputs here; the likely cause, jit.Launcher's shared argument buffer written by several "
+               "threads at once, is fixed since (a lock per launcher), but not yet re-run on a GPU", strict=False)),
     (2, "contiguous", 4096, [100, 0], "float16"),      # rank 1 holds no token of any request
 ]
 
