@@ -207,3 +207,31 @@ def test_batch_attention_gpu_mixed_step_in_one_launch_matches_the_oracle():
     for b in range(6):
         ref, _ = dense_attention(q[qo_indptr[b]:qo_indptr[b + 1]], ks[b], vs[b], causal=True)
         assert rel_err(got[qo_indptr[b]:qo_indptr[b + 1]], ref) < TOL
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(R=st.sampled_from([1, 3, 16, 32]), C=st.sampled_from([8, 16, 48]), mb=st.integers(1, 5), nb=st.integers(1, 6),
+       density=st.floats(0.05, 1.0), causal=st.booleans(), masked=st.booleans(), seed=st.integers(0, 2**16))
+def test_block_sparse_numpy_equals_dense_attention_with_the_equivalent_mask(R, C, mb, nb, density, causal, masked,
+                                                                              seed):
+    """Any block size and density: the wrapper equals float64 attention over the row block's gathered
+    keys, which (non-causal) is dense attention under the block mask expanded to entries."""
+    M, N = mb * R - (R > 1), nb * C                # the last row block one row short when R > 1
+    indptr, indices, mask, q, k, v = bsr_case(seed, M, N, R, C, 4, 2, 64, density, masked)
+    w = cuattn.BlockSparseAttentionWrapper()
+    w.plan(indptr, indices, M, N, R, C, 4, 2, 64, mask=mask, causal=causal)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref_o, ref_s = bsr_oracle(indptr, indices, mask, q, k, v, R, C, causal)
+    assert rel_err(out, ref_o) < TOL
+    if not causal:                                 # the equivalent dense mask over the original key order
+        dense = np.zeros((M, N), bool)
+        for i in range(len(indptr) - 1):
+            rows = slice(i * R, min((i + 1) * R, M))
+            for j, b in enumerate(range(indptr[i], indptr[i + 1])):
+                blk = np.ones((rows.stop - rows.start, C), bool) if mask is None else mask[b, :rows.stop - rows.start]
+                dense[rows, indices[b] * C:(indices[b] + 1) * C] = blk
+        o, _ = dense_attention(q, k, v, mask=dense)
+        assert rel_err(out, o) < TOL
