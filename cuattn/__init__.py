@@ -15,6 +15,7 @@ from .rope import (apply_llama31_rope, apply_llama31_rope_inplace, apply_llama31
 from .multilevel import MultiLevelCascadeAttentionWrapper, merge_state_in_place
 from .sparse import BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper
 from .attention import BatchAttention
+from .mla import BatchMLAPagedAttentionWrapper, append_paged_mla_kv_cache
 from .variants import Variant
 from .mask import packbits, segment_packbits
 from .sampling import (chain_speculative_sampling, min_p_sampling_from_probs, sampling_from_logits,
@@ -32,6 +33,7 @@ __all__ = [
     "single_prefill_with_kv_cache", "packbits", "segment_packbits",
     "BatchAttentionWithAttentionSinkWrapper", "Variant", "MultiLevelCascadeAttentionWrapper",
     "merge_state_in_place", "BlockSparseAttentionWrapper", "VariableBlockSparseAttentionWrapper", "BatchAttention",
+    "BatchMLAPagedAttentionWrapper", "append_paged_mla_kv_cache",
     "rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm", "gemma_fused_add_rmsnorm", "layernorm",
     "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
     "apply_rope", "apply_rope_inplace", "apply_rope_pos_ids", "apply_rope_pos_ids_inplace", "apply_llama31_rope",
