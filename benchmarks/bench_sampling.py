@@ -15,9 +15,7 @@ the same memory through DLPack. Runs only where CuPy sees a GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -27,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
 
-import cuattn  # noqa: E402
-from cuattn import arrays, jit, sampling  # noqa: E402
+from cuattn import arrays, sampling  # noqa: E402
 from bench_decode import l2_flush, time_events  # noqa: E402
+from bench_rope import env_info as rope_env_info  # noqa: E402
 
 TOP_K, TOP_P, MIN_P = 50, 0.9, 0.1
 OPS = ("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs", "top_k_sampling_from_probs",
@@ -38,16 +36,10 @@ OPS = ("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs", "top_k_s
 
 
 def env_info(torch, flashinfer) -> dict:
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    env = {"gpu": props["name"].decode(), "cc": cp.cuda.Device(0).compute_capability,
-           "sms": props["multiProcessorCount"], "driver": cp.cuda.runtime.driverGetVersion(),
-           "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "nvrtc": "%d.%d" % jit.nvrtc_version(),
-           "cupy": cp.__version__, "numpy": np.__version__, "cuattn": cuattn.__version__,
-           "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-           "torch": getattr(torch, "__version__", None), "flashinfer": getattr(flashinfer, "__version__", None),
-           "spec": sampling.SamplingSpec().name}
-    for k, v in env.items():
-        print(f"{k:<13}{v}")
+    """bench_rope's environment block (GPU, versions, date), plus the sampling spec."""
+    env = rope_env_info(torch, flashinfer)
+    env["spec"] = sampling.SamplingSpec().name
+    print(f"{'spec':<13}{env['spec']}")
     return env
 
 
