@@ -249,6 +249,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
                              variant=variant, rotary_dim=rotary_dim)
         bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **self._options)
+        _plan.check_fixed_split(fn, fixed_split_size)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim), ("page_size", page_size)):
             if not isinstance(val, (int, np.integer)) or val < 1:
@@ -358,8 +359,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if disable_split_kv or not bound.composite.use_softmax:    # weights without softmax: never split
             chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
         elif fixed_split_size is not None:
-            if int(fixed_split_size) < 1:
-                raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
             chunk, why = int(fixed_split_size), f"fixed_split_size={int(fixed_split_size)}"
         else:
             chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm,

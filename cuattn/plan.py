@@ -300,6 +300,14 @@ class DeviceBuffers:
         return new
 
 
+def check_fixed_split(fn: str, fixed_split_size) -> None:
+    """``fixed_split_size`` of any plan(): None, or an int >= 1 (checked on every path, GPU or NumPy)."""
+    if fixed_split_size is None:
+        return
+    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, (int, np.integer)) or fixed_split_size < 1:
+        raise ValueError(f"{fn}: fixed_split_size must be None or an int >= 1, got {fixed_split_size!r}")
+
+
 def refuse_capture(fn: str, use_cuda_graph: bool, stream) -> None:
     """A wrapper built without ``use_cuda_graph`` refuses a run() on a stream capturing a CUDA graph:
     its plan buffers move and its grid follows each plan, so a replay would read stale memory

@@ -355,6 +355,7 @@ class _BatchPrefillBase:
         """The GPU half of plan(): the backend for the device, the work list (split-KV chosen here, or
         ``fixed_split_size`` / ``disable_split_kv``), and one upload of it with the page table into the
         plan buffers, on the current stream of ``stream_of``'s framework. No GPU: a NumPy plan."""
+        _plan.check_fixed_split(fn, fixed_split_size)
         bufs = self._bufs
         device = bufs.device_for(stream_of)
         plan["device"] = device
@@ -373,8 +374,6 @@ class _BatchPrefillBase:
         if disable_split_kv or not composite.use_softmax:       # weights without softmax: never split
             chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
         elif fixed_split_size is not None:
-            if int(fixed_split_size) < 1:
-                raise ValueError(f"{fn}: fixed_split_size must be >= 1, got {fixed_split_size}")
             chunk = -(-int(fixed_split_size) // spec.block_n) * spec.block_n    # whole key tiles
             why = f"fixed_split_size={int(fixed_split_size)} (whole {spec.block_n}-key tiles)"
         else:

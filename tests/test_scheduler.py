@@ -46,9 +46,13 @@ def test_prefill_plan_rejects_a_bad_fixed_split_size_on_every_path():
     rng = np.random.default_rng(1)
     _, _, _, qo_indptr, kv_indptr = _ragged_inputs(rng, [3], [9], 4, 2, 64)
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
-    if cuattn.arrays.gpu_available():
-        with pytest.raises(ValueError, match="fixed_split_size must be >= 1"):
-            w.plan(qo_indptr, kv_indptr, 4, 2, 64, fixed_split_size=0)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="fixed_split_size must be None or an int >= 1"):
+            w.plan(qo_indptr, kv_indptr, 4, 2, 64, fixed_split_size=bad)
+    d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    with pytest.raises(ValueError, match="fixed_split_size must be None or an int >= 1"):
+        d.plan(np.array([0, 1], np.int32), np.zeros(1, np.int32), np.array([3], np.int32), 4, 2, 64, 16,
+               fixed_split_size=0)
     with pytest.raises(TypeError, match="unexpected keyword"):
         w.plan(qo_indptr, kv_indptr, 4, 2, 64, split_size=64)
 
