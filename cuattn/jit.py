@@ -229,6 +229,13 @@ def _write_entry(path: Path, cubin: bytes, meta: dict) -> None:
 
 
 _memo: dict[tuple[str, str], CompiledKernel] = {}
+_requested: list[tuple[KernelSpec, str]] = []     # (spec, arch) in first-use order: specs_requested()
+
+
+def specs_requested() -> list[tuple[KernelSpec, str]]:
+    """Every (spec, arch) this process asked ``compile_kernel`` for, in first-use order (a test
+    session records what it used, so the next one can compile those up front in parallel)."""
+    return list(_requested)
 
 
 def compile_kernel(spec: KernelSpec, arch: str) -> CompiledKernel:
@@ -237,6 +244,7 @@ def compile_kernel(spec: KernelSpec, arch: str) -> CompiledKernel:
     memo_key = (str(cache_dir()), key)
     if memo_key in _memo:
         return _memo[memo_key]
+    _requested.append((spec, arch))
     path = _entry_path(spec, arch, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     entry = _read_entry(path)
