@@ -21,8 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee
 if [ "$mode" = tests ] || [ "$mode" = quick ]; then
   # the specs the tests compile on first use: copy $OUT/gpu_specs.pickle over tests/gpu_specs.pickle
   # (tests/conftest.py) so the next fresh machine compiles them up front, in parallel
-  /usr/bin/time -f "pytest -m gpu: %e s wall" env CUATTN_WRITE_SPEC_JOURNAL="$OUT/gpu_specs.pickle" \
-      python3 -m pytest -m gpu -q -p no:cacheprovider --durations=30 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  start=$SECONDS
+  CUATTN_WRITE_SPEC_JOURNAL="$OUT/gpu_specs.pickle" python3 -m pytest -m gpu -q -p no:cacheprovider \
+      --durations=30 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  echo "pytest -m gpu: $((SECONDS - start)) s wall" | tee -a "$OUT/gpu_tests.log"
   if [ "$mode" = tests ]; then
     python3 -m pytest -m gpu -q -p no:cacheprovider --runslow tests/test_decode.py -k full_grid 2>&1 \
         | tee -a "$OUT/gpu_tests.log" | tail -2
