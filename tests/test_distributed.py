@@ -324,10 +324,9 @@ def _nccl_available() -> bool:
 GPU_CASES = [  # (world, mode, block, lens, dtype)
     (2, "round_robin", 16, [3000, 0, 37], "float16"),
     (3, "contiguous", 1024, [2500, 5, 1100], "bfloat16"),
-    pytest.param(4, "round_robin", 64, [700, 1], "float16", marks=pytest.mark.xfail(
-        reason="on an H100 (2026-11-25) the 4 simulated ranks (threads sharing one GPU) returned different "
-               "merged outputs here; the likely cause, jit.Launcher's shared argument buffer written by several "
-               "threads at once, is fixed since (a lock per launcher), but not yet re-run on a GPU", strict=False)),
+    # four threads on one GPU: failed before jit.Launcher held a lock per launcher (its argument buffer
+    # is shared, and the ctypes launch releases the GIL); passes since (H100, 2026-11-25)
+    (4, "round_robin", 64, [700, 1], "float16"),
     (2, "contiguous", 4096, [100, 0], "float16"),      # rank 1 holds no token of any request
 ]
 
