@@ -9,9 +9,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #   -d .whl flashinfer-python==0.6.4 apache-tvm-ffi==0.1.15.post2) and the device tool's carry=[".whl"]
-if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then
+# Notebook tests need nbclient and ipykernel, which the device image lacks: carry their wheels in .whl_nb/
+# (git-ignored; pip download --no-deps of the versions `pip freeze` shows in a venv with the test extra).
+wheels=$(ls .whl/*.whl .whl_nb/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH=.:/tmp/site
+      $wheels && export PYTHONPATH=.:/tmp/site
 fi
 OUT=${OUT:-/tmp/cuattn-out}
 mkdir -p "$OUT"

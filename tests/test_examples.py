@@ -101,6 +101,16 @@ def test_notebook_runs_and_its_saved_outputs_are_current(path):
     assert checked, f"{path.name}: no cell tagged {CHECK_TAG!r}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_its_gpu_cells_on_the_gpu(path):
+    """On a GPU every cell runs (the GPU cells too: none prints its no-GPU skip message); the saved
+    outputs, made on the NumPy path, are compared by the test above."""
+    _, fresh = execute(path)
+    text = "".join(printed(c) for c in fresh.cells if c.cell_type == "code")
+    assert "no GPU" not in text, f"{path.name}: a cell took its no-GPU branch on a GPU machine:\n{text}"
+
+
 def test_same_output_tolerates_error_digits_only():
     assert same_output("err = 9.3e-04\n", "err = 9.8e-04\n")
     assert not same_output("err = 9.3e-04\n", "err = 9.3e-02\n")
