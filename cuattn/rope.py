@@ -56,8 +56,8 @@ MAX_ROTARY_DIM = 512               # rope.cu: at most 8 pairs per lane of a warp
 _WARPS = 4                         # rope.cu's block: 4 warps, one token at a time each
 _BLOCKS_PER_SM = 8                 # grid target; beyond it warps loop over tokens
 # q k q_out k_out pos_ids indptr offsets cache | nnz batch Hq Hk head_dim rotary_dim interleave idx64
-# vector | 8 strides, cache stride, cache length | 5 float-float frequency parameters
-_ARG_KINDS = "pppppppp" "iiiiiiiii" "qqqqqqqqqq" "ffffffffff"
+# vector lanes_per_row | 8 strides, cache stride, cache length | 5 float-float frequency parameters
+_ARG_KINDS = "pppppppp" "iiiiiiiiii" "qqqqqqqqqq" "ffffffffff"
 # q k q_out k_out | nnz Hq Hk head_dim rotary_dim tail_unit | 8 strides
 _TAIL_ARG_KINDS = "pppp" "iiiiii" "qqqqqqqq"
 _TAIL_BLOCK = 256
@@ -360,6 +360,19 @@ def _lane_pairs(rotary_dim: int) -> int:
     return next(p for p in _ENTRIES if 32 * p >= rotary_dim // 2)
 
 
+def _vector_layout(rotary_dim: int, strides: list) -> tuple[int, int]:
+    """(P, lanes_per_row) for rope.cu: 8 pairs a lane in 16-byte accesses, several rows a warp, where
+    rotary_dim / 16 lanes divide a warp and the strides are 16-byte multiples; else the fewest pairs
+    that let one warp cover a row (measured on an H100: 4-byte accesses, one row a warp, reached 73% of
+    the copy ceiling at 4096 x 32:8 x 128)."""
+    half = rotary_dim // 2
+    if half % 8 == 0 and 32 % (half // 8) == 0 and all(s % 16 == 0 for s in strides):
+        return 8, half // 8
+    pairs = _lane_pairs(rotary_dim)
+    lanes = half // pairs
+    return pairs, lanes if half % pairs == 0 and lanes and 32 % lanes == 0 else 32
+
+
 class _Plan(NamedTuple):
     """A checked device call without its pointers: everything a launch needs but them, for a layout key."""
     framework: str
@@ -372,6 +385,7 @@ class _Plan(NamedTuple):
     grid: tuple
     vector: bool               # strides and rotary_dim allow vector accesses; pointers are checked per call
     access: int                # bytes a vector access needs the pointers aligned to
+    lanes_per_row: int         # vector accesses: lanes serving one head row (rope.cu)
     tail_unit: int             # widest access (bytes) the tails' offsets and strides allow; 0: no copy
     tail_launcher: Any
     tail_grid: dict            # access bytes -> grid of the tail copy
@@ -396,7 +410,7 @@ def _run_plan(plan: _Plan, pointers: list, stream):
         meta = (0, pointers[2], pointers[3]) if plan.ragged else (pointers[2], 0, 0)
         bits = q | k | q_out | k_out
         plan.launcher(plan.grid, _WARPS * 32, stream, q, k, q_out, k_out, *meta, pointers[-1] if plan.cached else 0,
-                      *plan.ints, int(plan.vector and bits % plan.access == 0), *plan.rest)
+                      *plan.ints, int(plan.vector and bits % plan.access == 0), plan.lanes_per_row, *plan.rest)
         if plan.tail_launcher is not None:     # the returning forms' elements past rotary_dim
             unit = min(plan.tail_unit, bits & -bits)                   # the pointers' alignment too
             nnz, _, hq, hk, head_dim, rot = plan.ints[:6]
@@ -445,13 +459,13 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
     else:   # results are allocated contiguous: (nnz, heads, head_dim) strides of their own shapes
         qo_str, ko_str = (q3[1] * head_dim, head_dim, 1), (k3[1] * head_dim, head_dim, 1)
     heads = q3[1] + k3[1]
-    pairs = _lane_pairs(rot)
     spec = _SPECS[dtype]
     launcher = jit.get_launcher(spec, _ENTRIES[pairs], ctx.device, _ARG_KINDS) if nnz and heads else None
     tail_launcher, tail_grid = None, {}
-    access = min(4 * pairs if interleave else 2 * pairs, 16)       # bytes of one vector access
     strides = [s * 2 for shape, stride in ((q3, q_str), (k3, k_str), (q3, qo_str), (k3, ko_str))
                for n, s in zip(shape[:2], stride[:2]) if n > 1]            # bytes
+    pairs, lanes_per_row = _vector_layout(rot, strides)
+    access = min(4 * pairs if interleave else 2 * pairs, 16)       # bytes of one vector access
     vector = (rot // 2) % pairs == 0 and all(s % access == 0 for s in strides)
     tail_unit = 0 if inplace or rot == head_dim else next(
         u for u in (16, 8, 4, 2) if (rot * 2) % u == 0 and ((head_dim - rot) * 2) % u == 0 and
@@ -464,7 +478,7 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
     plan = _Plan(ctx.framework, ctx.device, dtype, None if inplace else (tq.shape, tk.shape),
                  not isinstance(where, _PosIds), cache is not None, launcher,
                  spec.grid(nnz, heads, _num_sms(ctx.device)) if launcher else (0, 0),
-                 vector, access, tail_unit, tail_launcher, tail_grid,
+                 vector, access, lanes_per_row, tail_unit, tail_launcher, tail_grid,
                  (nnz, batch, q3[1], k3[1], head_dim, rot, int(interleave), int(idx_dtype == np.int64)),
                  (q_str[0], q_str[1], k_str[0], k_str[1], qo_str[0], qo_str[1], ko_str[0], ko_str[1], cache_n,
                   cache_len, *freq_args))

@@ -10,10 +10,12 @@
 // then all rotated and written (2 KB of rows a warp in flight, 1 KB for rotary_dim <= 64).
 // A lane computes the cos/sin of its P pairs once per token (the pairs' frequencies come from shared
 // memory, computed once per block) and applies them to every head row of the token.
-// vector != 0 (the launcher checked alignment and rotary_dim / 2 % P == 0): lane l owns the pairs
-// lP .. lP + P - 1, read interleaved as one run of 2P elements at 2lP, NeoX as two runs of P elements
-// at lP and rotary_dim/2 + lP, in 4- to 16-byte accesses; vector == 0: lane l owns pairs l + 32i,
-// read in coalesced 2-byte accesses. A lane writes exactly the elements it read, so out == in (the
+// vector != 0 (the launcher checked alignment and rotary_dim / 2 % P == 0): a row is served by
+// lanes_per_row = rotary_dim / 2 / P lanes (32 / lanes_per_row rows at once: the P = 8 entry serves
+// rotary_dim 16 to 512 with 16-byte accesses); sub-lane s owns the pairs sP .. sP + P - 1, read
+// interleaved as one run of 2P elements at 2sP, NeoX as two runs of P elements at sP and
+// rotary_dim/2 + sP, in 4- to 16-byte accesses; vector == 0: the whole warp serves a row, lane l owns
+// pairs l + 32i, read in coalesced 2-byte accesses. A lane writes exactly the elements it read, so out == in (the
 // in-place forms) is safe. Elements past rotary_dim are not touched: cuattn_rope_tail copies them to
 // separate outputs (grid (blocks), block 256: one access of tail_unit = 2 to 16 bytes a thread, as the
 // launcher found the tails aligned, over every row's tail).
@@ -44,6 +46,7 @@ struct RopeArgs {
   const void* offsets;
   const float* cache;
   int nnz, batch, num_qo_heads, num_kv_heads, head_dim, rotary_dim;
+  int lanes_per_row;   // vector accesses: lanes that serve one head row (32 / it rows at once); else 32
   bool interleave, idx64;
   int64_t q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len;
   RopeFreq freq;
@@ -189,7 +192,10 @@ __device__ __forceinline__ void rotate_store_pairs(elem_t* row, int half, bool i
 template <int P, bool VECTOR>
 __device__ __forceinline__ void rope_tokens(const RopeArgs& a, const ff32* half_turns) {
   constexpr int ROWS = LANE_WORDS / P < 8 ? LANE_WORDS / P : 8;     // 8 at P = 1: ptxas spilled 16
-  const int lane = threadIdx.x & 31;
+  const int lpr = VECTOR ? a.lanes_per_row : 32;
+  const int lane = (threadIdx.x & 31) % lpr;        // the sub-lane within its row's lanes
+  const int step = 32 / lpr;                        // rows served at once by the warp
+  const int row_of_lane = (threadIdx.x & 31) / lpr;
   const int half = a.rotary_dim >> 1;
   const int heads = a.num_qo_heads + a.num_kv_heads;
   const bool cached = a.cache != nullptr;
@@ -215,17 +221,18 @@ __device__ __forceinline__ void rope_tokens(const RopeArgs& a, const ff32* half_
       }
     }
 
-    // -- the token's head rows, ROWS at a time: load all, then rotate and write all
-    for (int h0 = blockIdx.y; h0 < heads; h0 += ROWS * gridDim.y) {
+    // -- the token's head rows, ROWS * step at a time (row r of a step: ROWS per lane): load all,
+    //    then rotate and write all
+    for (int h0 = blockIdx.y; h0 < heads; h0 += ROWS * step * gridDim.y) {
       uint32_t w[ROWS][P];
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        const int h = h0 + u * gridDim.y;
+        const int h = h0 + (u * step + row_of_lane) * gridDim.y;
         if (h < heads) load_pairs<P, VECTOR>(row_in(a, t, h), half, a.interleave, lane, w[u]);
       }
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        const int h = h0 + u * gridDim.y;
+        const int h = h0 + (u * step + row_of_lane) * gridDim.y;
         if (h >= heads) break;
         rotate_store_pairs<P, VECTOR>(row_out(a, t, h), half, a.interleave, lane, w[u], cs);
       }
@@ -256,13 +263,14 @@ using namespace cuattn;
   extern "C" __global__ void __launch_bounds__(WARPS * 32) cuattn_rope_p##P(                                    \
       const elem_t* q, const elem_t* k, elem_t* q_out, elem_t* k_out, const void* pos_ids, const void* indptr,    \
       const void* offsets, const float* cos_sin_cache, int nnz, int batch, int num_qo_heads, int num_kv_heads,    \
-      int head_dim, int rotary_dim, int interleave, int idx64, int vector, int64_t q_n, int64_t q_h,            \
+      int head_dim, int rotary_dim, int interleave, int idx64, int vector, int lanes_per_row, int64_t q_n,      \
+      int64_t q_h,                                                                                                \
       int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h,                           \
       int64_t cache_n, int64_t cache_len, float step_hi, float step_lo, float smooth_a_hi, float smooth_a_lo,     \
       float smooth_b_hi, float smooth_b_lo, float scaled_pi_hi, float scaled_pi_lo, float unscaled_pi_hi,         \
       float unscaled_pi_lo) {                                                                                     \
     const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
-                     num_kv_heads, head_dim, rotary_dim, interleave != 0, idx64 != 0, q_n, q_h,                   \
+                     num_kv_heads, head_dim, rotary_dim, lanes_per_row, interleave != 0, idx64 != 0, q_n, q_h,    \
                      k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,                                        \
                      RopeFreq{{step_hi, step_lo}, {smooth_a_hi, smooth_a_lo}, {smooth_b_hi, smooth_b_lo},         \
                               {scaled_pi_hi, scaled_pi_lo}, {unscaled_pi_hi, unscaled_pi_lo}}};                   \

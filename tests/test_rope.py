@@ -511,3 +511,16 @@ def test_gpu_torch_tensors_bf16_inplace_on_torch_stream():
     assert_close_gpu(got, rope_oracle(q, pos.cpu().numpy(), 128, True), BF16)
     q_rope, _ = rope.apply_rope_pos_ids(tk, tk, pos)
     assert isinstance(q_rope, torch.Tensor) and q_rope.dtype == torch.bfloat16 and q_rope.is_cuda
+
+
+@pytest.mark.parametrize("rot", [2, 16, 18, 32, 36, 40, 64, 96, 128, 256, 512])
+def test_vector_layout_covers_a_row_exactly_with_lanes_dividing_a_warp(rot):
+    pairs, lanes = rope._vector_layout(rot, [rot * 4, 16 * 1024])
+    half = rot // 2
+    assert 32 % lanes == 0 and pairs in (1, 2, 4, 8)
+    if lanes < 32:      # several rows a warp: the row's lanes own its pairs exactly, once each
+        assert lanes * pairs == half
+    else:               # one row a warp: lanes past the row's pairs sit idle
+        assert 32 * pairs >= half
+    # a stride that is not a 16-byte multiple keeps the narrow layout
+    assert rope._vector_layout(rot, [rot * 4 + 2])[0] == rope._lane_pairs(rot)
