@@ -277,9 +277,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indices_h = None
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
         support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
-        if fp8.is_fp8(kv_dtype) and bound.composite.has_rope:
-            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
-                                   f"got kv_data_type={kv_dtype}")
+        if fp8.is_fp8(kv_dtype) and bound.composite.has_qk_transform:
+            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) and a variant's query / key "
+                                   f"transform need a 16-bit KV cache, got kv_data_type={kv_dtype}")
         if indices_h is not None and len(indices_h) and indices_h.min() < 0:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
         max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1

@@ -101,7 +101,7 @@ def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged:
               variant: variants.Composite = variants.DEFAULT, small_q: bool = False) -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
-    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_rope,
+    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_qk_transform,
                                              paged, small_q)
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
                        variant=variant)
@@ -330,7 +330,7 @@ class _BatchPrefillBase:
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
-                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope,
+                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
                         page_size=page_size)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
@@ -341,7 +341,7 @@ class _BatchPrefillBase:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
-                                       paged=paged, rope=plan["bound"].composite.has_rope,
+                                       paged=paged, rope=plan["bound"].composite.has_qk_transform,
                                        page_size=plan.get("page_size"))
         return self.backend
 

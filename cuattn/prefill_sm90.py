@@ -102,7 +102,7 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
                 f"{page_size} (the fa2 kernel gathers any page size)")
     if rope:
-        return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA')"
+        return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA') and no query / key transform"
     return None
 
 

@@ -52,6 +52,8 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
         offset = values.get("q_rope_offset")
         q = rotate(values, q, np.arange(qo_len) + (kv_len - qo_len if offset is None else int(offset[batch_idx])))
         k = rotate(values, k, np.arange(kv_len))
+    if variant is not None and (variant.has("query_transform") or variant.has("key_transform")):
+        q, k = _pair_transforms(variant, values, q, k, batch_idx, fn)
     # [num_kv_heads, group * qo_len, head_dim] @ [num_kv_heads, head_dim, kv_len]: one BLAS batch;
     # qo head h = kv head * group + g, so the result reshapes to [num_qo_heads, qo_len, kv_len]
     qf = np.ascontiguousarray(q.astype(np.float32).transpose(1, 0, 2)).reshape(num_kv_heads, group * qo_len, head_dim)
@@ -101,6 +103,28 @@ def attention(q, k, v, *, sm_scale: float, causal: bool = False, mask=None, vari
     with np.errstate(divide="ignore"):
         lse = (np.log(denom) + m_safe)[..., 0]           # -inf where the row is fully masked
     return np.ascontiguousarray(out, np.float32), np.ascontiguousarray(lse.T, np.float32)
+
+
+def _pair_transforms(variant, values, q, k, batch_idx: int, fn: str):
+    """q and k through the variant's NumPy query / key transforms: pairs (j, j + head_dim / 2), the
+    query at its bottom-right position, each key at its index (float32 out)."""
+    from types import SimpleNamespace
+    qo_len, kv_len, half = q.shape[0], k.shape[0], q.shape[-1] // 2
+    pair = np.arange(half, dtype=np.int64)[None, None, :]
+    sides = (("query_transform", q, dict(qo_pos=np.arange(qo_len, dtype=np.int64)[:, None, None] + (kv_len - qo_len),
+                                         qo_head_idx=np.arange(q.shape[1], dtype=np.int64)[None, :, None])),
+             ("key_transform", k, dict(kv_idx=np.arange(kv_len, dtype=np.int64)[:, None, None],
+                                       kv_head_idx=np.arange(k.shape[1], dtype=np.int64)[None, :, None])))
+    out = []
+    for hook, x, where in sides:
+        pos = SimpleNamespace(batch_idx=np.int64(batch_idx), pair=pair, **where)
+        for _, f in variant.numpy_hook(hook, fn):
+            x = x.astype(np.float32)
+            a, b = f(values, pos, x[..., :half], x[..., half:])
+            x = np.concatenate([np.broadcast_to(a, x[..., :half].shape), np.broadcast_to(b, x[..., half:].shape)],
+                               axis=-1).astype(np.float32)
+        out.append(x)
+    return out[0], out[1]
 
 
 def merge_state(v_a, s_a, v_b, s_b):

@@ -13,7 +13,13 @@ fa3) calls at the same points, plus the scalars and arrays those hooks read:
 - ``sink``: the natural-log logit of an extra key whose value is zero (attention sinks): its
   ``exp`` joins the softmax denominator;
 - ``use_softmax=False``: the transformed logits are the attention weights themselves (sigmoid
-  attention): no max, no normalisation, no LSE.
+  attention): no max, no normalisation, no LSE;
+- ``query_transform`` / ``key_transform``: a pair of a query / key row in, the pair out, before
+  ``q . k``: pair ``j`` (``0 <= j < head_dim / 2``) is ``x = (x_j, x_{j + head_dim/2})`` (NeoX / Llama
+  pairing, so a rotary embedding is one hook); the query hook sees ``batch_idx``, ``qo_pos`` and
+  ``qo_head_idx``, the key hook ``batch_idx``, ``kv_idx`` and ``kv_head_idx``, both ``pair``. Decode
+  and fa2 prefill apply them in shared memory (a query row once, a key tile as it lands); fa3 prefill
+  has no such pass (``backend="auto"`` runs fa2).
 
 Each hook is a CUDA function body that returns a value. It sees ``params`` (a struct with
 ``sm_scale`` and the variant's declared parameters by name) and the position of the logit:
@@ -32,12 +38,17 @@ composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one `
 that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
 check every wrapper and ``single_*`` function calls. The fused RoPE (``pos_encoding_mode=
 "ROPE_LLAMA"``) is a Variant too, but its query / key transform is built into the decode and
-fa2 kernels (``CUATTN_VARIANT_ROPE``): user-defined query / key transforms are not offered yet.
+fa2 kernels (``CUATTN_VARIANT_ROPE``: its float-float angles and angle addition along a key tile are
+faster than a per-pair hook); a user's rotary embedding is a ``query_transform`` / ``key_transform``.
 
 The NumPy path runs a variant through NumPy versions of the hooks (``numpy={hook: callable}``):
 each callable takes ``(params, pos)`` (``logits_transform`` also ``logits``), where ``params`` maps
 names to values (arrays as NumPy arrays) and ``pos`` has broadcastable int64 arrays named like
-the CUDA arguments; it returns an array of the broadcast shape.
+the CUDA arguments; it returns an array of the broadcast shape. ``query_transform`` /
+``key_transform`` take ``(params, pos, a, b)``: ``a``, ``b`` the rows' first and second halves
+[n, heads, head_dim / 2] (float32), ``pos`` with ``batch_idx``, ``pair`` [1, 1, head_dim / 2],
+``qo_pos`` / ``kv_idx`` [n, 1, 1] and ``qo_head_idx`` / ``kv_head_idx`` [1, heads, 1]; they return
+the new ``(a, b)``.
 """
 from __future__ import annotations
 
@@ -52,14 +63,14 @@ import numpy as np
 
 from .errors import UnsupportedError
 
-HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink")
+HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink", "query_transform", "key_transform")
 _NUMPY_ONLY = ("qk_transform",)      # the built-in RoPE's NumPy side (its CUDA side is built into the kernels)
 # parameter kinds: C type, launcher letter (jit.Launcher), Python check
 PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
                "int*": ("const int* __restrict__", "p")}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
-             "kv_head_idx", "qo_len", "kv_len"}
+             "kv_head_idx", "qo_len", "kv_len", "x", "pair"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
@@ -69,7 +80,13 @@ _SIGNATURES = {
     "logits_mask": ("bool", f"const Params& params, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
     "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
+    "query_transform": ("float2", "const Params& params, float2 x, int pair, int batch_idx, int qo_pos, "
+                                  "int qo_head_idx"),
+    "key_transform": ("float2", "const Params& params, float2 x, int pair, int batch_idx, int kv_idx, "
+                                "int kv_head_idx"),
 }
+_PAIR_ARGS = {"query_transform": "x, pair, batch_idx, qo_pos, qo_head_idx",
+              "key_transform": "x, pair, batch_idx, kv_idx, kv_head_idx"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,7 +100,7 @@ class Variant:
     params : sequence of (name, kind)
         Extra parameters in the order ``run()`` takes them positionally; kind is "float", "int",
         "float*" (a float32 GPU array, e.g. per-head values) or "int*".
-    logits_transform, row_state, logits_mask, kv_begin, sink : str, optional
+    logits_transform, row_state, logits_mask, kv_begin, sink, query_transform, key_transform : str, optional
         CUDA function bodies (see the module docstring for what each sees and returns).
     use_softmax : bool
         False: the transformed logits are the attention weights (no softmax; no LSE).
@@ -103,6 +120,8 @@ class Variant:
     sink: str | None = None
     use_softmax: bool = True
     numpy: dict = field(default_factory=dict)
+    query_transform: str | None = None
+    key_transform: str | None = None
 
     def __post_init__(self):
         fn = "cuattn.Variant"
@@ -137,7 +156,7 @@ class Variant:
     def code(self) -> tuple:
         """What the kernel depends on (equality and hashing: two objects with the same code are one variant)."""
         return (self.name, self.params, self.logits_transform, self.row_state, self.logits_mask, self.kv_begin, self.sink,
-                self.use_softmax)
+                self.use_softmax, self.query_transform, self.key_transform)
 
     def __eq__(self, other):
         return isinstance(other, Variant) and self.code == other.code
@@ -252,6 +271,12 @@ class Composite:
         return any(v is ROPE_LLAMA for v in self.pieces)
 
     @property
+    def has_qk_transform(self) -> bool:
+        """The kernels rewrite q and K rows in shared memory: the built-in RoPE or a user query / key
+        transform (no fa3 kernel; no fp8 KV decode kernel)."""
+        return self.has_rope or self.has("query_transform") or self.has("key_transform")
+
+    @property
     def use_softmax(self) -> bool:
         return all(v.use_softmax for v in self.pieces)
 
@@ -325,6 +350,14 @@ class Composite:
                   "int qo_head_idx) {",
                   f"  return {s[0]}(params, batch_idx, qo_idx, qo_head_idx);" if s else
                   "  return __int_as_float(0xff800000);", "}"]
+        for hook, pos in (("query_transform", "int qo_pos, int qo_head_idx"),
+                          ("key_transform", "int kv_idx, int kv_head_idx")):
+            lines += [f"__device__ __forceinline__ float2 {hook}(const Params& params, float2 x, int pair, "
+                      f"int batch_idx, {pos}) {{"]
+            lines += [f"  x = {f}(params, {_PAIR_ARGS[hook]});" for f in calls[hook]]
+            lines += ["  return x;", "}"]
+        lines += [f"constexpr bool HAS_QUERY_TRANSFORM = {str(bool(calls['query_transform'])).lower()};",
+                  f"constexpr bool HAS_KEY_TRANSFORM = {str(bool(calls['key_transform'])).lower()};"]
         lines += [f"constexpr bool HAS_TRANSFORM = {str(bool(t)).lower()};",
                   f"constexpr bool HAS_MASK = {str(bool(m)).lower()};",
                   f"constexpr bool HAS_KV_BEGIN = {str(bool(b)).lower()};",
@@ -335,7 +368,9 @@ class Composite:
                   "}}  // namespace cuattn::variant"]
         decl = "".join(f", {PARAM_KINDS[k][0]} vp_{n}" for n, k in self.params)
         init = "".join(f", vp_{n}" for n, _ in self.params)
+        qk = self.has("query_transform") or self.has("key_transform")
         lines += [f"#define CUATTN_VARIANT_ROPE {int(self.has_rope)}",
+                  f"#define CUATTN_VARIANT_QK {int(qk)}",
                   f"#define CUATTN_VARIANT_ARGS , float vp_sm_scale{decl}",
                   f"#define CUATTN_VARIANT_PARAMS {{vp_sm_scale{init}}}", ""]
         return "\n".join(lines)

@@ -85,8 +85,8 @@ typedef f16 kv_mem_t;
 constexpr int KVB = KV_FP8 ? 1 : 2;              // bytes per K/V element
 // e4m3 -> f16 by bit operations is exact times 2^-8: the scales carry the 2^8
 constexpr float FP8_FACTOR = KV_FP8 == 1 ? 256.f : 1.f;
-#if KV_FP8 && CUATTN_VARIANT_ROPE
-#error "fused RoPE needs a 16-bit KV cache"
+#if KV_FP8 && (CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK)
+#error "fused RoPE and query / key transforms need a 16-bit KV cache"
 #endif
 
 #ifndef NUM_WARPS
@@ -405,6 +405,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   rope_rotate_rows<kv_t>([&](int r, int c) { return smem_u32(q_s + r * Q_SROW + c * 16); },
                          [&](int) { return q_pos; }, M_TILE, tid, THREADS, vp, rc);
 #endif
+#if CUATTN_VARIANT_QK
+  if (variant::HAS_QUERY_TRANSFORM) {   // -- the variant's query transform (padding rows: the last head's)
+    __syncthreads();
+    transform_rows<kv_t, HEAD_DIM>([&](int r, int c) { return smem_u32(q_s + r * Q_SROW + c * 16); }, M_TILE, tid,
+                                   THREADS, [&](int r, int j, float2 x) {
+                                     return variant::query_transform(vp, x, j, req, kv_len - 1, head0 + min(r, rows - 1));
+                                   });
+  }
+#endif
   if (TMA) __syncthreads();   // the cp.async loop's first barrier publishes q_s otherwise
 
   float acc[HEAD_DIM / 8][4];
@@ -473,6 +482,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         [&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); }, tok0, WARP_N, lane,
         32, vp, rc);
     __syncwarp();
+#endif
+#if CUATTN_VARIANT_QK
+    if (variant::HAS_KEY_TRANSFORM) {   // -- the variant's key transform of this warp's 16 key rows
+      transform_rows<kv_t, HEAD_DIM>(
+          [&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); }, WARP_N, lane, 32,
+          [&](int r, int j, float2 x) { return variant::key_transform(vp, x, j, req, tok0 + r, kv_head); });
+      __syncwarp();
+    }
 #endif
     // -- S = Q K^T for 16 heads x 16 tokens (two n8 tiles)
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

@@ -355,6 +355,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
                             [&](int r) { return int64_t(min(row0 + r, max(packed_rows, 1) - 1) / group + causal_shift); },
                             BLOCK_M, tid, NUM_THREADS, vp, rc);
 #endif
+#if CUATTN_VARIANT_QK
+  if (variant::HAS_QUERY_TRANSFORM) {   // -- the variant's query transform, once Q has landed
+    cp_async_wait<2 * STAGES - 1>();
+    __syncthreads();
+    transform_rows<dtype_t, D>([&](int r, int c) { return sQ + swz(r, c); }, BLOCK_M, tid, NUM_THREADS,
+                               [&](int r, int j, float2 x) {
+                                 const int pr = min(row0 + r, max(packed_rows, 1) - 1);
+                                 return variant::query_transform(vp, x, j, req, pr / group + causal_shift,
+                                                                 kvh * group + pr % group);
+                               });
+  }
+#endif
 
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % STAGES;
@@ -397,6 +409,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     rope_rotate_rows_linear<dtype_t>([&](int r, int c) { return sKs + swz(r, c); }, kv0, BLOCK_N, tid, NUM_THREADS,
                                      vp, rc);
     __syncthreads();
+#endif
+#if CUATTN_VARIANT_QK
+    if (variant::HAS_KEY_TRANSFORM) {   // -- the variant's key transform of the K tile (visible since the barrier)
+      transform_rows<dtype_t, D>([&](int r, int c) { return sKs + swz(r, c); }, BLOCK_N, tid, NUM_THREADS,
+                                 [&](int r, int j, float2 x) { return variant::key_transform(vp, x, j, req, kv0 + r, kvh); });
+      __syncthreads();
+    }
 #endif
     // -- S = Q K^T
     float s[NUM_MMA_Q][BLOCK_N / 8][4];

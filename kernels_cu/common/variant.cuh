@@ -6,14 +6,51 @@
 //   score()      on every logit of a tile: the logits transform (natural units in and out: the raw
 //                dot product times sm_scale) and the masks, before its online softmax;
 //   tile_needs_mask() to skip the per-element masks on tiles the variant leaves whole;
-//   finish_row() for a row's output scale and LSE: the sink joins the denominator there.
+//   finish_row() for a row's output scale and LSE: the sink joins the denominator there;
+//   transform_rows() on the query rows once and on each key tile as it lands in shared memory, with
+//   variant::query_transform / key_transform (CUATTN_VARIANT_QK; the built-in RoPE has its own below).
 // Plain attention (no hooks) compiles to the kernels' previous code: every branch is constexpr.
 #pragma once
+#include "common/dtypes.cuh"
 #if CUATTN_VARIANT_ROPE
 #include "common/rope.cuh"
 #endif
 
 namespace cuattn {
+
+// The 8 pairs (lo[e], hi[e]) of two 16-byte chunks of a row in shared memory (T the 16-bit element
+// type), each replaced by f(e, pair) (a float2: x = the lo element, y = the hi one).
+template <class T, class F>
+__device__ __forceinline__ void transform_chunks(uint32_t lo, uint32_t hi, F f) {
+  uint32_t a[4], b[4];
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(lo));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(hi));
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 x = unpack2<T>(a[w]), y = unpack2<T>(b[w]);
+    const float2 r0 = f(2 * w, make_float2(x.x, y.x));
+    const float2 r1 = f(2 * w + 1, make_float2(x.y, y.y));
+    a[w] = pack2<T>(r0.x, r1.x);
+    b[w] = pack2<T>(r0.y, r1.y);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]));
+}
+
+#if CUATTN_VARIANT_QK
+// -- the variant's query / key transform over rows [0, rows) of a tile whose chunk (row, c) of 8
+//    elements sits at shared address addr(row, c): pair j of row r is (j, j + D / 2), so chunk c pairs
+//    with chunk c + D / 16; f(r, j, x) gives the new pair. Threads idx0, idx0 + step, ... take the
+//    (row, chunk) items in turn.
+template <class T, int D, class Addr, class F>
+__device__ __forceinline__ void transform_rows(Addr addr, int rows, int idx0, int step, F f) {
+  constexpr int NC = D / 16;
+  for (int i = idx0; i < rows * NC; i += step) {
+    const int r = i / NC, c = i % NC;
+    transform_chunks<T>(addr(r, c), addr(r, c + NC), [&](int e, float2 x) { return f(r, 8 * c + e, x); });
+  }
+}
+#endif
 
 constexpr float VARIANT_LOG2E = 1.4426950408889634f;
 constexpr float VARIANT_LN2 = 0.69314718055994531f;
@@ -85,19 +122,7 @@ __device__ __forceinline__ RopeCols rope_cols(const variant::Params& p, int c, i
 // angles whose (cos, sin) are cs[0..7]
 template <class T>
 __device__ __forceinline__ void rope_rotate_chunks(uint32_t lo, uint32_t hi, const float2 (&cs)[8]) {
-  uint32_t a[4], b[4];
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(lo));
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(hi));
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const float2 x = unpack2<T>(a[w]), y = unpack2<T>(b[w]);
-    const float2 r0 = rope_rotate(x.x, y.x, cs[2 * w]);
-    const float2 r1 = rope_rotate(x.y, y.y, cs[2 * w + 1]);
-    a[w] = pack2<T>(r0.x, r1.x);
-    b[w] = pack2<T>(r0.y, r1.y);
-  }
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(lo), "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(hi), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]));
+  transform_chunks<T>(lo, hi, [&](int e, float2 x) { return rope_rotate(x.x, x.y, cs[e]); });
 }
 __device__ __forceinline__ void rope_angles(int64_t pos, const RopeCols& rc, float2 (&cs)[8]) {
 #pragma unroll
