@@ -6,24 +6,74 @@ RoPE key part (``kpe``, 64) instead of per-head K and V. With the projections ab
 head scores against the same (ckv, kpe) of a token, ``s = (q_nope . ckv + q_pe . kpe) * sm_scale``,
 and reads the same ckv as its value: ``out = softmax(s) . ckv``.
 
-What runs today: the NumPy path of the whole API (float32 accumulation; the reference the GPU kernel
-will be tested against), and appending to the latent cache on the GPU (through the paged-cache
-append kernel, a (ckv, kpe) pair as one-head caches). MLA attention on GPU arrays raises
-``UnsupportedError``: its kernel (a 576-wide score, a 512-wide value, every head one group) is not
-written yet.
+NumPy inputs run the reference path (float32 accumulation). GPU inputs run ``kernels_cu/mla.cu``
+(mma.sync tensor cores, sm_80+; fp16 / bf16 with q and the caches of one dtype): plan() builds
+plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
+splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
+with the page table into ``plan.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
+launches the attention kernel and, for split items, its merge kernel. Appending to the latent cache
+on the GPU goes through the paged-cache append kernel, a (ckv, kpe) pair as one-head caches.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import arrays
+from . import arrays, jit, plan as _plan
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
+from .params import Params
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
+_SOURCE = "mla.cu"
+_ENTRY = "cuattn_mla_paged"
+_MERGE_ENTRY = "cuattn_mla_merge"
+BLOCK_M, BLOCK_N, _THREADS = 64, 32, 256      # mla.cu's tile (packed query rows x keys) and block
+_MERGE_THREADS = 128
+_LN2 = math.log(2)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    dtype: str          # "f16" | "bf16": q, ckv / kpe caches and out
+    stages: int = 2     # key tiles in the cp.async ring: 2 fit sm_80's 163 KiB of shared memory, 3 sm_90's 227
+    source = _SOURCE
+
+    @property
+    def name(self) -> str:   # "mla_ckv512_kpe64_qf16_bm64_bn32_s2"
+        return f"mla_ckv{HEAD_DIM_CKV}_kpe{HEAD_DIM_KPE}_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_s{self.stages}"
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DSTAGES={self.stages}")
+
+    @property
+    def archs(self) -> tuple[str, ...] | None:    # cli.shipped_specs: 3 stages need Hopper's shared memory
+        return ("sm_90a",) if self.stages > 2 else None
+
+    @property
+    def smem_bytes(self) -> int:    # mla.cu SMEM_BYTES: Q tile + STAGES key tiles (rows padded by 8) + scores
+        pitch = HEAD_DIM_CKV + HEAD_DIM_KPE + 8
+        return (BLOCK_M + self.stages * BLOCK_N) * pitch * 2 + BLOCK_M * (BLOCK_N + 8) * 4
+
+
+def shipped_specs() -> list[MLASpec]:
+    return [MLASpec(d, s) for d in ("f16", "bf16") for s in (2, 3)]
+
+
+def stages_for(arch: str) -> int:
+    """Key-tile stages of the kernel a device runs: 3 on sm_90 (227 KiB of shared memory), else 2."""
+    return 3 if arch.startswith("sm_90") else 2
+
+
+PARAMS = Params.define(_ENTRY, "work:p kv_chunk:p qo_indptr:p kv_indptr:p kv_indices:p kv_len_arr:p q_nope:p q_pe:p "
+                               "ckv_cache:p kpe_cache:p out:p lse:p part_o:p part_lse:p num_heads:i page_size:i "
+                               "causal:i qn_s_tok:q qn_s_head:q qp_s_tok:q qp_s_head:q ckv_s_page:q ckv_s_tok:q "
+                               "kpe_s_page:q kpe_s_tok:q o_s_tok:q o_s_head:q scale_log2:f lse_scale:f")
+MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p qo_indptr:p part_o:p part_lse:p out:p lse:p num_heads:i "
+                                           "o_s_tok:q o_s_head:q lse_scale:f")
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
