@@ -128,19 +128,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
   }
   cp_async_commit();
 
-  // -- one key tile into stage `st`: thread copies row tid / 8, chunks tid % 8 + 8 i
+  // -- one key tile into stage `st`: thread copies row tid / 8, chunks tid % 8 + 8 i. A tile's page id is
+  //    read one tile ahead (page_of), so no copy waits on a dependent load of kv_indices
   const int ld_row = tid / (THREADS / BLOCK_N), ld_sub = tid % (THREADS / BLOCK_N);
-  auto load_tile = [&](int kt, int st) {
+  auto page_of = [&](int kt) -> int {
+    const int key = kv_lo + kt * BLOCK_N + ld_row;
+    return key < kv_end ? kv_indices[page_base + key / page_size] : 0;
+  };
+  auto load_tile = [&](int kt, int st, int page) {
     const int key = kv_lo + kt * BLOCK_N + ld_row;
     const bool ok = key < kv_end;
-    int64_t page = 0;
-    int slot = 0;
-    if (ok) {
-      page = kv_indices[page_base + key / page_size];
-      slot = key % page_size;
-    }
-    const T* ckv_row = ckv_cache + page * ckv_s_page + slot * ckv_s_tok;
-    const T* kpe_row = kpe_cache + page * kpe_s_page + slot * kpe_s_tok;
+    const int slot = ok ? key % page_size : 0;
+    const T* ckv_row = ckv_cache + int64_t(page) * ckv_s_page + slot * ckv_s_tok;
+    const T* kpe_row = kpe_cache + int64_t(page) * kpe_s_page + slot * kpe_s_tok;
     T* dst = s_k + (st * BLOCK_N + ld_row) * PITCH;
 #pragma unroll
     for (int i = 0; i < CHUNKS / (THREADS / BLOCK_N); ++i) {
@@ -151,9 +151,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
+    if (s < num_tiles) load_tile(s, s, page_of(s));
     cp_async_commit();
   }
+  int page_next = STAGES - 1 < num_tiles ? page_of(STAGES - 1) : 0;   // page id of the next tile to copy
 
   // -- per-thread row state: rows g and g + 8 of the warp's row group
   const float neg_inf = __int_as_float(0xff800000);
@@ -174,97 +175,102 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
   // V as the mma's B, transposed: lanes 0-7 keys 0-7 cols +0, 8-15 keys 8-15 +0, 16-23 keys 0-7 +8, ...
   const int vb_key = (lane & 7) + (((lane >> 3) & 1) << 3), vb_col = (lane >> 4) * 8;
   float* s_pair = s_x + rg * 16 * S_PITCH;     // the pair's 16 score rows
+  const bool active = row0 + rg * 16 < rows;     // the same for both warps of a pair (their barriers)
 
   for (int kt = 0; kt < num_tiles; ++kt) {
     // -- keep STAGES - 1 tiles in flight: issue tile kt + STAGES - 1 into the stage read at kt - 1
-    if (kt + STAGES - 1 < num_tiles) load_tile(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+    if (kt + STAGES - 1 < num_tiles) load_tile(kt + STAGES - 1, (kt + STAGES - 1) % STAGES, page_next);
     cp_async_commit();
+    if (kt + STAGES < num_tiles) page_next = page_of(kt + STAGES);     // used one iteration later
     cp_async_wait<STAGES - 1>();
     __syncthreads();
     const T* kst = s_k + (kt % STAGES) * BLOCK_N * PITCH;
 
-    // -- S half = Q[rows, half dims] K[tile, half dims]^T
-    float s[BLOCK_N / 8][4];
+    // -- a pair whose 16 rows are all padding (decode with 16 heads: 3 of 4 pairs) only copies
+    if (active) {
+      // -- S half = Q[rows, half dims] K[tile, half dims]^T
+      float s[BLOCK_N / 8][4];
 #pragma unroll
-    for (int n = 0; n < BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    const uint32_t k_addr = smem_u32(kst + kb_key * PITCH + half * K_HALF + kb_col);
+      for (int n = 0; n < BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      const uint32_t k_addr = smem_u32(kst + kb_key * PITCH + half * K_HALF + kb_col);
 #pragma unroll 6
-    for (int kk = 0; kk < K_HALF / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_addr + kk * 32);
+      for (int kk = 0; kk < K_HALF / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, q_addr + kk * 32);
 #pragma unroll
-      for (int np = 0; np < BLOCK_N / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_addr + (np * 16 * PITCH) * 2 + kk * 32);
-        mma_m16n8k16<T>(s[2 * np], a, b[0], b[1]);
-        mma_m16n8k16<T>(s[2 * np + 1], a, b[2], b[3]);
+        for (int np = 0; np < BLOCK_N / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_addr + (np * 16 * PITCH) * 2 + kk * 32);
+          mma_m16n8k16<T>(s[2 * np], a, b[0], b[1]);
+          mma_m16n8k16<T>(s[2 * np + 1], a, b[2], b[3]);
+        }
       }
-    }
-    // -- the pair sums its halves through one shared buffer: half 0 stores its scores, half 1 adds
-    //    them to its own and stores the sum, half 0 reads the sum back (both hold the same bits)
-    if (half == 0) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) {
-        *reinterpret_cast<float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4) = make_float2(s[n][0], s[n][1]);
-        *reinterpret_cast<float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4) = make_float2(s[n][2], s[n][3]);
-      }
-    }
-    pair_barrier(rg);
-    if (half == 1) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) {
-        float2* lo = reinterpret_cast<float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4);
-        float2* hi = reinterpret_cast<float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4);
-        const float2 x = *lo, y = *hi;
-        s[n][0] += x.x; s[n][1] += x.y; s[n][2] += y.x; s[n][3] += y.y;
-        *lo = make_float2(s[n][0], s[n][1]);
-        *hi = make_float2(s[n][2], s[n][3]);
-      }
-    }
-    pair_barrier(rg);
-    const int key0 = kv_lo + kt * BLOCK_N;
-#pragma unroll
-    for (int n = 0; n < BLOCK_N / 8; ++n) {
+      // -- the pair sums its halves through one shared buffer: half 0 stores its scores, half 1 adds
+      //    them to its own and stores the sum, half 0 reads the sum back (both hold the same bits)
       if (half == 0) {
-        const float2 x = *reinterpret_cast<const float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4);
-        const float2 y = *reinterpret_cast<const float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4);
-        s[n][0] = x.x; s[n][1] = x.y; s[n][2] = y.x; s[n][3] = y.y;
+#pragma unroll
+        for (int n = 0; n < BLOCK_N / 8; ++n) {
+          *reinterpret_cast<float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4) = make_float2(s[n][0], s[n][1]);
+          *reinterpret_cast<float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4) = make_float2(s[n][2], s[n][3]);
+        }
       }
-      const int j = key0 + n * 8 + 2 * t4;      // -- masks: past the piece, and causal
-      if (j >= lim[0]) s[n][0] = neg_inf;
-      if (j + 1 >= lim[0]) s[n][1] = neg_inf;
-      if (j >= lim[1]) s[n][2] = neg_inf;
-      if (j + 1 >= lim[1]) s[n][3] = neg_inf;
-    }
-
-    // -- online softmax of rows g and g + 8; rescale the accumulator
+      pair_barrier(rg);
+      if (half == 1) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float corr = online_softmax_row<BLOCK_N / 4>(
-          [&](int k) { return s[k >> 1][2 * i + (k & 1)]; },
-          [&](int k, float v) { s[k >> 1][2 * i + (k & 1)] = v; }, m_i[i], l_i[i], scale_log2);
-#pragma unroll
-      for (int n = 0; n < V_HALF / 8; ++n) {
-        acc[n][2 * i] *= corr;
-        acc[n][2 * i + 1] *= corr;
+        for (int n = 0; n < BLOCK_N / 8; ++n) {
+          float2* lo = reinterpret_cast<float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4);
+          float2* hi = reinterpret_cast<float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4);
+          const float2 x = *lo, y = *hi;
+          s[n][0] += x.x; s[n][1] += x.y; s[n][2] += y.x; s[n][3] += y.y;
+          *lo = make_float2(s[n][0], s[n][1]);
+          *hi = make_float2(s[n][2], s[n][3]);
+        }
       }
-    }
+      pair_barrier(rg);
+      const int key0 = kv_lo + kt * BLOCK_N;
+#pragma unroll
+      for (int n = 0; n < BLOCK_N / 8; ++n) {
+        if (half == 0) {
+          const float2 x = *reinterpret_cast<const float2*>(s_pair + g * S_PITCH + n * 8 + 2 * t4);
+          const float2 y = *reinterpret_cast<const float2*>(s_pair + (g + 8) * S_PITCH + n * 8 + 2 * t4);
+          s[n][0] = x.x; s[n][1] = x.y; s[n][2] = y.x; s[n][3] = y.y;
+        }
+        const int j = key0 + n * 8 + 2 * t4;      // -- masks: past the piece, and causal
+        if (j >= lim[0]) s[n][0] = neg_inf;
+        if (j + 1 >= lim[0]) s[n][1] = neg_inf;
+        if (j >= lim[1]) s[n][2] = neg_inf;
+        if (j + 1 >= lim[1]) s[n][3] = neg_inf;
+      }
 
-    // -- O[rows, half cols] += P V[tile, half cols]
-    const uint32_t v_addr = smem_u32(kst + vb_key * PITCH + half * V_HALF + vb_col);
+      // -- online softmax of rows g and g + 8; rescale the accumulator
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int i = 0; i < 2; ++i) {
+        const float corr = online_softmax_row<BLOCK_N / 4>(
+            [&](int k) { return s[k >> 1][2 * i + (k & 1)]; },
+            [&](int k, float v) { s[k >> 1][2 * i + (k & 1)] = v; }, m_i[i], l_i[i], scale_log2);
 #pragma unroll
-      for (int np = 0; np < V_HALF / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_addr + (kk * 16 * PITCH + np * 16) * 2);
-        mma_m16n8k16<T>(acc[2 * np], a, b[0], b[1]);
-        mma_m16n8k16<T>(acc[2 * np + 1], a, b[2], b[3]);
+        for (int n = 0; n < V_HALF / 8; ++n) {
+          acc[n][2 * i] *= corr;
+          acc[n][2 * i + 1] *= corr;
+        }
+      }
+
+      // -- O[rows, half cols] += P V[tile, half cols]
+      const uint32_t v_addr = smem_u32(kst + vb_key * PITCH + half * V_HALF + vb_col);
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int np = 0; np < V_HALF / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_addr + (kk * 16 * PITCH + np * 16) * 2);
+          mma_m16n8k16<T>(acc[2 * np], a, b[0], b[1]);
+          mma_m16n8k16<T>(acc[2 * np + 1], a, b[2], b[3]);
+        }
       }
     }
     __syncthreads();      // the stage and the score exchange are free for the next tile
