@@ -59,6 +59,21 @@ class MLASpec:
         return (BLOCK_M + self.stages * BLOCK_N) * pitch * 2 + BLOCK_M * (BLOCK_N + 8) * 4
 
 
+MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its partial rows (<= 64 x 2 KiB) cost less
+
+
+def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None) -> int:
+    """Keys per piece (0: none split): plan.choose_chunk over the (request, query tile) items with one
+    resident CTA per SM (the kernel takes 156-193 KiB of shared memory) and pieces of >= MIN_PIECE
+    keys (a batch of one 32k request: 128 pieces; plan.choose_prefill_chunk's 512 would leave half of
+    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace)."""
+    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, BLOCK_N, min_chunk=MIN_PIECE)
+    if chunk and max_slots is not None:
+        while int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
+            chunk *= 2
+    return 0 if chunk and chunk >= int(extents.max()) else chunk
+
+
 def shipped_specs() -> list[MLASpec]:
     return [MLASpec(d, s) for d in ("f16", "bf16") for s in (2, 3)]
 
@@ -201,8 +216,8 @@ class BatchMLAPagedAttentionWrapper:
         elif fixed_split_size is not None:
             chunk = -(-int(fixed_split_size) // BLOCK_N) * BLOCK_N
             why = f"fixed_split_size={int(fixed_split_size)} (whole {BLOCK_N}-key tiles)"
-        else:      # one resident CTA per SM (the kernel takes 156-193 KiB of shared memory)
-            chunk = _plan.choose_prefill_chunk(items[2], 1, sms, 1, BLOCK_N, bufs.max_partial(slot_floats))
+        else:
+            chunk = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats))
             why = _plan.split_reason(len(items[2]), sms, chunk)
         wl = _plan.prefill_work_list(qo_lens, p["kv_len"], h, BLOCK_M, BLOCK_N, p["causal"], chunk, items)
         if len(wl.work) > 2 ** 31 - 1:
