@@ -8,6 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cuattn
 from cuattn import UnsupportedError, jit, mla
@@ -149,6 +150,52 @@ def test_mla_plan_refuses_bad_split_arguments_on_every_path():
         with pytest.raises(ValueError, match="fixed_split_size"):
             w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
                    "float16", "float16", fixed_split_size=bad)
+
+
+def kernel_ranges(wl, qo_lens, kv_lens, heads, causal):
+    """mla.cu's key range of every work row, computed as the kernel computes it: (request, tile, kv_lo, kv_end)."""
+    out = []
+    for req, tile, piece, _ in wl.work:
+        rows, n, qlen = int(qo_lens[req]) * heads, int(kv_lens[req]), int(qo_lens[req])
+        end = min(n, max(0, (min(rows, (tile + 1) * mla.BLOCK_M) - 1) // heads + n - qlen + 1)) if causal else n
+        lo = 0
+        if wl.chunk > 0:
+            lo, end = piece * wl.chunk, min(end, piece * wl.chunk + wl.chunk)
+        out.append((int(req), int(tile), lo, end))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3000)), min_size=1, max_size=12),
+       st.sampled_from([16, 32, 64, 128]), st.booleans(), st.sampled_from([None, 0, 1, 100, 700]))
+def test_mla_work_list_covers_every_row_and_visible_key_once(lens, heads, causal, split):
+    """plan.py's work list as plan() builds it, read with the kernel's key-range rule: every packed row
+    (token x head) of every request is in one tile, and each tile's pieces cover the keys its last row
+    sees exactly once, each piece non-empty; split pieces have distinct partial slots and one merge row."""
+    from cuattn import plan as P
+    qo_lens = np.array([q if not causal else min(q, n) for q, n in lens], np.int64)
+    kv_lens = np.array([n for _, n in lens], np.int64)
+    items = P.prefill_items(qo_lens, kv_lens, heads, mla.BLOCK_M, causal)
+    chunk = (mla._choose_chunk(items[2], 132, 1021) if split is None
+             else 0 if split == 0 else -(-split // mla.BLOCK_N) * mla.BLOCK_N)
+    wl = P.prefill_work_list(qo_lens, kv_lens, heads, mla.BLOCK_M, mla.BLOCK_N, causal, chunk, items)
+    tiles = {}
+    for req, tile, lo, end in kernel_ranges(wl, qo_lens, kv_lens, heads, causal):
+        tiles.setdefault((req, tile), []).append((lo, end))
+    want = {(b, t) for b in range(len(lens)) for t in range(-(-int(qo_lens[b]) * heads // mla.BLOCK_M))}
+    assert set(tiles) == want
+    for (b, t), pieces in tiles.items():
+        rows, n, qlen = int(qo_lens[b]) * heads, int(kv_lens[b]), int(qo_lens[b])
+        last = min(rows, (t + 1) * mla.BLOCK_M) - 1
+        ext = min(n, last // heads + n - qlen + 1) if causal else n
+        covered = sorted(pieces)
+        if len(covered) > 1:
+            assert all(e > s for s, e in covered)
+        assert covered[0][0] == 0 and covered[-1][1] == ext
+        assert all(a[1] == b_[0] for a, b_ in zip(covered, covered[1:]))
+    slots = wl.work[:, 3][wl.work[:, 3] >= 0]
+    assert len(set(slots.tolist())) == len(slots) == wl.num_slots
+    assert sorted((int(m[0]), int(m[1])) for m in wl.merge) == sorted(k for k, v in tiles.items() if len(v) > 1)
 
 
 # ============================================================================ GPU
