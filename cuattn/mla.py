@@ -258,9 +258,26 @@ class BatchMLAPagedAttentionWrapper:
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
-        """q_nope (nnz_qo, num_heads, 512), q_pe (nnz_qo, num_heads, 64); caches (num_pages, page_size,
-        512 / 64). Returns out (nnz_qo, num_heads, 512), or (out, lse); the LSE is base 2 unless
-        ``return_lse_base_on_e`` (FlashInfer's default and flag; cuattn's other LSEs are base e)."""
+        """MLA attention for the planned batch.
+
+        Parameters
+        ----------
+        q_nope : array, shape (nnz_qo, num_heads, 512); q_pe : array, shape (nnz_qo, num_heads, 64)
+            dtype q_data_type; last dimension contiguous. NumPy runs the reference path; CuPy or any CUDA
+            array exporting ``__dlpack__`` runs the kernel (float16 / bfloat16, q and caches of one
+            dtype; base addresses and strides 16-byte aligned).
+        ckv_cache : array, shape (num_pages, page_size, 512); kpe_cache : (num_pages, page_size, 64)
+            dtype kv_data_type.
+        out : array, optional, shape (nnz_qo, num_heads, 512), dtype of q: written in place.
+        lse : float32 array, optional, shape (nnz_qo, num_heads), contiguous: written in place.
+        return_lse_base_on_e : bool
+            The LSE is base 2 (FlashInfer's MLA default) unless this is True (cuattn's other LSEs
+            are base e).
+
+        Returns
+        -------
+        out, or (out, lse) with ``return_lse``; a row whose request has no keys gives 0 and LSE -inf.
+        """
         fn = f"{self._fn}.run"
         p = self._plan
         if p is None:
