@@ -14,7 +14,8 @@ from . import __version__, arrays, jit
 from .errors import DeviceUnavailableError
 
 # Modules that ship kernels; each has shipped_specs().
-KERNEL_MODULES = ("page", "decode", "cascade", "prefill", "prefill_sm90", "norm", "activation", "rope", "sampling")
+KERNEL_MODULES = ("page", "decode", "cascade", "prefill", "prefill_sm90", "norm", "activation", "rope", "sampling",
+                  "mla")
 
 
 def shipped_specs(arch: str | None = None) -> list:

@@ -6,24 +6,89 @@ RoPE key part (``kpe``, 64) instead of per-head K and V. With the projections ab
 head scores against the same (ckv, kpe) of a token, ``s = (q_nope . ckv + q_pe . kpe) * sm_scale``,
 and reads the same ckv as its value: ``out = softmax(s) . ckv``.
 
-What runs today: the NumPy path of the whole API (float32 accumulation; the reference the GPU kernel
-will be tested against), and appending to the latent cache on the GPU (through the paged-cache
-append kernel, a (ckv, kpe) pair as one-head caches). MLA attention on GPU arrays raises
-``UnsupportedError``: its kernel (a 576-wide score, a 512-wide value, every head one group) is not
-written yet.
+NumPy inputs run the reference path (float32 accumulation). GPU inputs run ``kernels_cu/mla.cu``
+(mma.sync tensor cores, sm_80+; fp16 / bf16 with q and the caches of one dtype): plan() builds
+plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
+splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
+with the page table into ``plan.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
+launches the attention kernel and, for split items, its merge kernel. Appending to the latent cache
+on the GPU goes through the paged-cache append kernel, a (ckv, kpe) pair as one-head caches.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import arrays
+from . import arrays, jit, plan as _plan
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
+from .params import Params
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
+_SOURCE = "mla.cu"
+_ENTRY = "cuattn_mla_paged"
+_MERGE_ENTRY = "cuattn_mla_merge"
+BLOCK_M, BLOCK_N, _THREADS = 64, 32, 256      # mla.cu's tile (packed query rows x keys) and block
+_MERGE_THREADS = 128
+_LN2 = math.log(2)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    dtype: str          # "f16" | "bf16": q, ckv / kpe caches and out
+    stages: int = 2     # key tiles in the cp.async ring: 2 fit sm_80's 163 KiB of shared memory, 3 sm_90's 227
+    source = _SOURCE
+
+    @property
+    def name(self) -> str:   # "mla_ckv512_kpe64_qf16_bm64_bn32_s2"
+        return f"mla_ckv{HEAD_DIM_CKV}_kpe{HEAD_DIM_KPE}_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_s{self.stages}"
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DSTAGES={self.stages}")
+
+    @property
+    def archs(self) -> tuple[str, ...] | None:    # cli.shipped_specs: 3 stages need Hopper's shared memory
+        return ("sm_90a",) if self.stages > 2 else None
+
+    @property
+    def smem_bytes(self) -> int:    # mla.cu SMEM_BYTES: Q tile + STAGES key tiles (rows padded by 8) + scores
+        pitch = HEAD_DIM_CKV + HEAD_DIM_KPE + 8
+        return (BLOCK_M + self.stages * BLOCK_N) * pitch * 2 + BLOCK_M * (BLOCK_N + 8) * 4
+
+
+MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its partial rows (<= 64 x 2 KiB) cost less
+
+
+def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None) -> int:
+    """Keys per piece (0: none split): plan.choose_chunk over the (request, query tile) items with one
+    resident CTA per SM (the kernel takes 156-193 KiB of shared memory) and pieces of >= MIN_PIECE
+    keys (a batch of one 32k request: 128 pieces; plan.choose_prefill_chunk's 512 would leave half of
+    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace)."""
+    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, BLOCK_N, min_chunk=MIN_PIECE)
+    if chunk and max_slots is not None:
+        while int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
+            chunk *= 2
+    return 0 if chunk and chunk >= int(extents.max()) else chunk
+
+
+def shipped_specs() -> list[MLASpec]:
+    return [MLASpec(d, s) for d in ("f16", "bf16") for s in (2, 3)]
+
+
+def stages_for(arch: str) -> int:
+    """Key-tile stages of the kernel a device runs: 3 on sm_90 (227 KiB of shared memory), else 2."""
+    return 3 if arch.startswith("sm_90") else 2
+
+
+PARAMS = Params.define(_ENTRY, "work:p kv_chunk:p qo_indptr:p kv_indptr:p kv_indices:p kv_len_arr:p q_nope:p q_pe:p "
+                               "ckv_cache:p kpe_cache:p out:p lse:p part_o:p part_lse:p num_heads:i page_size:i "
+                               "causal:i qn_s_tok:q qn_s_head:q qp_s_tok:q qp_s_head:q ckv_s_page:q ckv_s_tok:q "
+                               "kpe_s_page:q kpe_s_tok:q o_s_tok:q o_s_head:q scale_log2:f lse_scale:f")
+MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p qo_indptr:p part_o:p part_lse:p out:p lse:p num_heads:i "
+                                           "o_s_tok:q o_s_head:q lse_scale:f")
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
@@ -57,12 +122,18 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
 
 class BatchMLAPagedAttentionWrapper:
     """MLA attention over a paged latent cache (FlashInfer's API): ``plan()`` once per step, ``run()``
-    per layer. NumPy inputs run the reference path; GPU inputs raise ``UnsupportedError`` (no kernel yet).
+    per layer. NumPy inputs run the reference path; GPU inputs run ``kernels_cu/mla.cu``.
 
     Parameters
     ----------
-    float_workspace_buffer : array, optional (for FlashInfer compatibility)
-    use_cuda_graph, qo_indptr, kv_indptr, kv_indices, kv_len_arr, backend : accepted as FlashInfer's
+    float_workspace_buffer : array, optional
+        GPU scratch for split-KV partial rows (any framework and dtype); cuattn allocates its own
+        when omitted (128 MiB with ``use_cuda_graph``).
+    use_cuda_graph : bool
+        The first GPU ``plan()`` fixes the plan buffers' addresses and capacities, the grid and the
+        kernel, so a captured ``run()`` replays correctly after later plans that fit them.
+    qo_indptr, kv_indptr, kv_indices, kv_len_arr, backend : accepted as FlashInfer's (cuattn keeps its
+        own plan buffers)
     """
 
     _fn = "BatchMLAPagedAttentionWrapper"
@@ -72,14 +143,22 @@ class BatchMLAPagedAttentionWrapper:
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"{self._fn}: backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
         self._plan = None
+        self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads: int, head_dim_ckv: int,
              head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float, q_data_type, kv_data_type,
-             use_profiler: bool = False) -> None:
+             use_profiler: bool = False, *, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False) -> None:
         """Plan a batch: request i's queries are ``q[qo_indptr[i]:qo_indptr[i+1]]`` and its keys the
         first ``kv_len_arr[i]`` slots of pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; ``causal``
-        aligns bottom-right (query t sees keys <= t + kv_len - qo_len)."""
+        aligns bottom-right (query t sees keys <= t + kv_len - qo_len).
+
+        With a GPU (the device of ``kv_indices``, else the current one) the work list is built and
+        uploaded here, on the current stream of ``kv_indices``' framework. ``fixed_split_size`` cuts
+        every (request, query tile) into pieces of that many keys (whole 32-key tiles);
+        ``disable_split_kv=True`` never splits; by default plan.choose_prefill_chunk decides."""
         fn = f"{self._fn}.plan"
+        _plan.check_fixed_split(fn, fixed_split_size)
         if use_profiler:
             raise UnsupportedError(f"{fn}: use_profiler=True is not supported")
         if (head_dim_ckv, head_dim_kpe) != (HEAD_DIM_CKV, HEAD_DIM_KPE):
@@ -108,17 +187,97 @@ class BatchMLAPagedAttentionWrapper:
                              f"got kv_len_arr[{b}]={int(kvl[b])} with {int(pages[b])} pages of {page_size}")
         if causal and np.any(np.diff(qo) > kvl):
             raise ValueError(f"{fn}: with causal=True every request needs qo_len <= kv_len")
-        self._plan = dict(qo=qo, kv_indptr=kp, kv_indices=idx, kv_len=kvl, num_heads=int(num_heads),
-                          page_size=int(page_size), causal=bool(causal),
-                          sm_scale=float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
-                          q_dtype=arrays.as_dtype(q_data_type, "q_data_type", fn),
-                          kv_dtype=arrays.as_dtype(kv_data_type, "kv_data_type", fn))
+        p = dict(qo=qo, kv_indptr=kp, kv_indices=idx, kv_len=kvl, num_heads=int(num_heads),
+                 page_size=int(page_size), causal=bool(causal),
+                 sm_scale=float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
+                 q_dtype=arrays.as_dtype(q_data_type, "q_data_type", fn),
+                 kv_dtype=arrays.as_dtype(kv_data_type, "kv_data_type", fn))
+        self._plan = None
+        self._plan_device(fn, p, kv_indices, fixed_split_size, disable_split_kv)
+        self._plan = p
+
+    def _plan_device(self, fn: str, p: dict, like, fixed_split_size, disable_split_kv: bool) -> None:
+        """The GPU half of plan(): the spec for the device, the work list (plan.py's prefill items: a
+        tile is 64 packed rows, token x head, of one request; long kv cut into pieces) and one upload
+        of it with the page table. No GPU: a NumPy plan. A dtype the kernel lacks is refused at run()."""
+        bufs = self._bufs
+        device = bufs.device_for(like)
+        p["device"] = device
+        short = arrays.SHORT_NAME.get(arrays.logical_dtype(p["q_dtype"]))
+        if device is None or short not in ("f16", "bf16") or p["kv_dtype"] != p["q_dtype"]:
+            return
+        spec = MLASpec(short, stages_for(jit.device_arch(device)))
+        h, qo_lens = p["num_heads"], np.diff(p["qo"])
+        items = _plan.prefill_items(qo_lens, p["kv_len"], h, BLOCK_M, p["causal"])
+        slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
+        sms = _plan.num_sms(device)
+        if disable_split_kv:
+            chunk, why = 0, "disable_split_kv"
+        elif fixed_split_size is not None:
+            chunk = -(-int(fixed_split_size) // BLOCK_N) * BLOCK_N
+            why = f"fixed_split_size={int(fixed_split_size)} (whole {BLOCK_N}-key tiles)"
+        else:
+            chunk = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats))
+            why = _plan.split_reason(len(items[2]), sms, chunk)
+        wl = _plan.prefill_work_list(qo_lens, p["kv_len"], h, BLOCK_M, BLOCK_N, p["causal"], chunk, items)
+        if len(wl.work) > 2 ** 31 - 1:
+            raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
+        i32 = np.int32
+        segments = [("kv_chunk", np.array([wl.chunk], i32), 0), ("qo_indptr", p["qo"].astype(i32), 0),
+                    ("kv_indptr", p["kv_indptr"].astype(i32), 0), ("kv_len", p["kv_len"].astype(i32), 0),
+                    ("kv_indices", p["kv_indices"].astype(i32), 0), ("work", wl.work.ravel(), -1),
+                    ("merge", wl.merge.ravel(), -1)]
+        kernel = (spec.name, h, p["page_size"], p["causal"], p["sm_scale"])
+        ptrs = bufs.upload(fn, segments, kernel, like)
+        ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))
+        p.update(spec=spec, work_list=wl, meta=ptrs, split_why=why,
+                 grid_work=bufs.rows("work", len(wl.work), _plan.PREFILL_COLS),
+                 grid_merge=bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS))
+
+    def describe(self) -> str:
+        """What the last plan() runs: the kernel, its work items and the split-KV decision."""
+        p = self._plan
+        if p is None:
+            return f"{self._fn}: not planned"
+        batch = len(p["qo"]) - 1
+        lines = [f"{self._fn}: batch {batch}, {int(p['qo'][-1])} queries x {p['num_heads']} heads, page_size "
+                 f"{p['page_size']}, {'causal' if p['causal'] else 'full'}"]
+        if "meta" not in p:
+            return "\n".join(lines + ["NumPy reference path (no GPU kernel planned)"])
+        wl = p["work_list"]
+        lines.append(f"kernel: {p['spec'].name}, tiles of {BLOCK_M} packed rows (token x head) x {BLOCK_N} keys")
+        lines.append(f"work: {len(wl.work)} CTAs on {_plan.num_sms(p['device'])} SMs"
+                     + (f"; grid padded to {p['grid_work']} (CUDA graph)" if self._bufs.graph else ""))
+        if wl.split:
+            lines.append(f"split-KV: {len(wl.merge)} tiles cut into pieces of {wl.chunk} keys, {wl.num_slots} partial "
+                         f"slots, merged by a second kernel; {p['split_why']}")
+        else:
+            lines.append(f"split-KV: none; {p['split_why']}")
+        lines.append(f"balance: {wl.balance(BLOCK_N):.2f} (mean / max key tiles per CTA)")
+        return "\n".join(lines)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
-        """q_nope (nnz_qo, num_heads, 512), q_pe (nnz_qo, num_heads, 64); caches (num_pages, page_size,
-        512 / 64). Returns out (nnz_qo, num_heads, 512), or (out, lse); the LSE is base 2 unless
-        ``return_lse_base_on_e`` (FlashInfer's default and flag; cuattn's other LSEs are base e)."""
+        """MLA attention for the planned batch.
+
+        Parameters
+        ----------
+        q_nope : array, shape (nnz_qo, num_heads, 512); q_pe : array, shape (nnz_qo, num_heads, 64)
+            dtype q_data_type; last dimension contiguous. NumPy runs the reference path; CuPy or any CUDA
+            array exporting ``__dlpack__`` runs the kernel (float16 / bfloat16, q and caches of one
+            dtype; base addresses and strides 16-byte aligned).
+        ckv_cache : array, shape (num_pages, page_size, 512); kpe_cache : (num_pages, page_size, 64)
+            dtype kv_data_type.
+        out : array, optional, shape (nnz_qo, num_heads, 512), dtype of q: written in place.
+        lse : float32 array, optional, shape (nnz_qo, num_heads), contiguous: written in place.
+        return_lse_base_on_e : bool
+            The LSE is base 2 (FlashInfer's MLA default) unless this is True (cuattn's other LSEs
+            are base e).
+
+        Returns
+        -------
+        out, or (out, lse) with ``return_lse``; a row whose request has no keys gives 0 and LSE -inf.
+        """
         fn = f"{self._fn}.run"
         p = self._plan
         if p is None:
@@ -126,9 +285,11 @@ class BatchMLAPagedAttentionWrapper:
         if profiler_buffer is not None:
             raise UnsupportedError(f"{fn}: profiler_buffer is not supported")
         ctx = arrays.context_of(fn, {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache})
+        arrays.writable(out, "out", fn)
+        arrays.writable(lse, "lse", fn)
         if ctx.on_gpu:
-            raise UnsupportedError(f"{fn}: MLA has no GPU kernel yet; NumPy arrays run the reference path "
-                                   f"(cuattn.mla's docstring says what runs)")
+            return self._run_gpu(ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
+                                 return_lse_base_on_e)
         qn, qp = arrays.host_array(q_nope, "q_nope", fn), arrays.host_array(q_pe, "q_pe", fn)
         ckv, kpe = arrays.host_array(ckv_cache, "ckv_cache", fn), arrays.host_array(kpe_cache, "kpe_cache", fn)
         rows, h = int(p["qo"][-1]), p["num_heads"]
@@ -170,3 +331,90 @@ class BatchMLAPagedAttentionWrapper:
         return arrays.host_results(ctx, o, s_out, out, lse, return_lse, p["q_dtype"], fn)
 
     forward = run
+
+    def _run_gpu(self, ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, base_e):
+        if p["device"] is None or "meta" not in p:
+            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p["q_dtype"]))
+            if short not in ("f16", "bf16") or p["kv_dtype"] != p["q_dtype"]:
+                raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type == kv_data_type, float16 or bfloat16, "
+                                       f"got {p['q_dtype']} and {p['kv_dtype']}")
+            raise ValueError(f"{fn}: the plan was made without a GPU; plan() again with a GPU present")
+        if p["device"] != ctx.device:
+            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p['device']}), "
+                             f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
+        _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
+        rows, h = int(p["qo"][-1]), p["num_heads"]
+        ts = {}
+        for x, name, want, dt in ((q_nope, "q_nope", (rows, h, HEAD_DIM_CKV), p["q_dtype"]),
+                                  (q_pe, "q_pe", (rows, h, HEAD_DIM_KPE), p["q_dtype"]),
+                                  (ckv_cache, "ckv_cache", None, p["kv_dtype"]),
+                                  (kpe_cache, "kpe_cache", None, p["kv_dtype"])):
+            t = arrays.device_tensor(x, name, fn)
+            if want is None:
+                d = HEAD_DIM_CKV if name == "ckv_cache" else HEAD_DIM_KPE
+                if t.ndim != 3 or t.shape[1:] != (p["page_size"], d):
+                    raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p['page_size']}, {d}), "
+                                     f"got {t.shape}")
+            elif t.shape != want:
+                raise ValueError(f"{fn}: {name} must have shape {want}, got {t.shape}")
+            if not arrays.same_storage(t.dtype, dt):
+                raise ValueError(f"{fn}: {name} must have dtype {dt} ({'q' if want else 'kv'}_data_type of plan), "
+                                 f"got {t.dtype}")
+            _check_aligned(t, name, 16, fn)
+            ts[name] = t
+        num_pages = min(ts["ckv_cache"].shape[0], ts["kpe_cache"].shape[0])
+        n_idx = int(p["kv_indptr"][-1])
+        if n_idx and int(p["kv_indices"][:n_idx].max()) >= num_pages:
+            raise ValueError(f"{fn}: kv_indices must be < num_pages of the caches ({num_pages}), got "
+                             f"{int(p['kv_indices'][:n_idx].max())}")
+        if out is None:
+            out = arrays.empty(ctx, (rows, h, HEAD_DIM_CKV), p["q_dtype"])
+        ot = arrays.device_tensor(out, "out", fn)
+        if ot.shape != (rows, h, HEAD_DIM_CKV) or not arrays.same_storage(ot.dtype, p["q_dtype"]) \
+                or ot.device != ctx.device:
+            raise ValueError(f"{fn}: out must be a ({rows}, {h}, {HEAD_DIM_CKV}) {p['q_dtype']} array on GPU "
+                             f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
+        _check_aligned(ot, "out", 8, fn)
+        if lse is None and return_lse:
+            lse = arrays.empty(ctx, (rows, h), np.float32)
+        lse_ptr = 0
+        if lse is not None:
+            lt = arrays.device_tensor(lse, "lse", fn)
+            if lt.shape != (rows, h) or lt.dtype != np.float32 or not lt.is_contiguous() or lt.device != ctx.device:
+                raise ValueError(f"{fn}: lse must be a contiguous ({rows}, {h}) float32 array on GPU {ctx.device}, "
+                                 f"got {lt.shape} {lt.dtype}")
+            lse_ptr = lt.ptr
+        self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0)
+        o = arrays.export(ctx, out, p["q_dtype"])
+        return (o, arrays.export(ctx, lse)) if return_lse else o
+
+    def _launch(self, ctx, p, ts, ot, lse_ptr: int, lse_scale: float) -> None:
+        spec, meta = p["spec"], p["meta"]
+        qn, qp, ckv, kpe = ts["q_nope"], ts["q_pe"], ts["ckv_cache"], ts["kpe_cache"]
+        if p["grid_work"]:
+            launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds, spec.smem_bytes)
+            launch((p["grid_work"],), _THREADS, ctx.stream, *PARAMS.pack(
+                work=meta["work"], kv_chunk=meta["kv_chunk"], qo_indptr=meta["qo_indptr"],
+                kv_indptr=meta["kv_indptr"], kv_indices=meta["kv_indices"], kv_len_arr=meta["kv_len"],
+                q_nope=qn.ptr, q_pe=qp.ptr, ckv_cache=ckv.ptr, kpe_cache=kpe.ptr, out=ot.ptr, lse=lse_ptr,
+                part_o=meta["part_o"], part_lse=meta["part_lse"], num_heads=p["num_heads"],
+                page_size=p["page_size"], causal=int(p["causal"]), qn_s_tok=qn.strides[0], qn_s_head=qn.strides[1],
+                qp_s_tok=qp.strides[0], qp_s_head=qp.strides[1], ckv_s_page=ckv.strides[0], ckv_s_tok=ckv.strides[1],
+                kpe_s_page=kpe.strides[0], kpe_s_tok=kpe.strides[1], o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
+                scale_log2=p["sm_scale"] / _LN2, lse_scale=lse_scale))
+        # -- split items' pieces (graph mode: always, over the merge rows' capacity, so a replay after a
+        #    plan that splits merges too)
+        if p["grid_merge"] and (p["work_list"].split or self._bufs.graph):
+            merge = jit.get_launcher(spec, _MERGE_ENTRY, ctx.device, MERGE_PARAMS.kinds)
+            merge((p["grid_merge"], BLOCK_M), _MERGE_THREADS, ctx.stream, *MERGE_PARAMS.pack(
+                merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"], part_lse=meta["part_lse"],
+                out=ot.ptr, lse=lse_ptr, num_heads=p["num_heads"], o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
+                lse_scale=lse_scale))
+
+
+def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
+    """The kernels move ``nbytes`` at a time through ``t``: its base and strides must be multiples of that."""
+    elems = nbytes // t.dtype.itemsize
+    if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:
+        raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
+                         f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")

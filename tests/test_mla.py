@@ -1,15 +1,20 @@
 """MLA (BatchMLAPagedAttentionWrapper, append_paged_mla_kv_cache) on the NumPy path against an
-independent float64 formula; the GPU refusal of MLA attention and the GPU append (gpu marker)."""
+independent float64 formula; the kernels' compile (sm_80, sm_90a, no spills) and parameter lists on
+the CPU; on a GPU (gpu marker) the kernel against a vectorised float64 oracle (decode and multi-token
+causal, heads 16 / 128, page sizes 1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay after a
+re-plan, LSE in both bases) and the GPU append."""
 import math
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cuattn
-from cuattn import UnsupportedError
+from cuattn import UnsupportedError, jit, mla
 
 from .oracle import rel_err
+from .test_params import c_signature
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CKV, KPE = 512, 64
@@ -118,13 +123,285 @@ def test_mla_rejects_what_it_cannot_run():
         w.run(c["qn"], c["qp"], c["ckv"].astype(np.float32), c["kpe"])
 
 
+# ============================================================================ kernels (CPU: NVRTC only)
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_shipped_mla_kernels_compile_without_spills(arch):
+    specs = [s for s in mla.shipped_specs() if s.archs is None or arch in s.archs]
+    assert {s.dtype for s in specs} == {"f16", "bf16"}
+    for spec in specs:
+        res = jit.compile_kernel(spec, arch).resources
+        for entry in (mla._ENTRY, mla._MERGE_ENTRY):
+            r = res[entry]
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
+        assert spec.smem_bytes <= (227 if arch == "sm_90a" else 163) * 1024, spec.name
+
+
+@pytest.mark.parametrize("params", [mla.PARAMS, mla.MERGE_PARAMS], ids=lambda p: p.entry)
+def test_mla_kernel_parameter_definition_matches_the_c_signature(params):
+    assert c_signature("mla.cu", params.entry, {}) == list(zip(params.names, params.kinds))
+
+
+def test_mla_plan_refuses_bad_split_arguments_on_every_path():
+    c = mla_case(3, [1], [10], 16)
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="fixed_split_size"):
+            w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
+                   "float16", "float16", fixed_split_size=bad)
+
+
+def kernel_ranges(wl, qo_lens, kv_lens, heads, causal):
+    """mla.cu's key range of every work row, computed as the kernel computes it: (request, tile, kv_lo, kv_end)."""
+    out = []
+    for req, tile, piece, _ in wl.work:
+        rows, n, qlen = int(qo_lens[req]) * heads, int(kv_lens[req]), int(qo_lens[req])
+        end = min(n, max(0, (min(rows, (tile + 1) * mla.BLOCK_M) - 1) // heads + n - qlen + 1)) if causal else n
+        lo = 0
+        if wl.chunk > 0:
+            lo, end = piece * wl.chunk, min(end, piece * wl.chunk + wl.chunk)
+        out.append((int(req), int(tile), lo, end))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3000)), min_size=1, max_size=12),
+       st.sampled_from([16, 32, 64, 128]), st.booleans(), st.sampled_from([None, 0, 1, 100, 700]))
+def test_mla_work_list_covers_every_row_and_visible_key_once(lens, heads, causal, split):
+    """plan.py's work list as plan() builds it, read with the kernel's key-range rule: every packed row
+    (token x head) of every request is in one tile, and each tile's pieces cover the keys its last row
+    sees exactly once, each piece non-empty; split pieces have distinct partial slots and one merge row."""
+    from cuattn import plan as P
+    qo_lens = np.array([q if not causal else min(q, n) for q, n in lens], np.int64)
+    kv_lens = np.array([n for _, n in lens], np.int64)
+    items = P.prefill_items(qo_lens, kv_lens, heads, mla.BLOCK_M, causal)
+    chunk = (mla._choose_chunk(items[2], 132, 1021) if split is None
+             else 0 if split == 0 else -(-split // mla.BLOCK_N) * mla.BLOCK_N)
+    wl = P.prefill_work_list(qo_lens, kv_lens, heads, mla.BLOCK_M, mla.BLOCK_N, causal, chunk, items)
+    tiles = {}
+    for req, tile, lo, end in kernel_ranges(wl, qo_lens, kv_lens, heads, causal):
+        tiles.setdefault((req, tile), []).append((lo, end))
+    want = {(b, t) for b in range(len(lens)) for t in range(-(-int(qo_lens[b]) * heads // mla.BLOCK_M))}
+    assert set(tiles) == want
+    for (b, t), pieces in tiles.items():
+        rows, n, qlen = int(qo_lens[b]) * heads, int(kv_lens[b]), int(qo_lens[b])
+        last = min(rows, (t + 1) * mla.BLOCK_M) - 1
+        ext = min(n, last // heads + n - qlen + 1) if causal else n
+        covered = sorted(pieces)
+        if len(covered) > 1:
+            assert all(e > s for s, e in covered)
+        assert covered[0][0] == 0 and covered[-1][1] == ext
+        assert all(a[1] == b_[0] for a, b_ in zip(covered, covered[1:]))
+    slots = wl.work[:, 3][wl.work[:, 3] >= 0]
+    assert len(set(slots.tolist())) == len(slots) == wl.num_slots
+    assert sorted((int(m[0]), int(m[1])) for m in wl.merge) == sorted(k for k, v in tiles.items() if len(v) > 1)
+
+
+# ============================================================================ GPU
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def _dev(x):
+    return _cp().asarray(x.view(np.uint16)) if x.dtype == BF16 else _cp().asarray(x)
+
+
+def _host(x, dtype):
+    a = _cp().asnumpy(x)
+    return a.view(BF16) if dtype == BF16 else a
+
+
+def _nan(shape, dtype):
+    if dtype == BF16:
+        return _cp().full(shape, 0x7FC0, np.uint16)
+    return _cp().full(shape, np.nan, dtype)
+
+
+def oracle_fast(c, causal, sm_scale):
+    """float64, vectorised per request (rows = token x head at once); independent of cuattn.reference."""
+    h = c["heads"]
+    out = np.zeros(c["qn"].shape, np.float64)
+    lse = np.full(c["qn"].shape[:2], -np.inf)
+    for b in range(len(c["kv_len"])):
+        q0, q1, n = int(c["qo_indptr"][b]), int(c["qo_indptr"][b + 1]), int(c["kv_len"][b])
+        if q1 == q0 or n == 0:
+            continue
+        ids = c["kv_indices"][c["kv_indptr"][b]:c["kv_indptr"][b + 1]]
+        ckv = c["ckv"][ids].reshape(-1, CKV)[:n].astype(np.float64)
+        kpe = c["kpe"][ids].reshape(-1, KPE)[:n].astype(np.float64)
+        q = np.concatenate([c["qn"][q0:q1], c["qp"][q0:q1]], axis=-1).astype(np.float64)   # [qo, h, 576]
+        s = (q.reshape(-1, CKV + KPE) @ np.concatenate([ckv, kpe], axis=1).T * sm_scale).reshape(q1 - q0, h, n)
+        if causal:
+            visible = np.arange(n)[None, :] <= np.arange(q1 - q0)[:, None] + (n - (q1 - q0))   # [qo, n]
+            s = np.where(visible[:, None, :], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        w = np.exp(s - m)
+        z = w.sum(-1, keepdims=True)
+        out[q0:q1] = (w / z) @ ckv
+        lse[q0:q1] = m[..., 0] + np.log(z[..., 0])
+    return out, lse
+
+
+TOL = {"f16": 5e-3, "bf16": 1.5e-2}       # ||out - ref|| / ||ref||
+ELEM_TOL = {"f16": 2e-2, "bf16": 6e-2}    # max |out - ref| / max |ref|, every element
+SCALE = 1 / math.sqrt(CKV + KPE)
+
+
+def check_gpu(c, causal, dtype, out, lse, lse_base_e):
+    key = "bf16" if dtype == BF16 else "f16"
+    ref_o, ref_s = oracle_fast(c, causal, SCALE)
+    o = _host(out, dtype).astype(np.float64)
+    assert np.isfinite(o).all(), "NaN left in out: a row was not written"
+    assert rel_err(o, ref_o) < TOL[key]
+    assert np.abs(o - ref_o).max() <= ELEM_TOL[key] * max(np.abs(ref_o).max(), 1e-6)
+    s = _cp().asnumpy(lse).astype(np.float64)
+    if not lse_base_e:
+        s = s * math.log(2)
+    fin = np.isfinite(ref_s)
+    assert np.array_equal(np.isfinite(s), fin) and np.all(s[~fin] == ref_s[~fin])
+    assert np.abs(s[fin] - ref_s[fin]).max() < 2e-3 * max(1.0, np.abs(ref_s[fin]).max())
+
+
+def run_gpu(c, causal, dtype, lse_base_e=False, **plan_kw):
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["heads"], CKV, KPE, c["page_size"],
+           causal, SCALE, np.dtype(dtype), np.dtype(dtype), **plan_kw)
+    out = _nan(c["qn"].shape, dtype)
+    lse = _cp().full(c["qn"].shape[:2], np.nan, np.float32)
+    res = w.run(_dev(c["qn"]), _dev(c["qp"]), _dev(c["ckv"]), _dev(c["kpe"]), out=out, lse=lse, return_lse=True,
+                return_lse_base_on_e=lse_base_e)
+    assert res[0] is out and res[1] is lse
+    return w, out, lse
+
+
+GPU_CASES = [   # (qo_lens, kv_lens, page_size, heads, causal): decode, then multi-token
+    ([1, 1, 1], [1, 63, 1000], 1, 16, False),
+    ([1] * 7, [5, 130, 777, 64, 1, 2049, 300], 16, 128, False),
+    ([1], [16384], 64, 16, False),                 # small batch, long kv: split into pieces
+    ([1, 1], [4097, 77], 64, 128, False),
+    ([4, 1, 7], [100, 33, 7], 16, 16, True),       # speculative / chunked prefill, causal bottom-right
+    ([2, 3, 9], [300, 1000, 9], 64, 128, True),
+    ([3, 2], [40, 500], 1, 16, False),             # multi-token, no mask
+]
+GPU_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'full'}" for q, k, p, h, c in GPU_CASES]
+
+
 @pytest.mark.gpu
-def test_mla_gpu_attention_is_refused_and_the_gpu_append_equals_numpy():
+@pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal", GPU_CASES, ids=GPU_IDS)
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+def test_mla_gpu_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype):
+    c = mla_case(11, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
+    _, out, lse = run_gpu(c, causal, dtype, lse_base_e=dtype == BF16)
+    check_gpu(c, causal, dtype, out, lse, lse_base_e=dtype == BF16)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_split_and_unsplit_agree_and_match_the_oracle():
+    c = mla_case(12, [1, 1], [9000, 3000], 64, heads=128)
+    w, out_split, lse_split = run_gpu(c, False, np.float16, fixed_split_size=1000)
+    assert w.describe().count("split-KV: ") == 1 and "pieces of 1024 keys" in w.describe()
+    w2, out_one, lse_one = run_gpu(c, False, np.float16, disable_split_kv=True)
+    assert "split-KV: none" in w2.describe()
+    for out, lse in ((out_split, lse_split), (out_one, lse_one)):
+        check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
+    a, b = _cp().asnumpy(out_split).astype(np.float64), _cp().asnumpy(out_one).astype(np.float64)
+    assert rel_err(a, b) < 2e-3
+    # the default plan of a batch of one splits (132 SMs, one tile)
+    w3, out3, lse3 = run_gpu(mla_case(13, [1], [20000], 64, heads=16), False, np.float16)
+    assert "pieces of" in w3.describe()
+    check_gpu(mla_case(13, [1], [20000], 64, heads=16), False, np.float16, out3, lse3, lse_base_e=False)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_zero_length_kv_gives_zeros_and_minus_inf():
+    c = mla_case(14, [1, 1, 2], [0, 50, 0], 16)
+    _, out, lse = run_gpu(c, False, np.float16)
+    o, s = _cp().asnumpy(out), _cp().asnumpy(lse)
+    assert np.all(o[0] == 0) and np.all(o[2:] == 0) and np.all(s[0] == -np.inf) and np.all(s[2:] == -np.inf)
+    check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_cuda_graph_replays_after_replan():
+    cp = _cp()
+    heads, ps = 16, 16
+    c0 = mla_case(15, [1, 1], [3000, 40], ps, heads=heads)      # splits (2 items on 132 SMs)
+    c1 = mla_case(16, [1, 1], [41, 5000], ps, heads=heads)      # other lengths, other pieces
+    pages = max(len(c0["ckv"]), len(c1["ckv"]))
+    ckv = cp.zeros((pages, ps, CKV), np.float16)
+    kpe = cp.zeros((pages, ps, KPE), np.float16)
+    qn, qp = cp.zeros(c0["qn"].shape, np.float16), cp.zeros(c0["qp"].shape, np.float16)
+    out = _nan(c0["qn"].shape, np.float16)
+    lse = cp.full(c0["qn"].shape[:2], np.nan, np.float32)
+    w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True)
+
+    def load(c):
+        ckv[:len(c["ckv"])] = cp.asarray(c["ckv"])
+        kpe[:len(c["kpe"])] = cp.asarray(c["kpe"])
+        qn[...] = cp.asarray(c["qn"])
+        qp[...] = cp.asarray(c["qp"])
+        out.fill(np.nan)
+        lse.fill(np.nan)
+
+    def plan(c):
+        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, CKV, KPE, ps, False, SCALE,
+               "float16", "float16")
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        load(c0)
+        plan(c0)
+        assert "pieces of" in w.describe()
+        w.run(qn, qp, ckv, kpe, out=out, lse=lse)      # warm-up: compiles, sets the shared-memory limit
+        stream.begin_capture()
+        w.run(qn, qp, ckv, kpe, out=out, lse=lse)
+        graph = stream.end_capture()
+        load(c0)
+        graph.launch()
+    stream.synchronize()
+    check_gpu(c0, False, np.float16, out, lse, lse_base_e=False)
+    with stream:
+        plan(c1)
+        load(c1)
+        graph.launch()
+    stream.synchronize()
+    check_gpu(c1, False, np.float16, out, lse, lse_base_e=False)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_rejects_bad_arrays_naming_them():
+    cp = _cp()
+    c = mla_case(17, [1, 1], [40, 9], 16)
+    w = planned(c, False, sm_scale=SCALE)
+    qn, qp, ckv, kpe = (cp.asarray(c[k]) for k in ("qn", "qp", "ckv", "kpe"))
+    with pytest.raises(ValueError, match="q_pe must have shape"):
+        w.run(qn, qp[:, :8], ckv, kpe)
+    with pytest.raises(ValueError, match="kpe_cache must have shape"):
+        w.run(qn, qp, ckv, kpe[:, :, :32])
+    with pytest.raises(ValueError, match="ckv_cache must have dtype"):
+        w.run(qn, qp, ckv.astype(np.float32), kpe)
+    with pytest.raises(ValueError, match="kv_indices must be < num_pages"):
+        w.run(qn, qp, ckv[:2], kpe[:2])
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(qn, qp, ckv, kpe, out=cp.empty((2, 16, 256), np.float16))
+    with pytest.raises(ValueError, match="lse must be"):
+        w.run(qn, qp, ckv, kpe, lse=cp.empty((2, 16), np.float16))
+    w32 = cuattn.BatchMLAPagedAttentionWrapper()
+    w32.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, SCALE,
+             "float32", "float32")
+    with pytest.raises(UnsupportedError, match="float16 or bfloat16"):
+        w32.run(qn.astype(np.float32), qp.astype(np.float32), ckv.astype(np.float32), kpe.astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_mla_gpu_append_equals_numpy():
     import cupy as cp
     c = mla_case(4, [1, 1], [40, 9], 16)
-    w = planned(c, False)
-    with pytest.raises(UnsupportedError, match="no GPU kernel yet"):
-        w.run(*(cp.asarray(c[k]) for k in ("qn", "qp", "ckv", "kpe")))
     rng = np.random.default_rng(5)
     rows_c = rng.standard_normal((49, CKV)).astype(np.float16)
     rows_k = rng.standard_normal((49, KPE)).astype(np.float16)
@@ -137,3 +414,13 @@ def test_mla_gpu_attention_is_refused_and_the_gpu_append_equals_numpy():
                                      cp.asarray(c["kv_indices"]), cp.asarray(c["kv_indptr"]), cp.asarray(last))
     for h, d in zip(host, dev):
         np.testing.assert_array_equal(h, cp.asnumpy(d))
+
+
+def test_vectorised_oracle_equals_the_loop_oracle():
+    for causal, qo, kv in ((False, [1, 1, 2], [30, 0, 17]), (True, [3, 1], [9, 4])):
+        c = mla_case(18, qo, kv, 4, heads=4)
+        a, sa = oracle_fast(c, causal, 0.05)
+        b, sb = mla_oracle(c, causal, 0.05)
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isinf(sa), np.isinf(sb))
+        np.testing.assert_allclose(sa[np.isfinite(sa)], sb[np.isfinite(sb)], rtol=1e-12)
