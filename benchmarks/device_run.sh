@@ -5,7 +5,7 @@
 #        bash benchmarks/device_run.sh quick   GPU tests, then a subset of both benchmarks
 #        bash benchmarks/device_run.sh variants  GPU tests (TESTS=paths: those), variant and JIT benchmarks
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD     # absolute: notebook kernels start in examples/notebooks
 # FlashInfer for same-run comparisons, from wheels carried in .whl/ (git-ignored; fetch them here with
 # pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #   -d .whl flashinfer-python==0.6.4 apache-tvm-ffi==0.1.15.post2) and the device tool's carry=[".whl"]
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 wheels=$(ls .whl/*.whl .whl_nb/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $wheels && export PYTHONPATH=.:/tmp/site
+      $wheels && export PYTHONPATH=$PWD:/tmp/site
 fi
 OUT=${OUT:-/tmp/cuattn-out}
 mkdir -p "$OUT"

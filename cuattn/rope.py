@@ -460,11 +460,11 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
         qo_str, ko_str = (q3[1] * head_dim, head_dim, 1), (k3[1] * head_dim, head_dim, 1)
     heads = q3[1] + k3[1]
     spec = _SPECS[dtype]
-    launcher = jit.get_launcher(spec, _ENTRIES[pairs], ctx.device, _ARG_KINDS) if nnz and heads else None
-    tail_launcher, tail_grid = None, {}
     strides = [s * 2 for shape, stride in ((q3, q_str), (k3, k_str), (q3, qo_str), (k3, ko_str))
                for n, s in zip(shape[:2], stride[:2]) if n > 1]            # bytes
     pairs, lanes_per_row = _vector_layout(rot, strides)
+    launcher = jit.get_launcher(spec, _ENTRIES[pairs], ctx.device, _ARG_KINDS) if nnz and heads else None
+    tail_launcher, tail_grid = None, {}
     access = min(4 * pairs if interleave else 2 * pairs, 16)       # bytes of one vector access
     vector = (rot // 2) % pairs == 0 and all(s % access == 0 for s in strides)
     tail_unit = 0 if inplace or rot == head_dim else next(

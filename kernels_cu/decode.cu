@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   // -- the variant's view of the query: position kv_len - 1 of its request; a sliding window's
   //    first key moves kv_start up (by whole 16-token boxes: TMA pieces stay aligned)
   int kv_len = 0, row_lo = 0;
-  if (variant::NEEDS_POSITION) kv_len = req_kv_len[req];
+  if (variant::NEEDS_POSITION || variant::HAS_QUERY_TRANSFORM) kv_len = req_kv_len[req];
   if (variant::HAS_KV_BEGIN) {
     row_lo = max(0, variant::kv_begin(vp, req, kv_len - 1, 1, kv_len));
     if (row_lo > kv_start) kv_start = min(kv_end, kv_start + (row_lo - kv_start) / WARP_N * WARP_N);
