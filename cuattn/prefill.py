@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan, prefill_sm90, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, prefill_sm90, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
@@ -31,6 +31,7 @@ _SOURCE = "prefill.cu"
 _ENTRY = "cuattn_prefill"
 HEAD_DIMS = support.TABLE["prefill"]["head_dims"]
 DTYPES = ("f16", "bf16")
+KV_FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8 (K/V converted to f16 in smem)
 BACKENDS = ("auto", "fa2", "fa3")
 _NUM_THREADS = 128
 
@@ -67,6 +68,7 @@ class PrefillSpec:
     stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
     tuning: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
     variant: variants.Composite = variants.DEFAULT
+    dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2"
     source = _SOURCE
 
     @property
@@ -74,10 +76,14 @@ class PrefillSpec:
         return 64 * self.num_mma_q
 
     @property
+    def kv_bytes(self) -> int:
+        return 1 if self.dtype_kv else 2
+
+    @property
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
         return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
     @property
@@ -88,29 +94,40 @@ class PrefillSpec:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}") + \
+            tuple(f"-D{v}" for v in self.tuning)
 
     @property
-    def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+    def smem_bytes(self) -> int:     # Q tile (2-byte elements) + STAGES K tiles + STAGES V tiles
+        tiles = self.block_m * self.head_dim * 2 + 2 * self.stages * self.block_n * self.head_dim * self.kv_bytes
+        if self.dtype_kv:            # fp8: the converted f16 K and V tiles
+            tiles += 2 * self.block_n * self.head_dim * 2
         # paged: row offsets (STAGES x BLOCK_N int) and page ids ((STAGES + 1) x BLOCK_N int)
         return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
-              variant: variants.Composite = variants.DEFAULT, small_q: bool = False) -> PrefillSpec:
+              variant: variants.Composite = variants.DEFAULT, small_q: bool = False, dtype_kv: str = "") -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_rope,
                                              paged, small_q)
+    if dtype_kv not in ("", dtype) and (head_dim, num_mma_q, block_n) == (128, 2, 64):
+        # fp8 K/V (tiles converted to f16 in smem): 128 x 64 spilled 4-100 bytes on sm_80 / sm_90a whatever
+        # the load order; 128 x 32 with three stages is spill-free (73 KiB, two CTAs per SM)
+        block_n, stages = 32, 3
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
-                       variant=variant)
+                       variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv)
 
 
 def shipped_specs() -> list[PrefillSpec]:
+    """Every 16-bit case, and for fp8 K/V what serving runs: paged (both tile heights), causal or not, no
+    custom mask, fp16 / bf16 q, e4m3 / e5m2, head_dim 64 / 128 (others compile on first use)."""
     return [make_spec(d, t, c, m, p, small_q=s) for d in HEAD_DIMS for t in DTYPES for c in (False, True)
             for m in (False, True) for p in (False, True) for s in (False, True)
-            if not s or (p and not m and d in (64, 128))]     # small-q tiles: paged, no mask (a mask has them)
+            if not s or (p and not m and d in (64, 128))] + \
+        [make_spec(d, t, c, False, True, small_q=s, dtype_kv=kv) for d in (64, 128) for t in DTYPES
+         for kv in KV_FP8 for c in (False, True) for s in (False, True)]
 
 
 def select_backend(backend: str, fn: str) -> str:
@@ -131,12 +148,16 @@ def select_backend(backend: str, fn: str) -> str:
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None) -> str:
+                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None,
+                    dtype_kv: str | None = None) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
-    the case; ``arch`` None checks everything but the device."""
+    the case; ``arch`` None checks everything but the device. ``dtype_kv``: the KV short name when it is
+    not q's (fa3 reads 16-bit K/V of q's type only)."""
     if backend == "fa2":
         return "fa2"
     reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size)
+    if reason is None and dtype_kv not in (None, "", dtype):
+        reason = f"fa3 reads K/V of q's dtype only (float16 / bfloat16), got an {dtype_kv} KV cache"
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
@@ -206,7 +227,8 @@ def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarr
 PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p mask:p "
                                "mask_indptr:p work:p part_o:p part_lse:p kv_chunk:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
                                "page_rows:i q_s_tok:q q_s_head:q k_s_tok:q k_s_head:q k_s_page:q v_s_tok:q v_s_head:q "
-                               "v_s_page:q o_s_tok:q o_s_head:q scale_log2:f")
+                               "v_s_page:q o_s_tok:q o_s_head:q k_scale:f v_scale:f k_scales:p v_scales:p "
+                               "scale_per_head:i scale_log2:f")
 
 
 META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work", "part_o",
@@ -217,10 +239,10 @@ MERGE_PARAMS = {entry: Params.define(entry, "merge:p qo_indptr:p part_o:p part_l
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
-            page_size: int = 1, pdl: bool = False) -> None:
+            page_size: int = 1, pdl: bool = False, scales=(fp8.ONE, fp8.ONE)) -> None:
     """One launch; ``meta`` = the plan's device pointers by name (META) for batch mode, or None for
     the single-request case (mask ptr in single); ``variant_args`` = variants.Bound.kernel_args
-    (sm_scale first)."""
+    (sm_scale first); ``scales`` = run()'s (k, v) fp8.Scale."""
     if num_work == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
@@ -233,6 +255,8 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
         page_rows=k_strides[2] // k_strides[0] if k_strides[0] else 0, q_s_tok=q.strides[0], q_s_head=q.strides[1],
         k_s_tok=k_strides[0], k_s_head=k_strides[1], k_s_page=k_strides[2], v_s_tok=v_strides[0],
         v_s_head=v_strides[1], v_s_page=v_strides[2], o_s_tok=out.strides[0], o_s_head=out.strides[1],
+        k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
+        scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
         scale_log2=spec.variant.scale_log2(sm_scale)) + tuple(variant_args)
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
@@ -268,10 +292,43 @@ def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype
 
 
 def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
-    """K and V have the plan's kv_data_type (both paths)."""
+    """K and V have the plan's kv_data_type, or its raw view (uint8 for fp8, uint16 for bf16) (both paths)."""
     for dt in (k_dtype, v_dtype):
-        if arrays.logical_dtype(dt) != plan["kv_dtype"]:
-            raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan), got {dt}")
+        if not arrays.same_storage(np.dtype(dt), plan["kv_dtype"]):
+            raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan) or its raw "
+                             f"view, got {dt}")
+
+
+def _check_fa3_scales(scales, fn: str) -> None:
+    if any(sc.ptr or sc.value != 1.0 for sc in scales):
+        raise UnsupportedError(f"{fn}: k_scale / v_scale other than 1 have no fa3 kernel; plan with backend='fa2' "
+                               f"(or 'auto' on a device without fa3)")
+
+
+def _kv_short(q_dt, kv_dt, bound, fn: str) -> str:
+    """The spec's dtype_kv: "" for K/V of q's dtype, "e4m3" / "e5m2" for an fp8 cache (support.check passed)."""
+    if not fp8.is_fp8(kv_dt):
+        return ""
+    if bound.composite.has_rope:
+        raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
+                               f"got kv_data_type={kv_dt}")
+    return arrays.SHORT_NAME[np.dtype(kv_dt)]
+
+
+def _scales(plan, k_scale, v_scale, fn: str, on_gpu: bool):
+    """(k, v) fp8.Scale of run()'s k_scale / v_scale (None: 1.0), checked as decode checks them."""
+    return (fp8.parse_scale(k_scale, "k_scale", plan["num_kv_heads"], fn, on_gpu=on_gpu),
+            fp8.parse_scale(v_scale, "v_scale", plan["num_kv_heads"], fn, on_gpu=on_gpu))
+
+
+def _host_kv(x: np.ndarray, plan, scale, head_axis: int) -> np.ndarray:
+    """A host K or V slice as the reference reads it: uint8 viewed as the plan's fp8 type; real values
+    (float32, times the per-head scale) for an fp8 cache or a scale other than 1."""
+    if x.dtype == np.uint8 and fp8.is_fp8(plan["kv_dtype"]):
+        x = x.view(plan["kv_dtype"])
+    if fp8.is_fp8(plan["kv_dtype"]) or np.any(scale.host != 1):
+        return fp8.dequantize(x, scale.host, head_axis)
+    return x
 
 
 # ---------------------------------------------------------------------------- batches
@@ -322,16 +379,18 @@ class _BatchPrefillBase:
         q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
         kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
         support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt)     # every path
+        kv_short = _kv_short(q_dt, kv_dt, bound, fn)
         group = num_qo_heads // num_kv_heads
         spec = None
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
         small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
         if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
-            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q)
+            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q,
+                             kv_short)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope,
-                        page_size=page_size)   # fa3 asked where it has none
+                        page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
@@ -342,7 +401,7 @@ class _BatchPrefillBase:
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_rope,
-                                       page_size=plan.get("page_size"))
+                                       page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv)
         return self.backend
 
     def _require_plan(self, fn):
@@ -540,13 +599,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._plan_device(fn, plan, False, fixed_split_size, disable_split_kv, qo_indptr)
         self._plan = plan
 
-    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None, stream=None):
+    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, k_scale=None, v_scale=None,
+            enable_pdl=None, stream=None):
         """Attention for the planned batch.
 
         Parameters
         ----------
         q : array, shape (qo_indptr[-1], num_qo_heads, head_dim), q_data_type
-        k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND"
+        k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND";
+            kv_data_type (fp8: torch / ml_dtypes float8, or uint8 read as the plan's fp8 type)
+        k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+            Stored value x scale = real value (FlashInfer's meaning; any KV dtype; fa2 backend).
         out : array, optional, shape of ``q``; lse : float32 (qo_indptr[-1], num_qo_heads), optional
         enable_pdl : bool, optional
             Programmatic Dependent Launch (the kernel may be scheduled while the previous kernel in
@@ -563,6 +626,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu)
+        scales = _scales(plan, k_scale, v_scale, fn, ctx.on_gpu)
         if not ctx.on_gpu:
             ka, va = arrays.host_array(k, "k", fn), arrays.host_array(v, "v", fn)
             self._check_kv(ka.shape, va.shape, plan, fn)
@@ -570,7 +634,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             if self._kv_layout == "HND":
                 ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
             kvp = plan["kv_indptr"]
-            return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
+            return self._reference_run(ctx, plan, q, lambda b: (_host_kv(ka[kvp[b]:kvp[b + 1]], plan, scales[0], 1),
+                                                                _host_kv(va[kvp[b]:kvp[b + 1]], plan, scales[1], 1)),
                                        return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
@@ -581,6 +646,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         if plan["backend"] == "fa3":
+            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
@@ -591,7 +657,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                     k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl)
+                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
@@ -669,21 +735,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _run_paged(self, q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
                    sm_scale, fn):
         plan = self._require_plan(fn)
-        if k_scale not in (None, 1, 1.0) or v_scale not in (None, 1, 1.0):
-            raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) have no prefill kernel")
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
         ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu, sm_scale)
+        scales = _scales(plan, k_scale, v_scale, fn, ctx.on_gpu)
         if not ctx.on_gpu:
             kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
             _check_kv_dtype(plan, kp.dtype, vp.dtype, "paged_kv_cache", fn)
-            return self._reference_run(
-                ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
-                                                                  plan["last_page_len"], b), return_lse, fn,
-                scale, vargs, out, lse)
+
+            def gather(b):
+                kb, vb = reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"], plan["last_page_len"], b)
+                return _host_kv(kb, plan, scales[0], 1), _host_kv(vb, plan, scales[1], 1)
+            return self._reference_run(ctx, plan, q, gather, return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
@@ -693,6 +759,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
+            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=kv.v, k_strides=None, v_strides=None,
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
@@ -709,7 +776,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                     k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
-                    page_size=plan["page_size"], pdl=pdl)
+                    page_size=plan["page_size"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o

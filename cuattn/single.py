@@ -144,7 +144,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                                  use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
                                  window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False,
-                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, stream=None):
+                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, k_scale=None,
+                                 v_scale=None, kv_data_type: Any = None, stream=None):
     """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
 
     Parameters
@@ -152,7 +153,12 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
         NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
-        head_dim) for "HND"; dtype of ``q``; last dimension contiguous.
+        head_dim) for "HND"; last dimension contiguous. dtype of ``q``, or float8_e4m3fn /
+        float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as ``kv_data_type``; backend fa2).
+    k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+        Stored value x scale = real value (FlashInfer's meaning; any KV dtype; backend fa2).
+    kv_data_type : dtype, optional
+        The fp8 type of a uint8 k / v ("float8_e4m3fn" or "float8_e5m2"); default: their dtype.
     custom_mask : array, shape (qo_len, kv_len) or flattened, bool, optional. True = attend.
     packed_custom_mask : array, shape (ceil(qo_len * kv_len / 8),), uint8, optional
         ``packbits(custom_mask)`` (little bit order).
@@ -188,6 +194,11 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     q_dt, kv_dt = arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype)
     if arrays.logical_dtype(vt.dtype) != kv_dt:
         raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
+    if kv_data_type is not None:
+        want = arrays.as_dtype(kv_data_type, "kv_data_type", fn)
+        if not arrays.same_storage(kv_dt, want):
+            raise ValueError(f"{fn}: k must have dtype {want} (kv_data_type) or its raw view, got {kt.dtype}")
+        kv_dt = want
     # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
     #    there is no mask: a plan depends on nothing else)
     key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
@@ -196,7 +207,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         w = _prefill_wrapper(*key)
     else:
         w = _prefill_wrapper.__wrapped__(*key, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
-    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=ctx.stream)
+    return w.run(q, k, v, *variant_args, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, stream=ctx.stream)
 
 
 @functools.lru_cache(maxsize=64)
