@@ -32,6 +32,8 @@ _ENTRY = "cuattn_prefill"
 HEAD_DIMS = support.TABLE["prefill"]["head_dims"]
 DTYPES = ("f16", "bf16")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8 (K/V converted to f16 in smem)
+HEAD_DIM_PAIRS = support.TABLE["prefill"]["head_dim_pairs"]   # (head_dim_qk, head_dim_vo) besides equal ones
+SPLIT_TILES = (1, 64, 2)     # (num_mma_q, block_n, stages) of those: 128 x 32 spilled 8-16 bytes (contiguous)
 BACKENDS = ("auto", "fa2", "fa3")
 _NUM_THREADS = 128
 
@@ -69,6 +71,7 @@ class PrefillSpec:
     tuning: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
     variant: variants.Composite = variants.DEFAULT
     dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2"
+    head_dim_vo: int = 0   # V / out columns when not head_dim (192 / 128: HEAD_DIM_PAIRS)
     source = _SOURCE
 
     @property
@@ -80,8 +83,12 @@ class PrefillSpec:
         return 1 if self.dtype_kv else 2
 
     @property
+    def dim_vo(self) -> int:
+        return self.head_dim_vo or self.head_dim
+
+    @property
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
-        return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+        return (f"prefill_hd{self.head_dim}{f'v{self.head_dim_vo}' if self.head_dim_vo else ''}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
                 f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
@@ -94,30 +101,36 @@ class PrefillSpec:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}") + \
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
+                f"-DHEAD_DIM_VO={self.dim_vo}") + \
             tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def smem_bytes(self) -> int:     # Q tile (2-byte elements) + STAGES K tiles + STAGES V tiles
-        tiles = self.block_m * self.head_dim * 2 + 2 * self.stages * self.block_n * self.head_dim * self.kv_bytes
+        d, dv = self.head_dim, self.dim_vo
+        tiles = self.block_m * d * 2 + self.stages * self.block_n * (d + dv) * self.kv_bytes
         if self.dtype_kv:            # fp8: the converted f16 K and V tiles
-            tiles += 2 * self.block_n * self.head_dim * 2
+            tiles += self.block_n * (d + dv) * 2
         # paged: row offsets (STAGES x BLOCK_N int) and page ids ((STAGES + 1) x BLOCK_N int)
         return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
-              variant: variants.Composite = variants.DEFAULT, small_q: bool = False, dtype_kv: str = "") -> PrefillSpec:
+              variant: variants.Composite = variants.DEFAULT, small_q: bool = False, dtype_kv: str = "",
+              head_dim_vo: int | None = None) -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_rope,
                                              paged, small_q)
-    if dtype_kv not in ("", dtype) and (head_dim, num_mma_q, block_n) == (128, 2, 64):
+    if head_dim_vo not in (None, head_dim):     # 192 / 128: Q 48 KiB, K 24 + V 16 KiB a stage
+        num_mma_q, block_n, stages = SPLIT_TILES
+    elif dtype_kv not in ("", dtype) and (head_dim, num_mma_q, block_n) == (128, 2, 64):
         # fp8 K/V (tiles converted to f16 in smem): 128 x 64 spilled 4-100 bytes on sm_80 / sm_90a whatever
         # the load order; 128 x 32 with three stages is spill-free (73 KiB, two CTAs per SM)
         block_n, stages = 32, 3
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
-                       variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv)
+                       variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv,
+                       head_dim_vo=0 if head_dim_vo in (None, head_dim) else int(head_dim_vo))
 
 
 def shipped_specs() -> list[PrefillSpec]:
@@ -175,9 +188,16 @@ def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
     return s
 
 
-def _check_head_dim(d: int, fn: str) -> None:
-    if d not in HEAD_DIMS:
-        raise UnsupportedError(f"{fn}: head_dim={d} has no kernel; supported: 64, 128, 256")
+def _check_head_dim_vo(head_dim_qk: int, head_dim_vo, bound, fn: str) -> int:
+    """head_dim_vo (None: head_dim_qk) as an int; a pair support.check takes, without fused RoPE."""
+    if head_dim_vo is None or head_dim_vo == head_dim_qk:
+        return head_dim_qk
+    if isinstance(head_dim_vo, bool) or not isinstance(head_dim_vo, (int, np.integer)):
+        raise TypeError(f"{fn}: head_dim_vo must be an int or None, got {head_dim_vo!r}")
+    if bound.composite.has_rope:
+        raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs head_dim_vo == head_dim_qk, "
+                               f"got {head_dim_qk}/{head_dim_vo}")
+    return int(head_dim_vo)
 
 
 def _check_q(shape: tuple, fn: str, num_qo_heads=None, head_dim=None, rows=None) -> None:
@@ -305,6 +325,16 @@ def _check_fa3_scales(scales, fn: str) -> None:
                                f"(or 'auto' on a device without fa3)")
 
 
+def _split_pair(paged_kv_cache, plan, fn: str):
+    """The (k_cache, v_cache) pair of a plan with head_dim_vo != head_dim_qk (None otherwise)."""
+    if plan["head_dim_vo"] == plan["head_dim"]:
+        return None
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        raise ValueError(f"{fn}: paged_kv_cache must be a (k_cache, v_cache) pair when head_dim_vo="
+                         f"{plan['head_dim_vo']} != head_dim_qk={plan['head_dim']}")
+    return tuple(paged_kv_cache)
+
+
 def _kv_short(q_dt, kv_dt, bound, fn: str) -> str:
     """The spec's dtype_kv: "" for K/V of q's dtype, "e4m3" / "e5m2" for an fp8 cache (support.check passed)."""
     if not fp8.is_fp8(kv_dt):
@@ -357,8 +387,7 @@ class _BatchPrefillBase:
                              f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
         _check_group(num_qo_heads, num_kv_heads, fn)
         bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
-        if head_dim_vo not in (None, head_dim_qk):
-            raise UnsupportedError(f"{fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
+        head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
         qo_lens = np.diff(qo)
         sizes = qo_lens * kv_lens
         has_mask = custom_mask is not None or packed_custom_mask is not None
@@ -378,21 +407,21 @@ class _BatchPrefillBase:
                 mask_host = m
         q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
         kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
-        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt)     # every path
+        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt, head_dim_vo=head_dim_vo)
         kv_short = _kv_short(q_dt, kv_dt, bound, fn)
         group = num_qo_heads // num_kv_heads
         spec = None
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
         small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
-        if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
+        if arrays.SHORT_NAME.get(q_dt) in DTYPES:      # (support.check passed)
             spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q,
-                             kv_short)
+                             kv_short, head_dim_vo)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope,
                         page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
-                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
+                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk, head_dim_vo=head_dim_vo,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
                     kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
 
@@ -502,14 +531,13 @@ class _BatchPrefillBase:
         if arrays.logical_dtype(qt.dtype) != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
         dt = _short_dtype(qt.dtype, "q", fn)
-        _check_head_dim(plan["head_dim"], fn)
         return qt, dt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
         rows = int(plan["qo_indptr"][-1])
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
-        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim"], qt.dtype, fn)
+        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim_vo"], qt.dtype, fn)
 
     def _variant_args(self, plan, args, return_lse, lse, fn, on_gpu: bool, sm_scale=None):
         """(sm_scale, the kernels' variant arguments or, on the NumPy path, the parameter values)
@@ -531,7 +559,7 @@ class _BatchPrefillBase:
         if qa.dtype != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qa.dtype}")
         rows = qa.shape[0]
-        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim"]), np.float32)
+        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim_vo"]), np.float32)
         lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
         qo = plan["qo_indptr"]
         for b in range(plan["batch"]):
@@ -666,8 +694,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
-        if tuple(vs) != tuple(ks):
-            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+        if tuple(vs) != tuple(ks)[:-1] + (plan["head_dim_vo"],):
+            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} with head_dim_vo={plan['head_dim_vo']} "
+                             f"last, got {tuple(vs)}")
         if hkv != plan["num_kv_heads"] or d != plan["head_dim"] or nnz < plan["kv_indptr"][-1]:
             raise ValueError(f"{fn}: k must have num_kv_heads={plan['num_kv_heads']}, head_dim={plan['head_dim']} "
                              f"and >= kv_indptr[-1]={plan['kv_indptr'][-1]} tokens, got shape {tuple(ks)} "
@@ -741,9 +770,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu, sm_scale)
         scales = _scales(plan, k_scale, v_scale, fn, ctx.on_gpu)
+        split = _split_pair(paged_kv_cache, plan, fn)     # head_dim_vo != head_dim_qk: (k, v) of their own dims
         if not ctx.on_gpu:
-            kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
+            kp, vp = (paged_kv_host(paged_kv_cache, self._kv_layout, fn) if split is None else
+                      (paged_kv_host((split[0],) * 2, self._kv_layout, fn)[0],
+                       paged_kv_host((split[1],) * 2, self._kv_layout, fn)[0]))
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
+            if split is not None:
+                self._check_cache(*vp.shape, plan, fn, "v_cache", plan["head_dim_vo"])
             _check_kv_dtype(plan, kp.dtype, vp.dtype, "paged_kv_cache", fn)
 
             def gather(b):
@@ -752,9 +786,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             return self._reference_run(ctx, plan, q, gather, return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
-        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        kv = paged_kv_tensors(paged_kv_cache if split is None else (split[0],) * 2, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
-        _check_kv_dtype(plan, kv.k.dtype, kv.v.dtype, "paged_kv_cache", fn)
+        vv = kv if split is None else paged_kv_tensors((split[1],) * 2, self._kv_layout, fn)
+        if split is not None:
+            self._check_cache(vv.num_pages, vv.page_size, vv.num_kv_heads, vv.head_dim, plan, fn, "v_cache",
+                              plan["head_dim_vo"])
+            if vv.stride_page * kv.stride_slot != kv.stride_page * vv.stride_slot:
+                raise UnsupportedError(f"{fn}: k_cache and v_cache share row offsets (page * page stride / slot "
+                                       f"stride + slot): their page / slot stride ratios must be equal, got "
+                                       f"{kv.stride_page}/{kv.stride_slot} and {vv.stride_page}/{vv.stride_slot}")
+        _check_kv_dtype(plan, kv.k.dtype, vv.v.dtype, "paged_kv_cache", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
@@ -773,9 +815,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"+ slot in int32 and the slot stride in bytes in int32; page stride "
                                        f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
                                        f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
-            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
+            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                    k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
+                    k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan["meta"],
                     page_size=plan["page_size"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
@@ -783,10 +825,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     forward = run
 
-    def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn):
-        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != plan["head_dim"]:
-            raise ValueError(f"{fn}: paged_kv_cache must have page_size={plan['page_size']}, num_kv_heads="
-                             f"{plan['num_kv_heads']}, head_dim={plan['head_dim']} ({self._kv_layout}), got "
+    def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn, name="paged_kv_cache", want_dim=None):
+        want_dim = plan["head_dim"] if want_dim is None else want_dim
+        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != want_dim:
+            raise ValueError(f"{fn}: {name} must have page_size={plan['page_size']}, num_kv_heads="
+                             f"{plan['num_kv_heads']}, head_dim={want_dim} ({self._kv_layout}), got "
                              f"page_size={page_size}, num_kv_heads={heads}, head_dim={head_dim}")
         if plan["max_page"] >= num_pages:
             raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "

@@ -153,7 +153,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
         NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
-        head_dim) for "HND"; last dimension contiguous. dtype of ``q``, or float8_e4m3fn /
+        head_dim) for "HND"; last dimension contiguous; v's head_dim may differ from k's (head_dim_qk /
+        head_dim_vo 192 / 128 on fa2; out then has v's). dtype of ``q``, or float8_e4m3fn /
         float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as ``kv_data_type``; backend fa2).
     k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
         Stored value x scale = real value (FlashInfer's meaning; any KV dtype; backend fa2).
@@ -190,7 +191,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
     describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
     qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    qo_len, hq, d, kv_len, hkv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
+    qo_len, hq, d, kv_len, hkv, dv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
     q_dt, kv_dt = arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype)
     if arrays.logical_dtype(vt.dtype) != kv_dt:
         raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
@@ -201,7 +202,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
         kv_dt = want
     # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
     #    there is no mask: a plan depends on nothing else)
-    key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
+    key = (qo_len, kv_len, hq, hkv, d, dv, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
            tuple(sorted(options.items(), key=lambda kv: kv[0])), ctx)
     if custom_mask is None and packed_custom_mask is None:
         w = _prefill_wrapper(*key)
@@ -211,7 +212,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
 
 
 @functools.lru_cache(maxsize=64)
-def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
+def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, head_dim_vo, q_dtype, kv_dtype, kv_layout, backend,
                     causal, sm_scale, options, ctx, custom_mask=None, packed_custom_mask=None):
     """The ragged wrapper of single_prefill_with_kv_cache, planned once per shape, options and ``ctx``
     (the call's framework, device and stream: the plan's upload runs on that stream, and calls on
@@ -219,7 +220,7 @@ def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dty
     w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
     with _on_call_stream(ctx):
         w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads,
-               head_dim, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+               head_dim, head_dim_vo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
                sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
     return w
 
@@ -227,10 +228,11 @@ def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dty
 def _single_dims(qs, ks, vs, kv_layout, fn):
     _check_q(qs, fn)
     kv_len, hkv, dk = _kv_dims(ks, kv_layout, "k", fn)
-    if tuple(vs) != tuple(ks):
-        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+    if len(vs) != 3 or tuple(vs[:-1]) != tuple(ks[:-1]):
+        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} but for its last dim (head_dim_vo), "
+                         f"got {tuple(vs)}")
     qo_len, hq, d = qs
     if dk != d:
         raise ValueError(f"{fn}: k head_dim must equal q head_dim={d}, got {dk}")
     _check_group(hq, hkv, fn)
-    return qo_len, hq, d, kv_len, hkv
+    return qo_len, hq, d, kv_len, hkv, vs[-1]

@@ -1,6 +1,7 @@
 // prefill.cu — launched by cuattn/prefill.py (PrefillSpec); the portable "fa2" backend (sm_80+).
 // Parameters: mirrored by prefill.py PARAMS (by name; tests/test_params.py checks the two agree).
-// Compile-time: HEAD_DIM (64 | 128 | 256), DTYPE (cuattn::f16 | cuattn::bf16: q and out), KV_FP8 (0: K/V
+// Compile-time: HEAD_DIM (64 | 128 | 256, or 192 with HEAD_DIM_VO 128: q and K columns), HEAD_DIM_VO (V and
+//   out columns; default HEAD_DIM), DTYPE (cuattn::f16 | cuattn::bf16: q and out), KV_FP8 (0: K/V
 //   of DTYPE, 1: e4m3, 2: e5m2), CAUSAL (0 | 1), CUSTOM_MASK (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row
 //   m-tiles per warp), BLOCK_N (keys per tile), STAGES (K/V tiles in flight, >= 2).
 // Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem BLOCK_M * HEAD_DIM * 2 + 2 STAGES BLOCK_N *
@@ -28,6 +29,10 @@
 //   factor multiplies the logits (folded into the softmax scale; before a logits transform, which sees
 //   the raw dot product), the value factor each output row (partial rows of split items too: the merge
 //   is linear). FlashInfer's meaning: stored value x scale = real value.
+// HEAD_DIM_VO != HEAD_DIM (SPLIT_DIMS): Q and K tiles have HEAD_DIM columns, V tiles, the accumulator and
+//   the output HEAD_DIM_VO; rows of 192 columns are not a multiple of the block's threads, so Q, K and V
+//   tiles load through load_rows (each thread copies chunks i = tid + j * 128 of the tile) and paged row
+//   offsets sit one per key (PAGE_ADDR32 0).
 // Work: `work` == nullptr is the single-request case (lengths from arguments, tiles in reverse so
 // the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
 // tile, kv piece, partial slot) (common/prefill_tile.cuh) and lengths come from qo_indptr /
@@ -65,13 +70,21 @@ constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;
 
 constexpr int NUM_WARPS = 4;
 constexpr int NUM_THREADS = 32 * NUM_WARPS;
-constexpr int D = HEAD_DIM;
+#ifndef HEAD_DIM_VO
+#define HEAD_DIM_VO HEAD_DIM
+#endif
+#define SPLIT_DIMS (HEAD_DIM_VO != HEAD_DIM)
+#if SPLIT_DIMS && CUATTN_VARIANT_ROPE
+#error "fused RoPE needs head_dim_vo == head_dim_qk"
+#endif
+constexpr int D = HEAD_DIM;                         // q and K columns
+constexpr int DV = HEAD_DIM_VO;                     // V and out columns
 constexpr int CHUNKS = D / 8;                       // 16-byte chunks per row
 constexpr int BLOCK_M = NUM_MMA_Q * 16 * NUM_WARPS;
 constexpr int WARP_ROWS = NUM_MMA_Q * 16;
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;      // rows covered by one pass of the block
 constexpr int KV_BYTES = int(sizeof(kv_t));
-constexpr int KV_CHUNKS = D * KV_BYTES / 16;        // 16-byte chunks per K/V row in global memory
+constexpr int KV_CHUNKS = D * KV_BYTES / 16;        // 16-byte chunks per K/V row in global memory (!SPLIT_DIMS)
 constexpr int KV_ROW_STEP = NUM_THREADS / KV_CHUNKS;
 #ifndef PAGE_CPASYNC    // paged: page ids cp.async'd STAGES iterations ahead into smem (no register held)
 #define PAGE_CPASYNC 1
@@ -95,6 +108,9 @@ constexpr int KV_ROW_STEP = NUM_THREADS / KV_CHUNKS;
                         // 128x64 full on sm_80 spilled 4-8 bytes holding it; sm_90a spills with it (causal)
 #define KV_LO_SMEM (CUATTN_ARCH < 90)
 #endif
+#if SPLIT_DIMS && !defined(PAGE_ADDR32)
+#define PAGE_ADDR32 0   // load_rows reads one offset per key
+#endif
 #ifndef PAGE_ADDR32     // paged: row address = base + int32 row offset * int32 byte stride (one IMAD.WIDE per row,
                         // no select: rows past kv_len have offset 0) instead of 64-bit multiply, shift, add, select;
                         // H100 same run: paged 8x2048 1929 -> 1777 us, 1x16k 14328 -> 13075 (paged/contiguous
@@ -103,11 +119,15 @@ constexpr int KV_ROW_STEP = NUM_THREADS / KV_CHUNKS;
 #endif
 
 static_assert(STAGES >= 2, "the pipeline needs two stages");
-static_assert(NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
-static_assert(BLOCK_N % 16 == 0 && BLOCK_N % KV_ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0, "tile shape");
+static_assert(SPLIT_DIMS || NUM_THREADS % CHUNKS == 0, "a pass of the block must cover whole rows");
+static_assert(BLOCK_N % 16 == 0 && (SPLIT_DIMS || (BLOCK_N % KV_ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0)), "tile shape");
+static_assert(D % 64 == 0 && DV % 64 == 0, "the swizzle permutes 8 chunks of a row");
 
-// -- byte offset of 16-byte chunk c of row r in a swizzled [rows][D] tile
-__device__ __forceinline__ uint32_t swz(int r, int c) { return uint32_t((r * CHUNKS + (c ^ (r & 7))) * 16); }
+// -- byte offset of 16-byte chunk c of row r in a swizzled tile of CH chunks per row ([rows][D]: swz)
+template <int CH>
+__device__ __forceinline__ uint32_t swz_t(int r, int c) { return uint32_t((r * CH + (c ^ (r & 7))) * 16); }
+__device__ __forceinline__ uint32_t swz(int r, int c) { return swz_t<CHUNKS>(r, c); }
+__device__ __forceinline__ uint32_t swz_v(int r, int c) { return swz_t<DV / 8>(r, c); }
 // -- where a K/V copy lands: the swizzled tile, or (fp8) the staging buffer's plain rows
 __device__ __forceinline__ uint32_t kv_dst(int r, int c) {
   return KV_FP8 ? uint32_t((r * KV_CHUNKS + c) * 16) : swz(r, c);
@@ -196,7 +216,7 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int 
 #pragma unroll
   for (int j = 0; j < ROWS_PT; ++j) {
     LOAD_OFFS(j)
-    const bool ok = j * ROW_STEP < rows_left;
+    const bool ok = j * KV_ROW_STEP < rows_left;
     // row r = tid / KV_CHUNKS + j * KV_ROW_STEP: the swizzle depends on r % 8 alone
     const int r = int(threadIdx.x) / KV_CHUNKS + j * KV_ROW_STEP;
 #if PAGED && PAGE_ADDR32
@@ -215,20 +235,44 @@ __device__ __forceinline__ void load_kv_tile(uint32_t dst, const KvRows& t, int 
 #undef LOAD_OFFS
 }
 
+// -- SPLIT_DIMS: cp.async a BLOCK_N x DT tile of keys [kv0, kv0 + BLOCK_N) (relative to base) into smem;
+//    thread tid copies chunks tid + j * NUM_THREADS; rows at or past rows_left are zeros. base: the kv
+//    head's (and, contiguous, the piece's first key's) row; offs: the tile's row offsets (PAGED).
+template <int DT>
+__device__ __forceinline__ void load_rows(uint32_t dst, const kv_t* base, int64_t s_tok, int kv0, int rows_left,
+                                          const int* offs) {
+  constexpr int RCH = DT * KV_BYTES / 16, TOTAL = BLOCK_N * RCH;
+#pragma unroll
+  for (int j = 0; j < (TOTAL + NUM_THREADS - 1) / NUM_THREADS; ++j) {
+    const int i = int(threadIdx.x) + j * NUM_THREADS;
+    if (TOTAL % NUM_THREADS != 0 && i >= TOTAL) break;
+    const int r = i / RCH, c = i % RCH;
+    const bool ok = r < rows_left;
+#if PAGED
+    const kv_t* src = base + int64_t(offs[r]) * s_tok + c * (16 / KV_BYTES);
+#else
+    const kv_t* src = base + int64_t(kv0 + r) * s_tok + c * (16 / KV_BYTES);
+#endif
+    cp_async_16(dst + (KV_FP8 ? uint32_t(i * 16) : swz_t<DT / 8>(r, c)), ok ? src : base, ok ? 16 : 0);
+  }
+}
+
 #if KV_FP8
-// -- an fp8 staging tile (plain rows of D bytes) -> the swizzled f16 tile: each thread converts
+// -- an fp8 staging tile (plain rows of DT bytes) -> the swizzled f16 tile: each thread converts
 //    16-byte chunks (16 values) into two 16-byte f16 chunks
+template <int DT>
 __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uint32_t src) {
+  constexpr int RCH = DT / 16;
 #pragma unroll 1
-  for (int i = int(threadIdx.x); i < BLOCK_N * KV_CHUNKS; i += NUM_THREADS) {
-    const int r = i / KV_CHUNKS, c = i % KV_CHUNKS;
+  for (int i = int(threadIdx.x); i < BLOCK_N * RCH; i += NUM_THREADS) {
+    const int r = i / RCH, c = i % RCH;
     const uint4 x = *reinterpret_cast<const uint4*>(smem + src + i * 16);
     const uint4 lo = make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.x), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.x),
                                 fp8x2_to_f16x2<KV_FP8, 0x1404>(x.y), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.y));
     const uint4 hi = make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.z), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.z),
                                 fp8x2_to_f16x2<KV_FP8, 0x1404>(x.w), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.w));
-    *reinterpret_cast<uint4*>(smem + dst + swz(r, 2 * c)) = lo;
-    *reinterpret_cast<uint4*>(smem + dst + swz(r, 2 * c + 1)) = hi;
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = lo;
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = hi;
   }
 }
 #endif
@@ -237,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D] (strides q_s_tok, q_s_head)
     const kv_t* __restrict__ k,              // contiguous: token t at t * s_tok; paged: page, slot, head
     const kv_t* __restrict__ v,
-    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D] (strides o_s_tok, o_s_head)
+    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, DV] (strides o_s_tok, o_s_head)
     float* __restrict__ lse,                 // [nnz_qo, num_qo_heads] or nullptr
     const int32_t* __restrict__ qo_indptr,   // [batch + 1] (batch mode)
     const int32_t* __restrict__ kv_indptr,   // [batch + 1]: token offsets, or page offsets when PAGED
@@ -246,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     const uint8_t* __restrict__ mask,        // bit-packed, little bit order (CUSTOM_MASK)
     const int32_t* __restrict__ mask_indptr, // [batch + 1] byte offsets into mask (batch mode)
     const int32_t* __restrict__ work,        // [num_work, WORK_COLS], or nullptr: single
-    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D] split items' partial rows
+    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, DV] split items' partial rows
     float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
     const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
     int single_qo_len, int single_kv_len, int group, int page_size, int page_shift, int page_rows,
@@ -299,12 +343,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #endif
 
   const uint32_t sQ = smem_u32(smem);
-  constexpr uint32_t TILE_BYTES = BLOCK_N * D * KV_BYTES;   // a K or V stage buffer
+  constexpr uint32_t TILE_BYTES = BLOCK_N * D * KV_BYTES;   // a K stage buffer
+  constexpr uint32_t V_TILE_BYTES = BLOCK_N * DV * KV_BYTES;   // a V stage buffer
   const uint32_t sK = sQ + BLOCK_M * D * 2;           // STAGES K tiles, then STAGES V tiles
   const uint32_t sV = sK + STAGES * TILE_BYTES;
   constexpr int PAGED_BYTES = PAGED ? 4 * (2 * STAGES + 1) * BLOCK_N : 0;
 #if KV_FP8   // the converted f16 K and V tiles, after the stages (and the paged offsets)
-  const uint32_t sKc = sV + STAGES * TILE_BYTES + PAGED_BYTES, sVc = sKc + BLOCK_N * D * 2;
+  const uint32_t sKc = sV + STAGES * V_TILE_BYTES + PAGED_BYTES, sVc = sKc + BLOCK_N * D * 2;
 #endif
   const int thr_row = tid / KV_CHUNKS, thr_chunk = tid % KV_CHUNKS;
   const int row_lim = kv_len - kv_lo - thr_row;       // rows_left of a tile = row_lim - (kv0 - kv_lo)
@@ -317,12 +362,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const KvRows kt{k + (kv_base + kv_lo + thr_row) * k_s_tok + kvh * k_s_head + thr_chunk * CHUNK_ELEMS, k_s_tok, 0},
       vt{v + (kv_base + kv_lo + thr_row) * v_s_tok + kvh * v_s_head + thr_chunk * CHUNK_ELEMS, v_s_tok, 0};
 #endif
+#if SPLIT_DIMS   // load_rows: the kv head's rows (contiguous: from the piece's first key)
+  const kv_t* const k_rows = k + kvh * k_s_head + (PAGED ? 0 : (kv_base + kv_lo) * k_s_tok);
+  const kv_t* const v_rows = v + kvh * v_s_head + (PAGED ? 0 : (kv_base + kv_lo) * v_s_tok);
+  const int kv_rows = kv_len - kv_lo;
+#define LOAD_K(dst, t) load_rows<D>(dst, k_rows, k_s_tok, (t) * BLOCK_N, kv_rows - (t) * BLOCK_N, TILE_OFFS(t))
+#define LOAD_V(dst, t) load_rows<DV>(dst, v_rows, v_s_tok, (t) * BLOCK_N, kv_rows - (t) * BLOCK_N, TILE_OFFS(t))
+#else
+#define LOAD_K(dst, t) load_kv_tile(dst, kt, (t) * BLOCK_N, row_lim - (t) * BLOCK_N, TILE_OFFS(t))
+#define LOAD_V(dst, t) load_kv_tile(dst, vt, (t) * BLOCK_N, row_lim - (t) * BLOCK_N, TILE_OFFS(t))
+#endif
 
   // -- stage the Q tile (rows past the request are zeros)
   {
+#if SPLIT_DIMS
+    for (int i = tid; i < BLOCK_M * CHUNKS; i += NUM_THREADS) {
+      const int r = i / CHUNKS, c = i % CHUNKS;
+#else
     const int c = tid % CHUNKS;
 #pragma unroll
     for (int r = tid / CHUNKS; r < BLOCK_M; r += ROW_STEP) {
+#endif
       const int pr = row0 + r;
       const bool ok = pr < packed_rows;
       const dtype_t* src = ok ? q + (q_base + pr / group) * q_s_tok + (kvh * group + pr % group) * q_s_head + c * 8 : q;
@@ -347,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   // -- paged: row offsets of tiles 0 .. STAGES-1 into their smem slots, the page id of tile STAGES
   //    into page_id (one lookup serves K and V)
 #if PAGED
-  int* const s_off = reinterpret_cast<int*>(smem + BLOCK_M * D * 2 + 2 * STAGES * TILE_BYTES);
+  int* const s_off = reinterpret_cast<int*>(smem + BLOCK_M * D * 2 + STAGES * (TILE_BYTES + V_TILE_BYTES));
   static_assert(PAGED_BYTES >= 4 * (2 * STAGES + 1) * BLOCK_N, "offsets and page ids");
   int page_id = -1;
   (void)page_id;
@@ -383,9 +443,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   // -- prologue: groups (Q + K0), V0, K1, V1, ..., V[STAGES-1]; every later group is one tile
 #pragma unroll
   for (int st = 0; st < STAGES; ++st) {
-    if (st < num_tiles) load_kv_tile(sK + st * TILE_BYTES, kt, st * BLOCK_N, row_lim - st * BLOCK_N, TILE_OFFS(st));
+    if (st < num_tiles) LOAD_K(sK + st * TILE_BYTES, st);
     cp_async_commit();
-    if (st < num_tiles) load_kv_tile(sV + st * TILE_BYTES, vt, st * BLOCK_N, row_lim - st * BLOCK_N, TILE_OFFS(st));
+    if (st < num_tiles) LOAD_V(sV + st * V_TILE_BYTES, st);
     cp_async_commit();
   }
 
@@ -394,18 +454,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   constexpr bool K_FIRST = variant::HAS_TRANSFORM || !variant::USE_SOFTMAX;
   float k_fac = k_scale * FP8_FACTOR;
   if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
-  const float sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
+#ifndef SCALE_SMEM     // the softmax scale (times the key scale) reread from smem in the loop: hd128 128 x 64
+                        // full spilled 24-32 bytes on sm_80 holding it in a register, 8 on sm_90a rereading it
+#define SCALE_SMEM (CUATTN_ARCH < 90)
+#endif
+#if SCALE_SMEM
+  __shared__ float s_sl2;
+  if (tid == 0) s_sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
+#else
+  const float s_sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
+#endif
+
 
   // -- per-thread rows: m-tile i, half h -> local row warp * WARP_ROWS + 16 i + lane / 4 + 8 h
   const int g = lane / 4, t4 = lane % 4;
-  float acc[NUM_MMA_Q][D / 8][4];
+  float acc[NUM_MMA_Q][DV / 8][4];
   float m_i[NUM_MMA_Q][2], l_i[NUM_MMA_Q][2];
 #pragma unroll
   for (int i = 0; i < NUM_MMA_Q; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) { m_i[i][h] = NEG_INF; l_i[i][h] = 0.f; }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = 0; n < DV / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.f;
   }
@@ -441,22 +511,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     asm volatile("mov.b32 %0, %1;" : "=r"(sKs) : "r"(sKc));
     asm volatile("mov.b32 %0, %1;" : "=r"(sVs) : "r"(sVc));
 #else
-    const uint32_t sKs = sK + stage * TILE_BYTES, sVs = sV + stage * TILE_BYTES;
+    const uint32_t sKs = sK + stage * TILE_BYTES, sVs = sV + stage * V_TILE_BYTES;
 #endif
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // K[it] (and Q) landed; every warp done with P.V of it-1
     const int kv0 = LOOP_KV_LO + it * BLOCK_N;   // first key of the tile (s_kv_lo visible after the barrier)
     if (it > 0) {                               // -- V[it-1+STAGES] into the V buffer P.V of it-1 used
       const int nt = it - 1 + STAGES, ps = (it - 1) % STAGES;
-      if (nt < num_tiles) load_kv_tile(sV + ps * TILE_BYTES, vt, nt * BLOCK_N, row_lim - nt * BLOCK_N, TILE_OFFS(nt));
+      if (nt < num_tiles) LOAD_V(sV + ps * V_TILE_BYTES, nt);
       cp_async_commit();
     }
 #if KV_FP8
     if (Q_CONVERT && it == 0) {                 // -- bf16 q -> f16 in place: the chunks this thread copied
-      const int c = tid % CHUNKS;
-#pragma unroll
-      for (int r = tid / CHUNKS; r < BLOCK_M; r += ROW_STEP) {
-        uint4* p = reinterpret_cast<uint4*>(smem + swz(r, c));
+#pragma unroll 1
+      for (int i = tid; i < BLOCK_M * CHUNKS; i += NUM_THREADS) {
+        uint4* p = reinterpret_cast<uint4*>(smem + swz(i / CHUNKS, i % CHUNKS));
         *p = convert8<dtype_t, mma_t>(*p);
       }
     }
@@ -488,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 
 #if KV_FP8
     // -- K[it] into the f16 K tile (every warp finished reading it, S of it-1, before the barrier above)
-    convert_kv_tile(smem, sKc - sQ, sK + stage * TILE_BYTES - sQ);
+    convert_kv_tile<D>(smem, sKc - sQ, sK + stage * TILE_BYTES - sQ);
     __syncthreads();                            // f16 K[it] (and q) visible; K staging slot `stage` free
 #endif
 #if CUATTN_VARIANT_ROPE
@@ -584,14 +653,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
         }
         corr[i][h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[i][k >> 1][2 * h + (k & 1)]; },
                                                      [&](int k, float p) { s[i][k >> 1][2 * h + (k & 1)] = p; },
-                                                     m_i[i][h], l_i[i][h], sl2);
+                                                     m_i[i][h], l_i[i][h], s_sl2);
         changed |= corr[i][h] != 1.f;
       }
     if (__any_sync(0xffffffffu, changed)) {     // -- rescale only when some row max moved (warp-uniform)
 #pragma unroll
       for (int i = 0; i < NUM_MMA_Q; ++i)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
+        for (int n = 0; n < DV / 8; ++n) {
           acc[i][n][0] *= corr[i][0];
           acc[i][n][1] *= corr[i][0];
           acc[i][n][2] *= corr[i][1];
@@ -602,12 +671,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // V[it] landed; every warp done reading K[it]
     if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
-      load_kv_tile(sK + stage * TILE_BYTES, kt, (it + STAGES) * BLOCK_N, row_lim - (it + STAGES) * BLOCK_N,
-                   TILE_OFFS(it + STAGES));
+      LOAD_K(KV_FP8 ? sK + stage * TILE_BYTES : sKs, it + STAGES);
     cp_async_commit();
 #if KV_FP8
     // -- V[it] into the f16 V tile (every warp finished P.V of it-1 before the loop's first barrier)
-    convert_kv_tile(smem, sVc - sQ, sV + stage * TILE_BYTES - sQ);
+    convert_kv_tile<DV>(smem, sVc - sQ, sV + stage * V_TILE_BYTES - sQ);
     __syncthreads();                            // f16 V[it] visible
 #endif
 
@@ -623,9 +691,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
         a[i][3] = pack2<mma_t>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
       }
 #pragma unroll
-      for (int dd = 0; dd < D / 16; ++dd) {
+      for (int dd = 0; dd < DV / 16; ++dd) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, sVs + swz(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dd * 2 + lane / 16));
+        ldmatrix_x4_trans(b, sVs + swz_v(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, dd * 2 + lane / 16));
 #pragma unroll
         for (int i = 0; i < NUM_MMA_Q; ++i) {
           mma_m16n8k16<mma_t>(acc[i][2 * dd], a[i], b[0], b[1]);
@@ -653,13 +721,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       if (pr >= packed_rows) continue;
       const int head = kvh * group + pr % group;
       const auto pair = [&](int n) { return make_float2(acc[i][n][2 * h], acc[i][n][2 * h + 1]); };
-      RowEnd end = finish_row(vp, m_i[i][h], l, req, pr / group, head, item.slot < 0 || item.with_sink);
-      end.o_scale *= v_fac;
+      const auto scaled = [&](RowEnd e) { e.o_scale *= v_fac; return e; };
       if (item.slot >= 0)
-        store_partial_row<D>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
-                             end, pair);
+        store_partial_row<DV>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+                              scaled(finish_row(vp, m_i[i][h], l, req, pr / group, head, item.with_sink)), pair);
       else
-        store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4, end, pair);
+        store_output_row<DV>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+                             scaled(finish_row(vp, m_i[i][h], l, req, pr / group, head, true)), pair);
     }
 }
 
@@ -667,5 +735,5 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_merge(
     const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)
     const int32_t* __restrict__ qo_indptr, const float* __restrict__ part_o, const float* __restrict__ part_lse,
     dtype_t* __restrict__ o, float* __restrict__ lse, int group, int64_t o_s_tok, int64_t o_s_head) {
-  merge_pieces<D, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
+  merge_pieces<DV, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
 }
