@@ -21,16 +21,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan, prefill_sm90, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, prefill_sm90, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
+from .prefill_checks import (DTYPES, _check_fa3_scales, _check_group, _check_head_dim_vo, _check_kv_dtype, _check_out,
+                             _check_q, _host_kv, _host_mask, _kv_dims, _kv_short, _scales, _short_dtype,
+                             _split_pair)
 
 _SOURCE = "prefill.cu"
 _ENTRY = "cuattn_prefill"
 HEAD_DIMS = support.TABLE["prefill"]["head_dims"]
-DTYPES = ("f16", "bf16")
+KV_FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8 (K/V converted to f16 in smem)
+SPLIT_TILES = (1, 64, 2)  # (num_mma_q, block_n, stages) for head_dim_vo != head_dim_qk: 128 x 32 spilled 8-16 bytes
 BACKENDS = ("auto", "fa2", "fa3")
 _NUM_THREADS = 128
 
@@ -67,6 +71,8 @@ class PrefillSpec:
     stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
     tuning: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
     variant: variants.Composite = variants.DEFAULT
+    dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2"
+    head_dim_vo: int = 0   # V / out columns when not head_dim (192 / 128: HEAD_DIM_PAIRS)
     source = _SOURCE
 
     @property
@@ -74,10 +80,18 @@ class PrefillSpec:
         return 64 * self.num_mma_q
 
     @property
+    def kv_bytes(self) -> int:
+        return 1 if self.dtype_kv else 2
+
+    @property
+    def dim_vo(self) -> int:
+        return self.head_dim_vo or self.head_dim
+
+    @property
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
-        return (f"prefill_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+        return (f"prefill_hd{self.head_dim}{f'v{self.head_dim_vo}' if self.head_dim_vo else ''}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
     @property
@@ -88,29 +102,46 @@ class PrefillSpec:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
+                f"-DHEAD_DIM_VO={self.dim_vo}") + \
+            tuple(f"-D{v}" for v in self.tuning)
 
     @property
-    def smem_bytes(self) -> int:     # Q tile + STAGES K tiles + STAGES V tiles, 2-byte elements
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2
+    def smem_bytes(self) -> int:     # Q tile (2-byte elements) + STAGES K tiles + STAGES V tiles
+        d, dv = self.head_dim, self.dim_vo
+        tiles = self.block_m * d * 2 + self.stages * self.block_n * (d + dv) * self.kv_bytes
+        if self.dtype_kv:            # fp8: the converted f16 K and V tiles
+            tiles += self.block_n * (d + dv) * 2
         # paged: row offsets (STAGES x BLOCK_N int) and page ids ((STAGES + 1) x BLOCK_N int)
         return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
 
 
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
-              variant: variants.Composite = variants.DEFAULT, small_q: bool = False) -> PrefillSpec:
+              variant: variants.Composite = variants.DEFAULT, small_q: bool = False, dtype_kv: str = "",
+              head_dim_vo: int | None = None) -> PrefillSpec:
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_qk_transform,
                                              paged, small_q)
+    if head_dim_vo not in (None, head_dim):     # 192 / 128: Q 48 KiB, K 24 + V 16 KiB a stage
+        num_mma_q, block_n, stages = SPLIT_TILES
+    elif dtype_kv not in ("", dtype) and (head_dim, num_mma_q, block_n) == (128, 2, 64):
+        # fp8 K/V (tiles converted to f16 in smem): 128 x 64 spilled 4-100 bytes on sm_80 / sm_90a whatever
+        # the load order; 128 x 32 with three stages is spill-free (73 KiB, two CTAs per SM)
+        block_n, stages = 32, 3
     return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
-                       variant=variant)
+                       variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv,
+                       head_dim_vo=0 if head_dim_vo in (None, head_dim) else int(head_dim_vo))
 
 
 def shipped_specs() -> list[PrefillSpec]:
+    """Every 16-bit case, and for fp8 K/V what serving runs: paged (both tile heights), causal or not, no
+    custom mask, fp16 / bf16 q, e4m3 / e5m2, head_dim 64 / 128 (others compile on first use)."""
     return [make_spec(d, t, c, m, p, small_q=s) for d in HEAD_DIMS for t in DTYPES for c in (False, True)
             for m in (False, True) for p in (False, True) for s in (False, True)
-            if not s or (p and not m and d in (64, 128))]     # small-q tiles: paged, no mask (a mask has them)
+            if not s or (p and not m and d in (64, 128))] + \
+        [make_spec(d, t, c, False, True, small_q=s, dtype_kv=kv) for d in (64, 128) for t in DTYPES
+         for kv in KV_FP8 for c in (False, True) for s in (False, True)]
 
 
 def select_backend(backend: str, fn: str) -> str:
@@ -131,12 +162,16 @@ def select_backend(backend: str, fn: str) -> str:
 
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
-                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None) -> str:
+                    custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None,
+                    dtype_kv: str | None = None) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
-    the case; ``arch`` None checks everything but the device."""
+    the case; ``arch`` None checks everything but the device. ``dtype_kv``: the KV short name when it is
+    not q's (fa3 reads 16-bit K/V of q's type only)."""
     if backend == "fa2":
         return "fa2"
     reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size)
+    if reason is None and dtype_kv not in (None, "", dtype):
+        reason = f"fa3 reads K/V of q's dtype only (float16 / bfloat16), got an {dtype_kv} KV cache"
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
@@ -144,69 +179,15 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
     return "fa3" if reason is None and arch is not None else "fa2"
 
 
-# ---------------------------------------------------------------------------- validation
-
-
-def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
-    s = arrays.SHORT_NAME.get(arrays.logical_dtype(dtype))
-    if s not in DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {dtype}")
-    return s
-
-
-def _check_head_dim(d: int, fn: str) -> None:
-    if d not in HEAD_DIMS:
-        raise UnsupportedError(f"{fn}: head_dim={d} has no kernel; supported: 64, 128, 256")
-
-
-def _check_q(shape: tuple, fn: str, num_qo_heads=None, head_dim=None, rows=None) -> None:
-    if len(shape) != 3:
-        raise ValueError(f"{fn}: q must have shape (qo_len, num_qo_heads, head_dim), got {tuple(shape)}")
-    for what, want, got in (("q.shape[1] (num_qo_heads)", num_qo_heads, shape[1]),
-                            ("q.shape[2] (head_dim)", head_dim, shape[2]), ("q.shape[0] (qo_indptr[-1])", rows, shape[0])):
-        if want is not None and got != want:
-            raise ValueError(f"{fn}: {what} must be {want}, got {got}")
-
-
-def _kv_dims(shape: tuple, kv_layout: str, name: str, fn: str) -> tuple[int, int, int]:
-    """(kv_len, num_kv_heads, head_dim) of a contiguous K or V array."""
-    if len(shape) != 3:
-        raise ValueError(f"{fn}: {name} must have 3 dims ({'kv_len, num_kv_heads' if kv_layout == 'NHD' else 'num_kv_heads, kv_len'}, "
-                         f"head_dim) for kv_layout={kv_layout!r}, got {tuple(shape)}")
-    return (shape[0], shape[1], shape[2]) if kv_layout == "NHD" else (shape[1], shape[0], shape[2])
-
-
-def _check_group(num_qo_heads: int, num_kv_heads: int, fn: str) -> None:
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
-        raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
-                         f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
-
-
-def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarray | None:
-    """Host bool mask of ``total`` entries from either form (None when neither is given)."""
-    if custom_mask is not None and packed_custom_mask is not None:
-        raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
-    if custom_mask is not None:
-        m = np.asarray(arrays.to_host(custom_mask, "custom_mask", fn)).ravel()
-        if m.size != total:
-            raise ValueError(f"{fn}: custom_mask must have {total} entries (sum of qo_len * kv_len), got {m.size}")
-        return m.astype(bool)
-    if packed_custom_mask is not None:
-        p = np.asarray(arrays.to_host(packed_custom_mask, "packed_custom_mask", fn)).ravel()
-        if p.dtype != np.uint8:
-            raise TypeError(f"{fn}: packed_custom_mask must be uint8, got {p.dtype}")
-        return p
-    return None
-
-
-# ---------------------------------------------------------------------------- launch
+# ---------------------------------------------------------------------------- launch (argument checks: prefill_checks.py)
 
 
 # kernel parameters (prefill.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p mask:p "
                                "mask_indptr:p work:p part_o:p part_lse:p kv_chunk:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
                                "page_rows:i q_s_tok:q q_s_head:q k_s_tok:q k_s_head:q k_s_page:q v_s_tok:q v_s_head:q "
-                               "v_s_page:q o_s_tok:q o_s_head:q scale_log2:f")
+                               "v_s_page:q o_s_tok:q o_s_head:q k_scale:f v_scale:f k_scales:p v_scales:p "
+                               "scale_per_head:i scale_log2:f")
 
 
 META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work", "part_o",
@@ -217,10 +198,10 @@ MERGE_PARAMS = {entry: Params.define(entry, "merge:p qo_indptr:p part_o:p part_l
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
-            page_size: int = 1, pdl: bool = False) -> None:
+            page_size: int = 1, pdl: bool = False, scales=(fp8.ONE, fp8.ONE)) -> None:
     """One launch; ``meta`` = the plan's device pointers by name (META) for batch mode, or None for
     the single-request case (mask ptr in single); ``variant_args`` = variants.Bound.kernel_args
-    (sm_scale first)."""
+    (sm_scale first); ``scales`` = run()'s (k, v) fp8.Scale."""
     if num_work == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
@@ -233,6 +214,8 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
         page_rows=k_strides[2] // k_strides[0] if k_strides[0] else 0, q_s_tok=q.strides[0], q_s_head=q.strides[1],
         k_s_tok=k_strides[0], k_s_head=k_strides[1], k_s_page=k_strides[2], v_s_tok=v_strides[0],
         v_s_head=v_strides[1], v_s_page=v_strides[2], o_s_tok=out.strides[0], o_s_head=out.strides[1],
+        k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
+        scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
         scale_log2=spec.variant.scale_log2(sm_scale)) + tuple(variant_args)
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
@@ -247,31 +230,6 @@ def _launch_merge(ctx, spec, entry: str, meta: dict, num_merge: int, num_kv_head
            *MERGE_PARAMS[entry].pack(merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"],
                                      part_lse=meta["part_lse"], o=out.ptr, lse=lse_ptr, group=group,
                                      o_s_tok=out.strides[0], o_s_head=out.strides[1]))
-
-
-def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype, fn: str):
-    """Allocate or validate out / lse; returns (out array, out Tensor, lse array, lse ptr)."""
-    if out is None:
-        out = arrays.empty(ctx, (rows, num_qo_heads, head_dim), arrays.logical_dtype(dtype))
-    ot = arrays.device_tensor(out, "out", fn)
-    if ot.shape != (rows, num_qo_heads, head_dim) or arrays.logical_dtype(ot.dtype) != arrays.logical_dtype(dtype) or ot.device != ctx.device:
-        raise ValueError(f"{fn}: out must be a ({rows}, {num_qo_heads}, {head_dim}) {dtype} array on GPU "
-                         f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
-    lse_ptr = 0
-    if lse is not None:
-        lt = arrays.device_tensor(lse, "lse", fn)
-        if lt.shape != (rows, num_qo_heads) or lt.dtype != np.float32 or not lt.is_contiguous():
-            raise ValueError(f"{fn}: lse must be a contiguous ({rows}, {num_qo_heads}) float32 array, "
-                             f"got {lt.shape} {lt.dtype}")
-        lse_ptr = lt.ptr
-    return out, ot, lse, lse_ptr
-
-
-def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
-    """K and V have the plan's kv_data_type (both paths)."""
-    for dt in (k_dtype, v_dtype):
-        if arrays.logical_dtype(dt) != plan["kv_dtype"]:
-            raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan), got {dt}")
 
 
 # ---------------------------------------------------------------------------- batches
@@ -300,8 +258,7 @@ class _BatchPrefillBase:
                              f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
         _check_group(num_qo_heads, num_kv_heads, fn)
         bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
-        if head_dim_vo not in (None, head_dim_qk):
-            raise UnsupportedError(f"{fn}: head_dim_vo={head_dim_vo} != head_dim_qk={head_dim_qk} has no kernel")
+        head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
         qo_lens = np.diff(qo)
         sizes = qo_lens * kv_lens
         has_mask = custom_mask is not None or packed_custom_mask is not None
@@ -321,19 +278,21 @@ class _BatchPrefillBase:
                 mask_host = m
         q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
         kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
-        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt)     # every path
+        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt, head_dim_vo=head_dim_vo)
+        kv_short = _kv_short(q_dt, kv_dt, bound, fn)
         group = num_qo_heads // num_kv_heads
         spec = None
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
         small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
-        if head_dim_qk in HEAD_DIMS and arrays.SHORT_NAME.get(q_dt) in DTYPES:
-            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q)
+        if arrays.SHORT_NAME.get(q_dt) in DTYPES:      # (support.check passed)
+            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q,
+                             kv_short, head_dim_vo)
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
-                        page_size=page_size)   # fa3 asked where it has none
+                        page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
         return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
-                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
+                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk, head_dim_vo=head_dim_vo,
                     causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
                     kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
 
@@ -342,7 +301,7 @@ class _BatchPrefillBase:
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_qk_transform,
-                                       page_size=plan.get("page_size"))
+                                       page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv)
         return self.backend
 
     def _require_plan(self, fn):
@@ -443,14 +402,13 @@ class _BatchPrefillBase:
         if arrays.logical_dtype(qt.dtype) != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
         dt = _short_dtype(qt.dtype, "q", fn)
-        _check_head_dim(plan["head_dim"], fn)
         return qt, dt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
         rows = int(plan["qo_indptr"][-1])
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
-        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim"], qt.dtype, fn)
+        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim_vo"], qt.dtype, fn)
 
     def _variant_args(self, plan, args, return_lse, lse, fn, on_gpu: bool, sm_scale=None):
         """(sm_scale, the kernels' variant arguments or, on the NumPy path, the parameter values)
@@ -472,7 +430,7 @@ class _BatchPrefillBase:
         if qa.dtype != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qa.dtype}")
         rows = qa.shape[0]
-        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim"]), np.float32)
+        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim_vo"]), np.float32)
         lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
         qo = plan["qo_indptr"]
         for b in range(plan["batch"]):
@@ -540,13 +498,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._plan_device(fn, plan, False, fixed_split_size, disable_split_kv, qo_indptr)
         self._plan = plan
 
-    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, enable_pdl=None, stream=None):
+    def run(self, q, k, v, *args, out=None, lse=None, return_lse: bool = False, k_scale=None, v_scale=None,
+            enable_pdl=None, stream=None):
         """Attention for the planned batch.
 
         Parameters
         ----------
         q : array, shape (qo_indptr[-1], num_qo_heads, head_dim), q_data_type
-        k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND"
+        k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND";
+            kv_data_type (fp8: torch / ml_dtypes float8, or uint8 read as the plan's fp8 type)
+        k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+            Stored value x scale = real value (FlashInfer's meaning; any KV dtype; fa2 backend).
         out : array, optional, shape of ``q``; lse : float32 (qo_indptr[-1], num_qo_heads), optional
         enable_pdl : bool, optional
             Programmatic Dependent Launch (the kernel may be scheduled while the previous kernel in
@@ -563,6 +525,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu)
+        scales = _scales(plan, k_scale, v_scale, fn, ctx.on_gpu)
         if not ctx.on_gpu:
             ka, va = arrays.host_array(k, "k", fn), arrays.host_array(v, "v", fn)
             self._check_kv(ka.shape, va.shape, plan, fn)
@@ -570,7 +533,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             if self._kv_layout == "HND":
                 ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
             kvp = plan["kv_indptr"]
-            return self._reference_run(ctx, plan, q, lambda b: (ka[kvp[b]:kvp[b + 1]], va[kvp[b]:kvp[b + 1]]),
+            return self._reference_run(ctx, plan, q, lambda b: (_host_kv(ka[kvp[b]:kvp[b + 1]], plan, scales[0], 1),
+                                                                _host_kv(va[kvp[b]:kvp[b + 1]], plan, scales[1], 1)),
                                        return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
@@ -581,6 +545,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         if plan["backend"] == "fa3":
+            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
@@ -591,7 +556,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                     k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl)
+                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
@@ -600,8 +565,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
-        if tuple(vs) != tuple(ks):
-            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+        if tuple(vs) != tuple(ks)[:-1] + (plan["head_dim_vo"],):
+            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} with head_dim_vo={plan['head_dim_vo']} "
+                             f"last, got {tuple(vs)}")
         if hkv != plan["num_kv_heads"] or d != plan["head_dim"] or nnz < plan["kv_indptr"][-1]:
             raise ValueError(f"{fn}: k must have num_kv_heads={plan['num_kv_heads']}, head_dim={plan['head_dim']} "
                              f"and >= kv_indptr[-1]={plan['kv_indptr'][-1]} tokens, got shape {tuple(ks)} "
@@ -669,30 +635,44 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _run_paged(self, q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
                    sm_scale, fn):
         plan = self._require_plan(fn)
-        if k_scale not in (None, 1, 1.0) or v_scale not in (None, 1, 1.0):
-            raise UnsupportedError(f"{fn}: k_scale/v_scale (fp8 KV) have no prefill kernel")
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
         ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
         scale, vargs = self._variant_args(plan, args, return_lse, lse, fn, ctx.on_gpu, sm_scale)
+        scales = _scales(plan, k_scale, v_scale, fn, ctx.on_gpu)
+        split = _split_pair(paged_kv_cache, plan, fn)     # head_dim_vo != head_dim_qk: (k, v) of their own dims
         if not ctx.on_gpu:
-            kp, vp = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
+            kp, vp = (paged_kv_host(paged_kv_cache, self._kv_layout, fn) if split is None else
+                      (paged_kv_host((split[0],) * 2, self._kv_layout, fn)[0],
+                       paged_kv_host((split[1],) * 2, self._kv_layout, fn)[0]))
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
+            if split is not None:
+                self._check_cache(*vp.shape, plan, fn, "v_cache", plan["head_dim_vo"])
             _check_kv_dtype(plan, kp.dtype, vp.dtype, "paged_kv_cache", fn)
-            return self._reference_run(
-                ctx, plan, q, lambda b: reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"],
-                                                                  plan["last_page_len"], b), return_lse, fn,
-                scale, vargs, out, lse)
+
+            def gather(b):
+                kb, vb = reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"], plan["last_page_len"], b)
+                return _host_kv(kb, plan, scales[0], 1), _host_kv(vb, plan, scales[1], 1)
+            return self._reference_run(ctx, plan, q, gather, return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
         qt, dt = self._run_checks(fn, q, plan)
-        kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
+        kv = paged_kv_tensors(paged_kv_cache if split is None else (split[0],) * 2, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
-        _check_kv_dtype(plan, kv.k.dtype, kv.v.dtype, "paged_kv_cache", fn)
+        vv = kv if split is None else paged_kv_tensors((split[1],) * 2, self._kv_layout, fn)
+        if split is not None:
+            self._check_cache(vv.num_pages, vv.page_size, vv.num_kv_heads, vv.head_dim, plan, fn, "v_cache",
+                              plan["head_dim_vo"])
+            if vv.stride_page * kv.stride_slot != kv.stride_page * vv.stride_slot:
+                raise UnsupportedError(f"{fn}: k_cache and v_cache share row offsets (page * page stride / slot "
+                                       f"stride + slot): their page / slot stride ratios must be equal, got "
+                                       f"{kv.stride_page}/{kv.stride_slot} and {vv.stride_page}/{vv.stride_slot}")
+        _check_kv_dtype(plan, kv.k.dtype, vv.v.dtype, "paged_kv_cache", fn)
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
+            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=kv.v, k_strides=None, v_strides=None,
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
@@ -706,20 +686,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"+ slot in int32 and the slot stride in bytes in int32; page stride "
                                        f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
                                        f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
-            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=kv.v.ptr, out=ot, lse_ptr=lse_ptr,
+            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                    k_strides=strides, v_strides=strides, sm_scale=scale, variant_args=vargs, meta=plan["meta"],
-                    page_size=plan["page_size"], pdl=pdl)
+                    k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan["meta"],
+                    page_size=plan["page_size"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     forward = run
 
-    def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn):
-        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != plan["head_dim"]:
-            raise ValueError(f"{fn}: paged_kv_cache must have page_size={plan['page_size']}, num_kv_heads="
-                             f"{plan['num_kv_heads']}, head_dim={plan['head_dim']} ({self._kv_layout}), got "
+    def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn, name="paged_kv_cache", want_dim=None):
+        want_dim = plan["head_dim"] if want_dim is None else want_dim
+        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != want_dim:
+            raise ValueError(f"{fn}: {name} must have page_size={plan['page_size']}, num_kv_heads="
+                             f"{plan['num_kv_heads']}, head_dim={want_dim} ({self._kv_layout}), got "
                              f"page_size={page_size}, num_kv_heads={heads}, head_dim={head_dim}")
         if plan["max_page"] >= num_pages:
             raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "

@@ -144,7 +144,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                                  use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
                                  window_left: int = -1, logits_soft_cap=None, rope_scale=None,
                                  rope_theta=None, backend: str = "auto", return_lse: bool = False,
-                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, stream=None):
+                                 *, variant=None, variant_args: tuple = (), rotary_dim=None, k_scale=None,
+                                 v_scale=None, kv_data_type: Any = None, stream=None):
     """Attention of one request's qo_len queries over its kv_len keys (prefill / append).
 
     Parameters
@@ -152,7 +153,13 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
         NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
-        head_dim) for "HND"; dtype of ``q``; last dimension contiguous.
+        head_dim) for "HND"; last dimension contiguous; v's head_dim may differ from k's (head_dim_qk /
+        head_dim_vo 192 / 128 on fa2; out then has v's). dtype of ``q``, or float8_e4m3fn /
+        float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as ``kv_data_type``; backend fa2).
+    k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
+        Stored value x scale = real value (FlashInfer's meaning; any KV dtype; backend fa2).
+    kv_data_type : dtype, optional
+        The fp8 type of a uint8 k / v ("float8_e4m3fn" or "float8_e5m2"); default: their dtype.
     custom_mask : array, shape (qo_len, kv_len) or flattened, bool, optional. True = attend.
     packed_custom_mask : array, shape (ceil(qo_len * kv_len / 8),), uint8, optional
         ``packbits(custom_mask)`` (little bit order).
@@ -184,23 +191,28 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
     describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
     qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    qo_len, hq, d, kv_len, hkv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
+    qo_len, hq, d, kv_len, hkv, dv = _single_dims(tuple(qt.shape), tuple(kt.shape), tuple(vt.shape), kv_layout, fn)
     q_dt, kv_dt = arrays.logical_dtype(qt.dtype), arrays.logical_dtype(kt.dtype)
     if arrays.logical_dtype(vt.dtype) != kv_dt:
         raise ValueError(f"{fn}: k and v must have the same dtype, got k={kt.dtype}, v={vt.dtype}")
+    if kv_data_type is not None:
+        want = arrays.as_dtype(kv_data_type, "kv_data_type", fn)
+        if not arrays.same_storage(kv_dt, want):
+            raise ValueError(f"{fn}: k must have dtype {want} (kv_data_type) or its raw view, got {kt.dtype}")
+        kv_dt = want
     # -- a ragged batch of one through the batch wrapper (planned once per shape and options when
     #    there is no mask: a plan depends on nothing else)
-    key = (qo_len, kv_len, hq, hkv, d, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
+    key = (qo_len, kv_len, hq, hkv, d, dv, q_dt, kv_dt, kv_layout, backend, bool(causal), sm_scale,
            tuple(sorted(options.items(), key=lambda kv: kv[0])), ctx)
     if custom_mask is None and packed_custom_mask is None:
         w = _prefill_wrapper(*key)
     else:
         w = _prefill_wrapper.__wrapped__(*key, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask)
-    return w.run(q, k, v, *variant_args, return_lse=return_lse, stream=ctx.stream)
+    return w.run(q, k, v, *variant_args, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, stream=ctx.stream)
 
 
 @functools.lru_cache(maxsize=64)
-def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, kv_layout, backend,
+def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, head_dim_vo, q_dtype, kv_dtype, kv_layout, backend,
                     causal, sm_scale, options, ctx, custom_mask=None, packed_custom_mask=None):
     """The ragged wrapper of single_prefill_with_kv_cache, planned once per shape, options and ``ctx``
     (the call's framework, device and stream: the plan's upload runs on that stream, and calls on
@@ -208,7 +220,7 @@ def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dty
     w = BatchPrefillWithRaggedKVCacheWrapper(kv_layout=kv_layout, backend=backend)
     with _on_call_stream(ctx):
         w.plan(np.array([0, qo_len], np.int32), np.array([0, kv_len], np.int32), num_qo_heads, num_kv_heads,
-               head_dim, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+               head_dim, head_dim_vo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
                sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype, **dict(options))
     return w
 
@@ -216,10 +228,11 @@ def _prefill_wrapper(qo_len, kv_len, num_qo_heads, num_kv_heads, head_dim, q_dty
 def _single_dims(qs, ks, vs, kv_layout, fn):
     _check_q(qs, fn)
     kv_len, hkv, dk = _kv_dims(ks, kv_layout, "k", fn)
-    if tuple(vs) != tuple(ks):
-        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)}, got {tuple(vs)}")
+    if len(vs) != 3 or tuple(vs[:-1]) != tuple(ks[:-1]):
+        raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} but for its last dim (head_dim_vo), "
+                         f"got {tuple(vs)}")
     qo_len, hq, d = qs
     if dk != d:
         raise ValueError(f"{fn}: k head_dim must equal q head_dim={d}, got {dk}")
     _check_group(hq, hkv, fn)
-    return qo_len, hq, d, kv_len, hkv
+    return qo_len, hq, d, kv_len, hkv, vs[-1]

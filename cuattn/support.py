@@ -21,31 +21,40 @@ TABLE = {
         api="BatchPrefillWith{Paged,Ragged}KVCacheWrapper, single_prefill_with_kv_cache, "
             "BatchAttentionWithAttentionSinkWrapper, MultiLevelCascadeAttentionWrapper, "
             "BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, BatchAttention",
-        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"), kv_dtypes=("same as q",),
+        head_dims=(64, 128, 256), head_dim_pairs=((192, 128),), q_dtypes=("float16", "bfloat16"),
+        kv_dtypes=("same as q", "float8_e4m3fn", "float8_e5m2"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
-        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, no custom mask, contiguous K/V or pages of 16, 32, 64, "
+        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, K/V of q's dtype, no custom mask, contiguous K/V or pages of 16, 32, 64, "
               "128 or a multiple of 128"),
 }
 # what a refused kv dtype is told, per family
 KV_NOT_YET = {"decode": "fp32 KV: not yet",
-              "prefill": "fp8 KV: decode only so far (BatchDecodeWithPagedKVCacheWrapper); fp32 KV: not yet"}
+              "prefill": "fp8 KV: fa2 backend; fp32 KV: not yet"}
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
-            "(every family); pos_encoding_mode='ROPE_LLAMA' (decode and fa2; not fa3; not with an fp8 KV "
-            "cache); fp8 KV (decode): k_scale / v_scale as floats, 1-element or per-kv-head arrays; not yet: "
+            "(every family); pos_encoding_mode='ROPE_LLAMA' and a user variant's query_transform / key_transform "
+            "(decode and fa2; not fa3; not with an fp8 KV cache); fp8 KV (decode, prefill on fa2): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
+            "not yet: "
             "use_fp16_qk_reduction")
 
 
-def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype) -> None:
-    """Raise UnsupportedError naming the first limit the call hits (the same message on every path)."""
+def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype, head_dim_vo: int | None = None) -> None:
+    """Raise UnsupportedError naming the first limit the call hits (the same message on every path).
+    ``head_dim_vo`` (None: head_dim): V's and the output's head_dim."""
     t = TABLE[family]
-    if head_dim not in t["head_dims"]:
+    if head_dim_vo not in (None, head_dim):
+        pairs = t.get("head_dim_pairs", ())
+        if (head_dim, head_dim_vo) not in pairs:
+            raise UnsupportedError(f"{fn}: head_dim_qk={head_dim} with head_dim_vo={head_dim_vo} has no kernel; "
+                                   f"supported: equal head dims {', '.join(map(str, t['head_dims']))}"
+                                   + (f", or (qk, vo) {', '.join(f'{a}/{b}' for a, b in pairs)}" if pairs else ""))
+    elif head_dim not in t["head_dims"]:
         raise UnsupportedError(f"{fn}: head_dim={head_dim} has no kernel; supported: "
                                f"{', '.join(map(str, t['head_dims']))}")
     q, kv = np.dtype(q_dtype), np.dtype(kv_dtype)
     q_ok = [np.dtype(arrays.as_dtype(d, "q", fn)) for d in t["q_dtypes"]]
     if q not in q_ok:
         raise UnsupportedError(f"{fn}: q dtype {q} has no kernel; supported: {', '.join(t['q_dtypes'])}")
-    kv_ok = [q] if t["kv_dtypes"] == ("same as q",) else [np.dtype(arrays.as_dtype(d, "kv", fn)) for d in t["kv_dtypes"]]
+    kv_ok = [q if d == "same as q" else np.dtype(arrays.as_dtype(d, "kv", fn)) for d in t["kv_dtypes"]]
     if kv not in kv_ok:
         raise UnsupportedError(f"{fn}: kv dtype {kv} with q dtype {q} has no kernel; supported kv dtypes: "
                                f"{', '.join(t['kv_dtypes'])} ({KV_NOT_YET[family]})")
@@ -56,7 +65,8 @@ def markdown() -> str:
     rows = ["| family | API | head_dim | q dtype | kv dtype | layouts | page_size | arch |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for family, t in TABLE.items():
-        rows.append(f"| {family} | {t['api']} | {', '.join(map(str, t['head_dims']))} | {', '.join(t['q_dtypes'])} | "
+        dims = ", ".join(list(map(str, t["head_dims"])) + [f"{a}/{b} (qk/vo)" for a, b in t.get("head_dim_pairs", ())])
+        rows.append(f"| {family} | {t['api']} | {dims} | {', '.join(t['q_dtypes'])} | "
                     f"{', '.join(t['kv_dtypes'])} | {t['layouts']} | {t['page_sizes']} | {t['archs']} |")
     rows.append("")
     rows.append(f"Variants: {VARIANTS}.")

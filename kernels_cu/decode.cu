@@ -84,7 +84,7 @@ typedef f16 kv_mem_t;
 #endif
 constexpr int KVB = KV_FP8 ? 1 : 2;              // bytes per K/V element
 // e4m3 -> f16 by bit operations is exact times 2^-8: the scales carry the 2^8
-constexpr float FP8_FACTOR = KV_FP8 == 1 ? 256.f : 1.f;
+constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;
 #if KV_FP8 && (CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK)
 #error "fused RoPE and query / key transforms need a 16-bit KV cache"
 #endif
@@ -150,38 +150,12 @@ __device__ __forceinline__ int chunk_offset(int row, int c8) {
 #endif
 }
 
-// -- two fp8 of x (bytes SEL: 0x?4?4 pattern, see prmt) -> f16x2 (times 2^-8 for e4m3)
-template <int SEL>
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
-  uint32_t y;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(y) : "r"(x), "n"(SEL));   // each byte to the top of its half
-#if KV_FP8 == 1
-  return (y & 0x80008000u) | ((y >> 1) & 0x3fff3fffu);            // e4m3 s.eeee.mmm -> f16 s.0eeee.mmm0..
-#else
-  return y;                                                       // e5m2 is the top byte of an f16
-#endif
-}
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float log2_approx(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-
-// 8 consecutive values of type From (16 bytes) -> 8 values of type To (16 bytes)
-template <class From, class To>
-__device__ __forceinline__ uint4 convert8(uint4 x) {
-  uint4 y;
-  float2 f;
-  f = unpack2<From>(x.x); y.x = pack2<To>(f.x, f.y);
-  f = unpack2<From>(x.y); y.y = pack2<To>(f.x, f.y);
-  f = unpack2<From>(x.z); y.z = pack2<To>(f.x, f.y);
-  f = unpack2<From>(x.w); y.w = pack2<To>(f.x, f.y);
-  return y;
-}
-template <> __device__ __forceinline__ uint4 convert8<f16, f16>(uint4 x) { return x; }
-template <> __device__ __forceinline__ uint4 convert8<bf16, bf16>(uint4 x) { return x; }
 
 }  // namespace cuattn
 
@@ -503,8 +477,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           ldmatrix_x4(a, q_addr + (2 * p + h) * 32);
-          mma_m16n8k16<kv_t>(s[0], a, fp8x2_to_f16x2<0x1404>(b[2 * h]), fp8x2_to_f16x2<0x3424>(b[2 * h]));
-          mma_m16n8k16<kv_t>(s[1], a, fp8x2_to_f16x2<0x1404>(b[2 * h + 1]), fp8x2_to_f16x2<0x3424>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(s[0], a, fp8x2_to_f16x2<KV_FP8, 0x1404>(b[2 * h]), fp8x2_to_f16x2<KV_FP8, 0x3424>(b[2 * h]));
+          mma_m16n8k16<kv_t>(s[1], a, fp8x2_to_f16x2<KV_FP8, 0x1404>(b[2 * h + 1]), fp8x2_to_f16x2<KV_FP8, 0x3424>(b[2 * h + 1]));
         }
       }
     }
@@ -569,9 +543,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 2 * p + h;
-          mma_m16n8k16<kv_t>(acc[2 * c], pa, fp8x2_to_f16x2<0x2404>(b[2 * h]), fp8x2_to_f16x2<0x2404>(b[2 * h + 1]));
-          mma_m16n8k16<kv_t>(acc[2 * c + 1], pa, fp8x2_to_f16x2<0x3414>(b[2 * h]),
-                             fp8x2_to_f16x2<0x3414>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(acc[2 * c], pa, fp8x2_to_f16x2<KV_FP8, 0x2404>(b[2 * h]), fp8x2_to_f16x2<KV_FP8, 0x2404>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(acc[2 * c + 1], pa, fp8x2_to_f16x2<KV_FP8, 0x3414>(b[2 * h]),
+                             fp8x2_to_f16x2<KV_FP8, 0x3414>(b[2 * h + 1]));
         }
       }
     }

@@ -73,14 +73,12 @@ def test_what_no_gpu_kernel_runs_is_refused_at_plan_on_the_numpy_path_too():
     ind, lpl = np.array([0, 1], np.int32), np.array([3], np.int32)
     for kw, match in ((dict(head_dim=96), "head_dim=96 has no kernel; supported: 64, 128, 256"),
                       (dict(q_data_type="float32"), "q dtype float32 has no kernel"),
-                      (dict(kv_data_type="float32"), "kv dtype float32 with q dtype float16 has no kernel"),
-                      (dict(kv_data_type="float8_e4m3fn"), "kv dtype float8_e4m3fn with q dtype float16 has no kernel")):
+                      (dict(kv_data_type="float32"), "kv dtype float32 with q dtype float16 has no kernel")):
+        # (fp8 KV has kernels in both families: tests/test_fp8.py, tests/test_prefill_dtypes.py)
         args = dict(head_dim=64, q_data_type="float16") | kw
         d = args.pop("head_dim")
-        if args.get("kv_data_type") != "float8_e4m3fn":      # fp8 KV: decode has kernels (tests/test_fp8.py)
-            with pytest.raises(UnsupportedError, match=match):
-                cuattn.BatchDecodeWithPagedKVCacheWrapper().plan(ind, np.array([0], np.int32), lpl, 4, 4, d, 16,
-                                                                 **args)
+        with pytest.raises(UnsupportedError, match=match):
+            cuattn.BatchDecodeWithPagedKVCacheWrapper().plan(ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
         with pytest.raises(UnsupportedError, match=match):
             cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
     x = np.zeros((3, 4, 64), np.float32)

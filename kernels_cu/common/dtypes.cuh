@@ -59,6 +59,33 @@ template <> __device__ __forceinline__ uint32_t pack2<bf16>(float lo, float hi) 
   return r;
 }
 
+// -- 8 consecutive values of type From (16 bytes) -> 8 values of type To (16 bytes)
+template <class From, class To>
+__device__ __forceinline__ uint4 convert8(uint4 x) {
+  uint4 y;
+  float2 f;
+  f = unpack2<From>(x.x); y.x = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.y); y.y = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.z); y.z = pack2<To>(f.x, f.y);
+  f = unpack2<From>(x.w); y.w = pack2<To>(f.x, f.y);
+  return y;
+}
+template <> __device__ __forceinline__ uint4 convert8<f16, f16>(uint4 x) { return x; }
+template <> __device__ __forceinline__ uint4 convert8<bf16, bf16>(uint4 x) { return x; }
+
+// -- two fp8 of x -> f16x2 (FMT 1: e4m3, 2: e5m2). SEL is a prmt selector putting each chosen byte
+//    at the top of a 16-bit half (0x1404: bytes 0, 1; 0x3424: bytes 2, 3). e5m2 is the top byte of
+//    an f16 (exact); e4m3 s.eeee.mmm -> f16 s.0eeee.mmm0.. is exact times 2^-8, subnormals included:
+//    callers fold FP8_F16_FACTOR into their scales.
+template <int FMT, int SEL>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
+  uint32_t y;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(y) : "r"(x), "n"(SEL));   // each byte to the top of its half
+  if (FMT == 1) return (y & 0x80008000u) | ((y >> 1) & 0x3fff3fffu);
+  return y;
+}
+template <int FMT> struct Fp8F16Factor { static constexpr float value = FMT == 1 ? 256.f : 1.f; };
+
 // 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

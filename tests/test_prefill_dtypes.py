@@ -1,0 +1,424 @@
+"""Prefill (fa2) beyond 16-bit K/V of q's dtype (issues 22 and 21): fp8 e4m3 / e5m2 KV caches with
+k_scale / v_scale (floats, 1-element or per-kv-head arrays) in single / ragged / paged prefill, and
+head_dim_qk != head_dim_vo. The oracle is tests/oracle.py's float64 attention over the real K/V (fp8
+values times their scales: exact once dequantised)."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import jit, prefill
+from cuattn.errors import UnsupportedError
+from tests.oracle import dense_attention, rel_err
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+FP8_NAME = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+QDT = {"float16": np.dtype(np.float16), "bfloat16": BF16}
+TOL = 1e-2          # ||out - ref|| / ||ref||: K/V exact once dequantised; q (as f16), P and out round
+LSE_TOL = 1e-3
+
+
+def _scales(rng, kind, hkv):
+    """(k_scale, v_scale) as passed (host values; the GPU tests move arrays to the device) and their
+    per-head float64 factors."""
+    if kind == "tensor":
+        return (0.37, 1.9), (np.full(hkv, 0.37), np.full(hkv, 1.9))
+    if kind == "one":
+        return (np.array([0.61], np.float32), np.array([0.23], np.float32)), (np.full(hkv, 0.61, np.float32),
+                                                                              np.full(hkv, 0.23, np.float32))
+    ks, vs = rng.uniform(0.1, 2.0, hkv).astype(np.float32), rng.uniform(0.1, 2.0, hkv).astype(np.float32)
+    return (ks, vs), (ks, vs)
+
+
+def _q(rng, rows, hq, d, q_dtype):
+    return rng.standard_normal((rows, hq, d)).astype(QDT[q_dtype])
+
+
+def _fp8(rng, shape, kv):
+    return (rng.standard_normal(shape) * 3).astype(FP8[kv])
+
+
+def _real(x, factors, head_axis=1):
+    shape = [1] * x.ndim
+    shape[head_axis] = -1
+    return x.astype(np.float64) * np.asarray(factors, np.float64).reshape(shape)
+
+
+def _oracle(q, ks, vs, qo_indptr, causal):
+    outs, lses = [], []
+    for b in range(len(ks)):
+        o, s = dense_attention(q[qo_indptr[b]:qo_indptr[b + 1]], ks[b], vs[b], causal=causal)
+        outs.append(o)
+        lses.append(s)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def paged_fp8_case(qo_lens, kv_lens, page_size, hq, hkv, d, kv, q_dtype, scale_kind, layout="NHD", seed=0):
+    """q, a random-order fp8 (k, v) page pair (free slots and pages hold NaN bits), the page table,
+    the scales as passed and the float64 oracle's out / lse."""
+    rng = np.random.default_rng(seed)
+    npages = [-(-n // page_size) for n in kv_lens]
+    total = sum(npages) + 2
+    perm = rng.permutation(total).astype(np.int32)[:sum(npages)]
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    last = np.array([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, npages)], np.int32)
+    k = np.full((total, page_size, hkv, d), 0x7F, np.uint8).view(FP8[kv])     # NaN bits in both formats
+    v = k.copy()
+    for b, n in enumerate(kv_lens):   # the owned slots: real values
+        flat_k, flat_v = _fp8(rng, (n, hkv, d), kv), _fp8(rng, (n, hkv, d), kv)
+        for i, p in enumerate(perm[indptr[b]:indptr[b + 1]]):
+            m = min(page_size, n - i * page_size)
+            k[p, :m], v[p, :m] = flat_k[i * page_size:i * page_size + m], flat_v[i * page_size:i * page_size + m]
+    passed, factors = _scales(rng, scale_kind, hkv)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = _q(rng, int(qo_indptr[-1]), hq, d, q_dtype)
+    ks = [_real(k[perm[indptr[b]:indptr[b + 1]]].reshape(-1, hkv, d)[:n], factors[0]) for b, n in enumerate(kv_lens)]
+    vs = [_real(v[perm[indptr[b]:indptr[b + 1]]].reshape(-1, hkv, d)[:n], factors[1]) for b, n in enumerate(kv_lens)]
+    if layout == "HND":
+        k, v = k.transpose(0, 2, 1, 3).copy(), v.transpose(0, 2, 1, 3).copy()
+    return dict(q=q, k=k, v=v, qo_indptr=qo_indptr, indptr=indptr, indices=perm, last=last, scales=passed, ks=ks,
+                vs=vs)
+
+
+def ragged_fp8_case(qo_lens, kv_lens, hq, hkv, d, kv, q_dtype, scale_kind, seed=0):
+    rng = np.random.default_rng(seed)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    k, v = _fp8(rng, (int(kv_indptr[-1]), hkv, d), kv), _fp8(rng, (int(kv_indptr[-1]), hkv, d), kv)
+    passed, factors = _scales(rng, scale_kind, hkv)
+    q = _q(rng, int(qo_indptr[-1]), hq, d, q_dtype)
+    ks = [_real(k[kv_indptr[b]:kv_indptr[b + 1]], factors[0]) for b in range(len(kv_lens))]
+    vs = [_real(v[kv_indptr[b]:kv_indptr[b + 1]], factors[1]) for b in range(len(kv_lens))]
+    return dict(q=q, k=k, v=v, qo_indptr=qo_indptr, kv_indptr=kv_indptr, scales=passed, ks=ks, vs=vs)
+
+
+# ============================================================================ CPU (CI)
+
+
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale_kind", ["tensor", "one", "head"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_prefill_numpy_fp8_matches_dequantised_oracle(kv, scale_kind, layout):
+    c = paged_fp8_case([5, 1, 12], [21, 7, 12], 5, 8, 2, 64, kv, "float16", scale_kind, layout)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], 8, 2, 64, 5, causal=True, q_data_type="float16",
+           kv_data_type=FP8_NAME[kv])
+    out, lse = w.run(c["q"], (c["k"], c["v"]), k_scale=c["scales"][0], v_scale=c["scales"][1], return_lse=True)
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+    assert out.dtype == np.float16
+    assert rel_err(out, ref_o) < 2e-3 and rel_err(lse, ref_s) < 1e-5
+
+
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_ragged_and_single_prefill_numpy_fp8_read_uint8_as_kv_data_type(kv):
+    c = ragged_fp8_case([3, 17], [9, 40], 8, 4, 128, kv, "bfloat16", "head", seed=1)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], 8, 4, 128, q_data_type="bfloat16", kv_data_type=FP8_NAME[kv])
+    out = w.run(c["q"], c["k"].view(np.uint8), c["v"].view(np.uint8), k_scale=c["scales"][0], v_scale=c["scales"][1])
+    ref_o, _ = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], False)
+    assert out.dtype == BF16 and rel_err(out, ref_o) < 1e-2
+    # single request: fp8 arrays as they are, and uint8 with kv_data_type
+    q1, k1, v1 = c["q"][:3], c["k"][:9], c["v"][:9]
+    o1 = cuattn.single_prefill_with_kv_cache(q1, k1, v1, causal=True, k_scale=c["scales"][0], v_scale=c["scales"][1])
+    o2 = cuattn.single_prefill_with_kv_cache(q1, k1.view(np.uint8), v1.view(np.uint8), causal=True,
+                                             k_scale=c["scales"][0], v_scale=c["scales"][1],
+                                             kv_data_type=FP8_NAME[kv])
+    r1, _ = dense_attention(q1, c["ks"][0], c["vs"][0], causal=True)
+    np.testing.assert_array_equal(o1.view(np.uint16), o2.view(np.uint16))
+    assert rel_err(o1, r1) < 1e-2
+
+
+def test_prefill_scales_apply_to_16_bit_kv_too():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((7, 4, 64), (20, 2, 64), (20, 2, 64)))
+    out = cuattn.single_prefill_with_kv_cache(q, k, v, k_scale=0.5, v_scale=np.array([2.0, 3.0], np.float32))
+    ref, _ = dense_attention(q, k.astype(np.float64) * 0.5, v.astype(np.float64) * np.array([2.0, 3.0])[None, :, None])
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_prefill_rejects_bad_scales_naming_the_argument():
+    c = paged_fp8_case([4], [9], 4, 4, 2, 64, "e4m3", "float16", "tensor")
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], 4, 2, 64, 4, kv_data_type="float8_e4m3fn")
+    for kw, match in ((dict(k_scale=np.ones(3, np.float32)), r"k_scale must be .*shape \(1,\) or \(num_kv_heads,\)"),
+                      (dict(v_scale=-1.0), "v_scale must be a positive finite number"),
+                      (dict(k_scale=0.0), "k_scale must be a positive finite number"),
+                      (dict(v_scale=float("nan")), "v_scale must be a positive finite number"),
+                      (dict(k_scale=np.ones((2, 1), np.float32)), "k_scale must be"),
+                      (dict(v_scale=np.array([1.0, np.inf], np.float32)), "v_scale must be positive and finite")):
+        with pytest.raises(ValueError, match=match):
+            w.run(c["q"], (c["k"], c["v"]), **kw)
+    with pytest.raises(ValueError, match="paged_kv_cache must have dtype float8_e4m3fn"):
+        w.run(c["q"], (c["k"].astype(np.float16), c["v"].astype(np.float16)))
+
+
+def test_prefill_fp8_refusals_name_the_limit():
+    ind, lpl = np.array([0, 4], np.int32), np.array([3], np.int32)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    with pytest.raises(UnsupportedError, match=r"backend='fa3': fa3 reads K/V of q's dtype only .*e4m3"):
+        w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 16,
+               kv_data_type="float8_e4m3fn")
+    with pytest.raises(UnsupportedError, match="q dtype float8_e4m3fn has no kernel"):
+        cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32),
+                                                          lpl, 4, 4, 128, 16, q_data_type="float8_e4m3fn",
+                                                          kv_data_type="float8_e4m3fn")
+    with pytest.raises(UnsupportedError, match="needs a 16-bit KV cache"):
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper().plan(ind, np.array([0, 4], np.int32), 4, 4, 128,
+                                                           kv_data_type="float8_e5m2", pos_encoding_mode="ROPE_LLAMA")
+    # auto plans fa2 for an fp8 cache, wherever fa3 would run the 16-bit case
+    assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="f16", custom_mask=False,
+                                   paged=True, page_size=16, dtype_kv="e4m3") == "fa2"
+    assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="f16", custom_mask=False,
+                                   paged=True, page_size=16) == "fa3"
+
+
+def test_fp8_shipped_prefill_specs_cover_serving_and_stay_few():
+    fp8_specs = [s for s in prefill.shipped_specs() if s.dtype_kv]
+    have = {(s.head_dim, s.dtype, s.dtype_kv, s.causal, s.paged, s.custom_mask) for s in fp8_specs}
+    assert {(128, t, kv, c, True, False) for t in ("f16", "bf16") for kv in ("e4m3", "e5m2") for c in (False, True)} <= have
+    assert len(fp8_specs) <= 32
+    assert len({s.name for s in prefill.shipped_specs()}) == len(prefill.shipped_specs())
+    # spill-free on sm_80 and sm_90a: tests/test_prefill.py::test_shipped_specs_compile_without_spills
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_fp8_prefill_specs_not_shipped_compile_without_spills(arch):
+    """Compiled on first use (ragged, custom mask, head_dim 256): spill-free too."""
+    specs = [prefill.make_spec(d, t, c, m, p, dtype_kv="e5m2" if d == 256 else "e4m3")
+             for d, t, c, m, p in ((128, "f16", True, False, False), (128, "bf16", False, True, False),
+                                   (256, "f16", True, False, True), (64, "bf16", False, True, True))]
+    for spec in specs:
+        res = jit.compile_kernel(spec, arch).resources["cuattn_prefill"]
+        assert res["spill_stores"] == res["spill_loads"] == 0, (spec.name, arch, res)
+
+
+# ============================================================================ GPU
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def _dev(x):
+    cp = _cp()
+    if x.dtype == BF16:
+        return cp.asarray(x.view(np.uint16))
+    if x.dtype in FP8.values():
+        return cp.asarray(x.view(np.uint8))
+    return cp.asarray(x)
+
+
+def _dev_scale(s):
+    return s if isinstance(s, float) else _cp().asarray(s)
+
+
+def _poisoned(shape, q_dtype):
+    cp = _cp()
+    return cp.full(shape, 0x7FC0, np.uint16) if q_dtype == "bfloat16" else cp.full(shape, np.nan, np.float16)
+
+
+def _check(out, lse, ref_o, ref_s, q_dtype):
+    o = _cp().asnumpy(out)
+    o = o.view(BF16) if q_dtype == "bfloat16" else o
+    assert np.all(np.isfinite(o.astype(np.float32))), "unwritten or non-finite output"
+    assert rel_err(o, ref_o) < TOL
+    # every element: within TOL of the reference's largest magnitude
+    assert np.max(np.abs(o.astype(np.float64) - ref_o)) < TOL * 4 * np.max(np.abs(ref_o)) + 1e-6
+    assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
+
+
+# (qo_lens, kv_lens, page_size, hq, hkv, head_dim, kv, q dtype, scales, causal, layout)
+PAGED_GPU = [
+    ([17, 1, 300], [54, 97, 300], 16, 32, 8, 128, "e4m3", "float16", "tensor", True, "NHD"),
+    ([64, 7], [512, 7], 1, 32, 8, 128, "e5m2", "bfloat16", "head", False, "NHD"),
+    ([127, 33], [4932, 40], 16, 28, 4, 128, "e4m3", "bfloat16", "one", False, "HND"),
+    ([577], [577], 16, 8, 8, 64, "e5m2", "float16", "head", True, "NHD"),
+    ([33, 2], [129, 1000], 1, 16, 2, 64, "e4m3", "float16", "head", True, "HND"),
+    ([1, 1, 1, 1], [2048, 17, 300, 1], 16, 32, 8, 128, "e4m3", "float16", "head", False, "NHD"),   # decode-like rows
+]
+RAGGED_GPU = [
+    ([37, 200], [97, 200], 32, 8, 128, "e4m3", "float16", "head", True),
+    ([100], [1500], 8, 2, 128, "e5m2", "bfloat16", "tensor", False),
+    ([16, 3], [4000, 3], 4, 4, 256, "e4m3", "bfloat16", "one", True),
+]
+
+
+def _ids(cases):
+    return ["-".join(str(x).replace(" ", "") for x in c) for c in cases]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PAGED_GPU, ids=_ids(PAGED_GPU))
+def test_paged_prefill_gpu_fp8_matches_dequantised_oracle(case):
+    qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, causal, layout = case
+    c = paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 7 + d)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
+           causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
+    assert w.backend == "fa2"
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(out, lse, ref_o, ref_s, qdt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", RAGGED_GPU, ids=_ids(RAGGED_GPU))
+def test_ragged_prefill_gpu_fp8_matches_dequantised_oracle(case):
+    qo_lens, kv_lens, hq, hkv, d, kv, qdt, sk, causal = case
+    c = ragged_fp8_case(qo_lens, kv_lens, hq, hkv, d, kv, qdt, sk, seed=d + hq)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], hq, hkv, d, causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(out, lse, ref_o, ref_s, qdt)
+
+
+@pytest.mark.gpu
+def test_single_prefill_gpu_fp8_and_split_kv():
+    # one long request (split-KV pieces merged: the value scale must reach every partial row)
+    c = ragged_fp8_case([64], [16384], 32, 8, 128, "e4m3", "float16", "head", seed=11)
+    out, lse = cuattn.single_prefill_with_kv_cache(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), causal=True,
+                                                   k_scale=_dev_scale(c["scales"][0]),
+                                                   v_scale=_dev_scale(c["scales"][1]), kv_data_type="float8_e4m3fn",
+                                                   return_lse=True)
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+    _check(out, lse, ref_o, ref_s, "float16")
+
+
+@pytest.mark.gpu
+def test_prefill_gpu_fp8_fa3_is_refused_and_scales_on_fa3_are_refused():
+    c = paged_fp8_case([4], [40], 16, 4, 4, 128, "e4m3", "float16", "tensor")
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    with pytest.raises(UnsupportedError, match="fa3"):
+        w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 4, 4, 128, 16,
+               kv_data_type="float8_e4m3fn")
+
+
+# ============================================================================ head_dim_qk != head_dim_vo
+
+
+def split_case(qo_lens, kv_lens, hq, hkv, q_dtype, seed=0, dqk=192, dvo=128):
+    rng = np.random.default_rng(seed)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    dt = QDT[q_dtype]
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, dqk)).astype(dt)
+    k = rng.standard_normal((int(kv_indptr[-1]), hkv, dqk)).astype(dt)
+    v = rng.standard_normal((int(kv_indptr[-1]), hkv, dvo)).astype(dt)
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    return q, k, v, qo_indptr, kv_indptr, ks, vs
+
+
+def to_pages(x, kv_indptr, page_size, perm_seed=0, layout="NHD"):
+    """A contiguous [nnz, heads, d] K or V as a random-order page array (pages past the requests hold
+    NaN) and its page table."""
+    lens = np.diff(kv_indptr)
+    npages = [-(-int(n) // page_size) for n in lens]
+    total = sum(npages) + 2
+    perm = np.random.default_rng(perm_seed).permutation(total).astype(np.int32)[:sum(npages)]
+    indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    last = np.array([int(n) - (p - 1) * page_size for n, p in zip(lens, npages)], np.int32)
+    pages = np.full((total, page_size) + x.shape[1:], np.nan, np.float32).astype(x.dtype)
+    for b, n in enumerate(lens):
+        for i, p in enumerate(perm[indptr[b]:indptr[b + 1]]):
+            m = min(page_size, int(n) - i * page_size)
+            pages[p, :m] = x[kv_indptr[b] + i * page_size:kv_indptr[b] + i * page_size + m]
+    if layout == "HND":
+        pages = pages.transpose(0, 2, 1, 3).copy()
+    return pages, indptr, perm, last
+
+
+def test_split_head_dims_numpy_single_ragged_paged_match_oracle():
+    q, k, v, qo_indptr, kv_indptr, ks, vs = split_case([5, 17], [21, 40], 8, 2, "float16", seed=4)
+    ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, True)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(qo_indptr, kv_indptr, 8, 2, 192, 128, causal=True)
+    out, lse = w.run(q, k, v, return_lse=True)
+    assert out.shape == (22, 8, 128) and rel_err(out, ref_o) < 2e-3 and rel_err(lse, ref_s) < 1e-5
+    kp, indptr, indices, last = to_pages(k, kv_indptr, 16)
+    vp, _, _, _ = to_pages(v, kv_indptr, 16)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(qo_indptr, indptr, indices, last, 8, 2, 192, 16, head_dim_vo=128, causal=True)
+    np.testing.assert_array_equal(wp.run(q, (kp, vp)), out)
+    o1 = cuattn.single_prefill_with_kv_cache(q[:5], ks[0], vs[0], causal=True)
+    r1, _ = dense_attention(q[:5], ks[0], vs[0], causal=True)
+    assert o1.shape == (5, 8, 128) and rel_err(o1, r1) < 2e-3
+
+
+def test_split_head_dims_refusals_name_the_argument():
+    qo, kv = np.array([0, 4], np.int32), np.array([0, 9], np.int32)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    with pytest.raises(UnsupportedError, match="head_dim=192 has no kernel; supported: 64, 128, 256"):
+        w.plan(qo, kv, 4, 4, 192, 192)
+    for dqk, dvo in ((128, 64), (192, 64), (256, 128)):
+        with pytest.raises(UnsupportedError, match=f"head_dim_qk={dqk} with head_dim_vo={dvo} has no kernel; "
+                                                   "supported: equal head dims 64, 128, 256, or \\(qk, vo\\) 192/128"):
+            w.plan(qo, kv, 4, 4, dqk, dvo)
+    with pytest.raises(TypeError, match="head_dim_vo must be an int"):
+        w.plan(qo, kv, 4, 4, 192, 128.0)
+    with pytest.raises(UnsupportedError, match="fused RoPE\\) needs head_dim_vo == head_dim_qk"):
+        w.plan(qo, kv, 4, 4, 192, 128, pos_encoding_mode="ROPE_LLAMA", rotary_dim=64)
+    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 has a kernel for head_dim 128 only"):
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
+    w.plan(qo, kv, 4, 4, 192, 128)
+    x = np.zeros((9, 4, 192), np.float16)
+    with pytest.raises(ValueError, match="v must have the shape of k .* with head_dim_vo=128"):
+        w.run(np.zeros((4, 4, 192), np.float16), x, x)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(qo, np.array([0, 1], np.int32), np.array([0], np.int32), np.array([9], np.int32), 4, 4, 192, 16,
+            head_dim_vo=128)
+    with pytest.raises(ValueError, match=r"paged_kv_cache must be a \(k_cache, v_cache\) pair"):
+        wp.run(np.zeros((4, 4, 192), np.float16), np.zeros((1, 2, 16, 4, 192), np.float16))
+    with pytest.raises(ValueError, match="v_cache must have page_size=16, num_kv_heads=4, head_dim=128"):
+        wp.run(np.zeros((4, 4, 192), np.float16), (np.zeros((1, 16, 4, 192), np.float16),
+                                                   np.zeros((1, 16, 4, 192), np.float16)))
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_split_head_dim_specs_compile_without_spills(arch):
+    for t, c, m, p, kv in (("f16", False, False, False, ""), ("bf16", True, False, True, ""),
+                           ("f16", True, True, True, ""), ("bf16", False, False, True, "e4m3")):
+        spec = prefill.make_spec(192, t, c, m, p, dtype_kv=kv, head_dim_vo=128)
+        res = jit.compile_kernel(spec, arch).resources["cuattn_prefill"]
+        assert res["spill_stores"] == res["spill_loads"] == 0, (spec.name, arch, res)
+
+
+SPLIT_GPU = [   # (qo_lens, kv_lens, hq, hkv, q dtype, causal, kind, page_size, layout)
+    ([37, 200], [97, 200], 32, 8, "float16", True, "ragged", 0, "NHD"),
+    ([64, 1], [1000, 33], 16, 2, "bfloat16", False, "paged", 16, "NHD"),
+    ([127], [600], 8, 8, "float16", True, "paged", 1, "HND"),
+    ([300], [300], 16, 4, "bfloat16", True, "single", 0, "NHD"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPLIT_GPU, ids=_ids(SPLIT_GPU))
+def test_split_head_dims_gpu_match_oracle(case):
+    qo_lens, kv_lens, hq, hkv, qdt, causal, kind, ps, layout = case
+    q, k, v, qo_indptr, kv_indptr, ks, vs = split_case(qo_lens, kv_lens, hq, hkv, qdt, seed=hq + len(kind))
+    rows = int(qo_indptr[-1])
+    out, lse = _poisoned((rows, hq, 128), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    if kind == "single":
+        out, lse = cuattn.single_prefill_with_kv_cache(_dev(q), _dev(k), _dev(v), causal=causal, return_lse=True)
+    elif kind == "ragged":
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+        w.plan(qo_indptr, kv_indptr, hq, hkv, 192, 128, causal=causal, q_data_type=qdt)
+        w.run(_dev(q), _dev(k), _dev(v), out=out, lse=lse)
+    else:
+        kp, indptr, indices, last = to_pages(k, kv_indptr, ps, layout=layout)
+        vp, _, _, _ = to_pages(v, kv_indptr, ps, layout=layout)
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+        w.plan(_dev(qo_indptr), _dev(indptr), _dev(indices), _dev(last), hq, hkv, 192, ps, head_dim_vo=128,
+               causal=causal, q_data_type=qdt)
+        w.run(_dev(q), (_dev(kp), _dev(vp)), out=out, lse=lse)
+    ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, causal)
+    _check(out, lse, ref_o, ref_s, qdt)
