@@ -175,8 +175,7 @@ class MultiLevelCascadeAttentionWrapper:
     def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
         at the first plan, with room for twice its queries)."""
-        w = self._levels[0]
-        device = w._device if self._kinds[0] == "decode" else w._bufs.device
+        device = self._levels[0]._plan.device      # plan.Plan, whichever kind the level is
         if device is None or self._num_levels == 1:
             return
         if self._states is not None:

@@ -14,11 +14,11 @@ row, first slot and number of pieces (the kernel's fused merge: the last piece t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-import functools
 
 from . import arrays
 
@@ -234,9 +234,74 @@ def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, c
     return 0 if chunk and chunk >= int(extents.max()) else chunk
 
 
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclass(eq=False, slots=True)
+class Plan:
+    """One planned batch, the one structure every wrapper's plan() produces (decode, ragged and paged
+    prefill, and through them the cascade levels, block-sparse, BatchAttention, context-parallel) and
+    its run() and describe() read. Declared fields only (slots: a misspelt field raises).
+
+    The host part is filled on every path (the NumPy path runs from it alone); the GPU part is left
+    at its defaults on a NumPy plan (``meta is None``). Prefill's run() still reads fields by
+    subscript (``plan["num_kv_heads"]``, the dict this replaced): ``__getitem__`` reads the declared
+    field of that name.
+    """
+    # -- the batch and its configuration (every path)
+    owner: str                          # the wrapper class (error messages)
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_dtype: np.dtype
+    kv_dtype: np.dtype
+    sm_scale: float
+    bound: Any                          # variants.Bound: the plan's variant and its fixed parameters
+    causal: bool = False
+    page_size: int | None = None        # None: contiguous K/V (ragged prefill)
+    spec: Any = None                    # the kernel spec known without a device (decode: before warps/TMA; fa2)
+    # -- host metadata (int32 unless said)
+    kv_lens: np.ndarray | None = None   # int64 [batch]: keys of every request
+    qo_indptr: np.ndarray | None = None     # [batch + 1] (prefill)
+    qo_lens: np.ndarray | None = None       # int64 [batch] (prefill)
+    kv_indptr: np.ndarray | None = None     # [batch + 1]: pages (paged) or keys (ragged)
+    kv_indices: np.ndarray | None = None    # [nnz pages]: host page ids (None: decode's device ids)
+    kv_indices_src: Any = None          # decode: the caller's page ids as given (a device array used in place)
+    last_page_len: np.ndarray | None = None
+    max_page: int = -1                  # largest page id (-1: none, or not known on the host)
+    mask: np.ndarray | None = None      # packed custom mask, uint8 (prefill)
+    mask_indptr: np.ndarray | None = None
+    # -- the GPU half (defaults on a NumPy plan)
+    device: int | None = None
+    backend: str = ""                   # prefill: "fa2" | "fa3"
+    run_spec: Any = None                # the kernel spec run() launches
+    work_list: Any = None               # DecodeWorkList | PrefillWorkList
+    split_why: str = ""                 # why split-KV came out as it did (describe())
+    meta: dict | None = None            # device pointers by name (plan segments, partial workspace)
+    grid_work: int = 0                  # work rows the grid covers (graph mode: the capacity)
+    grid_merge: int = 0                 # merge rows the merge grid covers
+    fixed_vargs: tuple | None = None    # the variant's kernel arguments when run() adds none (built once)
+    # -- launch state prepared at plan() (decode: run() launches with no per-call packing)
+    launchers: tuple = ()               # (attention launcher, merge launcher or None)
+    kernel_args: tuple = ()             # the plan's kernel arguments, packed in the kernel's order
+    grid: tuple = ()                    # attention grid
+    merge_grid: tuple = ()              # merge grid
+    keep: Any = None                    # a device array the plan's pointers point into (kept alive)
+
+    @property
+    def group(self) -> int:             # query heads per kv head
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.meta is not None
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+
 # ---------------------------------------------------------------------------- plan buffers
-
-
 
 
 class DeviceBuffers:

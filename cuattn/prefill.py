@@ -332,17 +332,17 @@ class _BatchPrefillBase:
         resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                         custom_mask=has_mask, paged=paged, rope=bound.composite.has_rope,
                         page_size=page_size)   # fa3 asked where it has none
-        return dict(qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, kv_lens=kv_lens, batch=batch,
-                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
-                    causal=bool(causal), sm_scale=sm_scale or 1 / math.sqrt(head_dim_qk), q_dtype=q_dt,
-                    kv_dtype=kv_dt, mask=mask_host, mask_indptr=mask_indptr, spec=spec, group=group, bound=bound)
+        return _plan.Plan(self._fn, batch, num_qo_heads, num_kv_heads, head_dim_qk, q_dt, kv_dt,
+                          sm_scale or 1 / math.sqrt(head_dim_qk), bound, bool(causal), page_size, spec,
+                          kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, mask=mask_host,
+                          mask_indptr=mask_indptr)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_rope,
-                                       page_size=plan.get("page_size"))
+                                       page_size=plan.page_size)
         return self.backend
 
     def _require_plan(self, fn):
@@ -350,7 +350,7 @@ class _BatchPrefillBase:
             raise ValueError(f"{fn}: plan() must be called before run()")
         return self._plan
 
-    def _plan_device(self, fn: str, plan: dict, paged: bool, fixed_split_size, disable_split_kv: bool,
+    def _plan_device(self, fn: str, plan: _plan.Plan, paged: bool, fixed_split_size, disable_split_kv: bool,
                      stream_of) -> None:
         """The GPU half of plan(): the backend for the device, the work list (split-KV chosen here, or
         ``fixed_split_size`` / ``disable_split_kv``), and one upload of it with the page table into the
@@ -358,8 +358,8 @@ class _BatchPrefillBase:
         _plan.check_fixed_split(fn, fixed_split_size)
         bufs = self._bufs
         device = bufs.device_for(stream_of)
-        plan["device"] = device
-        if device is None or plan["spec"] is None:
+        plan.device = device
+        if device is None or plan.spec is None:
             return
         composite = plan["bound"].composite
         backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
@@ -387,14 +387,14 @@ class _BatchPrefillBase:
         mask = plan["mask"]
         segments = [("kv_chunk", np.array([wl.chunk], np.int32), 0),
                     ("qo_indptr", plan["qo_indptr"], 0), ("kv_indptr", plan["kv_indptr"], 0),
-                    ("kv_last_page_len", plan.get("last_page_len"), 0), ("kv_indices", plan.get("kv_indices"), 0),
+                    ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan["mask_indptr"], 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
                     ("work", wl.work.ravel(), -1), ("merge", wl.merge.ravel(), -1)]
-        ptrs = bufs.upload(fn, segments, (spec.name, plan["num_qo_heads"], h_kv, plan.get("page_size")), stream_of)
-        ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan["head_dim"] * h_kv))
-        plan.update(backend=backend, run_spec=spec, work_list=wl, meta=ptrs, split_why=why,
-                    grid_work=bufs.rows("work", len(wl.work), _plan.PREFILL_COLS),
-                    grid_merge=bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS))
+        ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size), stream_of)
+        ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
+        plan.backend, plan.run_spec, plan.work_list, plan.meta, plan.split_why = backend, spec, wl, ptrs, why
+        plan.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
+        plan.grid_merge = bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS)
 
     def describe(self) -> str:
         """What the last plan() runs: the kernel specialization and its tiles, the work items, the
@@ -405,7 +405,7 @@ class _BatchPrefillBase:
         lines = [f"{self._fn}: batch {p['batch']}, {int(p['qo_indptr'][-1])} queries, {p['num_qo_heads']}:"
                  f"{p['num_kv_heads']} heads, head_dim {p['head_dim']}, {'causal' if p['causal'] else 'full'}"
                  + ("" if p["mask"] is None else ", custom mask")]
-        if "meta" not in p:
+        if p.meta is None:
             return "\n".join(lines + ["NumPy reference path (no GPU at plan time)"])
         wl, spec, h = p["work_list"], p["run_spec"], p["num_kv_heads"]
         lines.append(f"kernel: {spec.name} (backend {p['backend']}), tiles of {spec.block_m} packed query rows x "
@@ -432,8 +432,8 @@ class _BatchPrefillBase:
     def _gpu_plan(self, ctx, plan, fn) -> None:
         """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph
         needs a wrapper built for graphs."""
-        if plan.get("device") != ctx.device or "meta" not in plan:
-            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {plan.get('device')}), "
+        if plan.device != ctx.device or plan.meta is None:
+            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {plan.device}), "
                              f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
         _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
 
@@ -458,8 +458,8 @@ class _BatchPrefillBase:
         bound = plan["bound"]
         bound.check_lse(return_lse, lse, fn)
         if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
-            if "fixed_vargs" not in plan:
-                plan["fixed_vargs"] = bound.kernel_args(plan["sm_scale"], bound.fixed, fn)
+            if plan.fixed_vargs is None:
+                plan.fixed_vargs = bound.kernel_args(plan["sm_scale"], bound.fixed, fn)
             return plan["sm_scale"], plan["fixed_vargs"]
         values = bound.values(tuple(args), fn)
         bound.check_sinks(values, plan["num_qo_heads"], fn)
@@ -536,7 +536,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         plan = self._plan_common(fn, qo_indptr, np.diff(kv), num_qo_heads, num_kv_heads, head_dim_qk,
                                  head_dim_vo, custom_mask, packed_custom_mask, causal, sm_scale, q_data_type,
                                  kv_data_type, paged=False, options=options)
-        plan["kv_indptr"] = kv.astype(np.int32)
+        plan.kv_indptr = kv.astype(np.int32)
         self._plan_device(fn, plan, False, fixed_split_size, disable_split_kv, qo_indptr)
         self._plan = plan
 
@@ -649,9 +649,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
                                  paged=True, options=options, page_size=int(page_size))
-        plan.update(kv_indptr=indptr.astype(np.int32), kv_indices=indices.astype(np.int32),
-                    last_page_len=last.astype(np.int32), page_size=int(page_size),
-                    max_page=int(indices.max()) if len(indices) else -1)
+        plan.kv_indptr, plan.kv_indices = indptr.astype(np.int32), indices.astype(np.int32)
+        plan.last_page_len, plan.max_page = last.astype(np.int32), int(indices.max()) if len(indices) else -1
         self._plan_device(fn, plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
         self._plan = plan
 
