@@ -124,6 +124,11 @@ def _num_sms(device: int) -> int:
     return _plan.num_sms(device)
 
 
+@functools.cache
+def _device_arch(device: int) -> str:     # plan() asks every call; CuPy's answer costs ~1 µs
+    return jit.device_arch(device)
+
+
 # Benchmark/test overrides (BatchDecodeWithPagedKVCacheWrapper._tuning), not API; 0: plan() chooses.
 #   num_stages: cp.async depth (DecodeSpec.num_stages); num_warps: 4 | 8 warps per CTA;
 #   fuse_merge: False launches the separate merge kernel for split requests;
@@ -208,6 +213,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._tuning: dict[str, Any] = {}
         self._kv_memo: dict[tuple, tuple] = {}     # run()'s cache descriptions (_kv_view)
         self._checked: dict[tuple, tuple] = {}     # layouts of q, out, lse that passed this plan (_operand)
+        self._configs: dict[tuple, tuple] = {}     # plan()'s checked configurations (plan.config_key)
+        self._launch_memo = None                   # (key, launch state) of the last plan (_build_launchers)
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
 
     @property
@@ -258,22 +265,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
             passed to ``run()`` positionally after the cache.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        self._options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                             variant=variant, rotary_dim=rotary_dim)
-        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **self._options)
+        # -- the checks of the configuration (everything but the page table) passed before for the
+        #    same arguments: their results, memoized (a serving loop plans one configuration each step)
+        key = _plan.config_key(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                               logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
+                               rope_theta, variant, rotary_dim, self._tuned("num_stages"), self._tuned("l2_prefetch"))
+        config = self._configs.get(key) if key is not None else None
+        if config is None:
+            options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                           variant=variant, rotary_dim=rotary_dim)
+            bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **options)
+        else:
+            options, bound, q_dtype, kv_dtype, spec = config
         _plan.check_fixed_split(fn, fixed_split_size)
-        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                          ("head_dim", head_dim), ("page_size", page_size)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
-                             f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
-        if data_type is not None and q_data_type == "float16":
-            q_data_type = data_type
-        q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
-        kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
+        if config is None:
+            for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                              ("head_dim", head_dim), ("page_size", page_size)):
+                if not isinstance(val, (int, np.integer)) or val < 1:
+                    raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+            if num_qo_heads % num_kv_heads:
+                raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
+                                 f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
+            if data_type is not None and q_data_type == "float16":
+                q_data_type = data_type
+            q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
+            kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
 
         indptr_h = arrays.host_int_vector(indptr, "indptr", fn)
         lpl_h = arrays.host_int_vector(last_page_len, "last_page_len", fn)
@@ -289,10 +306,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_indices = idx_t.shape[0]
             indices_h = None
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
-        support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
-        if fp8.is_fp8(kv_dtype) and bound.composite.has_rope:
-            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
-                                   f"got kv_data_type={kv_dtype}")
+        if config is None:
+            support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
+            if fp8.is_fp8(kv_dtype) and bound.composite.has_rope:
+                raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
+                                       f"got kv_data_type={kv_dtype}")
+            spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype), self._tuned("num_stages"), 4,
+                              self._tuned("l2_prefetch"), False, bound.composite)
+            if key is not None:
+                _plan.memo_put(self._configs, key, (options, bound, q_dtype, kv_dtype, spec))
+        self._options = options
         if indices_h is not None and len(indices_h) and indices_h.min() < 0:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
         max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
@@ -305,8 +328,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             max_index = hi
 
         self._checked.clear()      # run()'s checks of q, out and lse depend on the plan
-        spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype), self._tuned("num_stages"), 4,
-                          self._tuned("l2_prefetch"), False, bound.composite)
         p = _plan.Plan("BatchDecodeWithPagedKVCacheWrapper", len(kv_lens), int(num_qo_heads), int(num_kv_heads), int(head_dim), q_dtype,
                        kv_dtype, float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim), bound,
                        page_size=int(page_size), spec=spec, run_spec=spec, kv_lens=kv_lens, kv_indptr=indptr_h,
@@ -352,8 +373,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
         tma = self._tuned("tma")
         if tma is None:
-            tma = jit.device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
-        elif tma and (jit.device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
+            tma = _device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
+        elif tma and (_device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
             raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU and page_size % {_TMA_ALIGN} "
                                    f"== 0, got {jit.device_arch(device)} and page_size={p.page_size}")
         if warps != p.run_spec.num_warps or tma:
@@ -365,9 +386,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         elif fixed_split_size is not None:
             chunk, why = int(fixed_split_size), f"fixed_split_size={int(fixed_split_size)}"
         else:
-            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), p.run_spec.ctas_per_sm,
-                                       p.run_spec.block_n)
-            why = _plan.split_reason(p.batch * heads_work, _num_sms(device) * p.run_spec.ctas_per_sm, chunk)
+            cps = p.run_spec.ctas_per_sm
+            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), cps, p.run_spec.block_n)
+            why = _plan.split_reason(p.batch * heads_work, _num_sms(device) * cps, chunk)
         p.split_why = why
         wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, p.run_spec.block_n, _TMA_ALIGN if tma else 1)
         if len(wl.work) > 65535:
@@ -465,14 +486,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _build_launchers(self, p: _plan.Plan, has_merge: bool, ids_in_plan: int):
         """The plan's launch state: launchers, grids, packed kernel arguments (run() adds the call's)."""
+        # split requests are merged inside the decode kernel (last piece to finish) unless the
+        # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
+        fuse = self._tuned("fuse_merge")
+        # -- the same kernel, pointers and grids as the last plan (a serving loop's steady state):
+        #    its launch state as it is (packing it costs ~10 µs)
+        key = (p.run_spec, tuple(p.meta.values()), p.page_size, p.num_qo_heads, p.num_kv_heads, p.sm_scale,
+               p.kv_dtype, p.bound, p.grid_work, p.grid_merge, has_merge, ids_in_plan, fuse, self._device)
+        last = self._launch_memo
+        if last is not None and last[0] == key:
+            p.launchers, p.kernel_args, p.fixed_vargs, p.grid, p.merge_grid = last[1]
+            return
         attention, merge = _launchers(p.run_spec, self._device)
         # what run()'s checks of a cache compare with (_kv_view)
         self._kv_geometry = (p.run_spec.tma, p.page_size, p.num_kv_heads, p.head_dim, p.kv_dtype,
                              self._device)
         p.grid = (p.num_kv_heads * _m_tiles(p.group), p.grid_work)
-        # split requests are merged inside the decode kernel (last piece to finish) unless the
-        # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
-        fuse = self._tuned("fuse_merge")
         p.kernel_args = PARAMS[p.run_spec.tma].group(
             "work", "req_kv_len", work=p.meta["work"], kv_indices=p.meta["kv_indices"], part_o=p.meta["part_o"],
             part_lse=p.meta["part_lse"], page_size=p.page_size, page_shift=_page_shift(p.page_size),
@@ -483,10 +512,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         p.fixed_vargs = p.bound.kernel_args(p.sm_scale, p.bound.fixed, "plan") \
             if not p.bound.runtime else None
         p.merge_grid = (p.grid_merge, -(-p.num_qo_heads // (_THREADS // (p.run_spec.head_dim // 4))))
+        self._launch_memo = (key, (p.launchers, p.kernel_args, p.fixed_vargs, p.grid, p.merge_grid))
 
     def _tuned(self, key: str):
         """The override in ``self._tuning`` for ``key``, else its default (plan()'s own choice)."""
-        unknown = set(self._tuning) - set(_TUNING_DEFAULTS)
+        unknown = self._tuning and set(self._tuning) - set(_TUNING_DEFAULTS)
         if unknown:
             raise KeyError(f"unknown decode tuning override(s) {sorted(unknown)}; "
                            f"known: {sorted(_TUNING_DEFAULTS)}")

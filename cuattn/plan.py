@@ -301,6 +301,24 @@ class Plan:
         return getattr(self, name)
 
 
+def config_key(*args) -> tuple | None:
+    """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
+    arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""
+    key = tuple([(type(a), a) for a in args])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def memo_put(memo: dict, key: tuple, value) -> None:
+    """Store a checked configuration (a few per wrapper; cleared past 64)."""
+    if len(memo) >= 64:
+        memo.clear()
+    memo[key] = value
+
+
 # ---------------------------------------------------------------------------- plan buffers
 
 

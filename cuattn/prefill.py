@@ -287,6 +287,7 @@ class _BatchPrefillBase:
         self._backend_req = backend
         self._plan = None
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by configuration (_plan_device)
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
@@ -362,9 +363,19 @@ class _BatchPrefillBase:
         if device is None or plan.spec is None:
             return
         composite = plan["bound"].composite
-        backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
-        spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-            arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged)
+        # -- the backend and kernel of this configuration on this device: as the last plan's when
+        #    everything they depend on is (a serving loop's steady state)
+        key = (device, self._backend_req, plan.spec, plan.q_dtype, plan.head_dim, plan.causal, composite, paged,
+               plan.page_size, plan.mask is not None)
+        hit = self._backend_memo.get(key)
+        if hit is None:
+            backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
+            spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
+                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged)
+            _plan.memo_put(self._backend_memo, key, (backend, spec))
+        else:
+            backend, spec = hit
+            self.backend = backend
         h_kv, group = plan["num_kv_heads"], plan["group"]
         items = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])
         ext = items[2]
@@ -640,17 +651,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                        variant=variant, sinks=self._sinks, rotary_dim=rotary_dim)
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
-        indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn).astype(np.int64)
-        indices = arrays.host_int_vector(paged_kv_indices, "paged_kv_indices", fn).astype(np.int64)
-        last = arrays.host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn).astype(np.int64)
-        validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_", indices=indices)
-        npages = np.diff(indptr)
-        kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
+        # -- each array read once more than its host copy: no int64 round trips of the page ids
+        indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn)
+        indices = arrays.host_int_vector(paged_kv_indices, "paged_kv_indices", fn)
+        last = arrays.host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
+        kv_lens = validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_")
+        lo, hi = (int(indices.min()), int(indices.max())) if len(indices) else (0, -1)
+        if lo < 0:          # validate_page_table's check of the ids, with their maximum kept for run()
+            raise ValueError(f"{fn}: paged_kv_indices must be >= 0, got values in {lo}..{hi}")
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
                                  paged=True, options=options, page_size=int(page_size))
         plan.kv_indptr, plan.kv_indices = indptr.astype(np.int32), indices.astype(np.int32)
-        plan.last_page_len, plan.max_page = last.astype(np.int32), int(indices.max()) if len(indices) else -1
+        plan.last_page_len, plan.max_page = last.astype(np.int32), hi
         self._plan_device(fn, plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
         self._plan = plan
 
