@@ -292,11 +292,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
             kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
 
-        indptr_h = arrays.host_int_vector(indptr, "indptr", fn)
-        lpl_h = arrays.host_int_vector(last_page_len, "last_page_len", fn)
+        indptr_h = _plan.host_ints(indptr, "indptr", fn)
+        lpl_h = _plan.host_ints(last_page_len, "last_page_len", fn)
         indices_dev = arrays.is_device_array(indices)
         if not indices_dev:
-            indices_h = arrays.host_int_vector(indices, "indices", fn)
+            indices_h = _plan.host_ints(indices, "indices", fn)
             num_indices = len(indices_h)
         else:
             idx_t = arrays.device_tensor(indices, "indices", fn)

@@ -292,7 +292,7 @@ class _BatchPrefillBase:
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
                      page_size=None):
-        qo = arrays.host_int_vector(qo_indptr, "qo_indptr", fn).astype(np.int64)
+        qo = _plan.host_ints(qo_indptr, "qo_indptr", fn).astype(np.int64)
         if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         batch = len(qo) - 1
@@ -541,10 +541,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
                        use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
                        variant=variant, rotary_dim=rotary_dim)
-        kv = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
-        if len(kv) < 1 or kv[0] != 0 or np.any(np.diff(kv) < 0):
+        kv = _plan.host_ints(kv_indptr, "kv_indptr", fn).astype(np.int64)
+        kv_lens = kv[1:] - kv[:-1]          # np.diff, without its wrapper's cost (twice)
+        if len(kv) < 1 or kv[0] != 0 or (len(kv_lens) and kv_lens.min() < 0):
             raise ValueError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, got {kv[:8]}")
-        plan = self._plan_common(fn, qo_indptr, np.diff(kv), num_qo_heads, num_kv_heads, head_dim_qk,
+        plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk,
                                  head_dim_vo, custom_mask, packed_custom_mask, causal, sm_scale, q_data_type,
                                  kv_data_type, paged=False, options=options)
         plan.kv_indptr = kv.astype(np.int32)
@@ -652,9 +653,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         if page_size < 1:
             raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
         # -- each array read once more than its host copy: no int64 round trips of the page ids
-        indptr = arrays.host_int_vector(paged_kv_indptr, "paged_kv_indptr", fn)
-        indices = arrays.host_int_vector(paged_kv_indices, "paged_kv_indices", fn)
-        last = arrays.host_int_vector(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
+        indptr = _plan.host_ints(paged_kv_indptr, "paged_kv_indptr", fn)
+        indices = _plan.host_ints(paged_kv_indices, "paged_kv_indices", fn)
+        last = _plan.host_ints(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
         kv_lens = validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_")
         lo, hi = (int(indices.min()), int(indices.max())) if len(indices) else (0, -1)
         if lo < 0:          # validate_page_table's check of the ids, with their maximum kept for run()
