@@ -310,6 +310,9 @@ class Plan:
     def __getitem__(self, name: str):
         return getattr(self, name)
 
+    def get(self, name: str, default=None):       # as the dict's: a declared field (None when unset)
+        return getattr(self, name)
+
 
 def host_ints(x, name: str, fn: str) -> np.ndarray:
     """``arrays.host_int_vector`` without its framework dispatch for what plan() is mostly given, a
@@ -349,7 +352,7 @@ class DeviceBuffers:
         self.partial = None       # float32 cupy (when no workspace buffer was given)
         # plan() staging: pinned int32 host buffers, each with the event after its last upload;
         # plan() takes one whose upload has finished (event query, no wait), else a new one
-        self._staging: list[list] = []    # [pinned memory, int32 NumPy view, event or None]
+        self._staging: list[list] = []    # [pinned memory, int32 NumPy view, event or None, address]
         self._current = 0
 
     def staging(self, size: int) -> np.ndarray:
@@ -357,12 +360,12 @@ class DeviceBuffers:
         No waiting on an upload where avoidable: with two buffers used in turn, every other plan()
         took 0.8-1 ms in one H100 run (FlashInfer loaded in the same process; not pinned down
         further). With _MAX_STAGING buffers in flight, the next in turn is waited for."""
-        for i, (_, view, copied) in enumerate(self._staging):
+        for i, (_, view, copied, _) in enumerate(self._staging):
             if view.size >= size and (copied is None or copied.done):
                 self._current = i
                 return view
         if len(self._staging) < _MAX_STAGING:
-            self._staging.append([None, None, None])
+            self._staging.append([None, None, None, 0])
             self._current = len(self._staging) - 1
         else:
             self._current = (self._current + 1) % _MAX_STAGING
@@ -374,14 +377,17 @@ class DeviceBuffers:
             n = max(size, 1024) if entry[1] is None else max(size, 2 * entry[1].size)
             entry[0] = cp.cuda.alloc_pinned_memory(n * 4)
             entry[1] = np.frombuffer(entry[0], np.int32, n)
+            entry[3] = entry[1].__array_interface__["data"][0]     # (ndarray.ctypes.data costs ~15 µs)
         return entry[1]
 
     def upload(self, dst_ptr: int, host: np.ndarray, count: int, stream) -> None:
         """Copy ``count`` int32 from the staging buffer just returned to ``dst_ptr``, asynchronously
         on ``stream`` (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
         cp = arrays.cupy_module()
-        cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, count * 4, 1, stream.ptr)
         entry = self._staging[self._current]
+        if entry[1] is not host:
+            raise ValueError(f"{self.owner}: upload() takes the staging buffer staging() returned last")
+        cp.cuda.runtime.memcpyAsync(dst_ptr, entry[3], count * 4, 1, stream.ptr)
         if entry[2] is None:
             entry[2] = cp.cuda.Event(block=False, disable_timing=True)
         entry[2].record(stream)

@@ -343,7 +343,7 @@ class _BatchPrefillBase:
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_rope,
-                                       page_size=plan.page_size)
+                                       page_size=plan.get("page_size"))
         return self.backend
 
     def _require_plan(self, fn):
