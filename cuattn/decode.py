@@ -316,9 +316,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if key is not None:
                 _plan.memo_put(self._configs, key, (options, bound, q_dtype, kv_dtype, spec))
         self._options = options
-        if indices_h is not None and len(indices_h) and indices_h.min() < 0:
+        max_index = _plan.max_index(indices_h) if indices_h is not None else -1
+        if max_index is None:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
-        max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
         if indices_dev and check_page_indices and num_indices:
             import cupy
             raw = cupy.asarray(idx_t.obj) if idx_t.framework == "cupy" else cupy.from_dlpack(indices)

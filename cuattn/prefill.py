@@ -657,9 +657,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         indices = _plan.host_ints(paged_kv_indices, "paged_kv_indices", fn)
         last = _plan.host_ints(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
         kv_lens = validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_")
-        lo, hi = (int(indices.min()), int(indices.max())) if len(indices) else (0, -1)
-        if lo < 0:          # validate_page_table's check of the ids, with their maximum kept for run()
-            raise ValueError(f"{fn}: paged_kv_indices must be >= 0, got values in {lo}..{hi}")
+        hi = _plan.max_index(indices)
+        if hi is None:      # validate_page_table's check of the ids, with their maximum kept for run()
+            raise ValueError(f"{fn}: paged_kv_indices must be >= 0, got values in {int(indices.min())}.."
+                             f"{int(indices.max())}")
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
                                  paged=True, options=options, page_size=int(page_size))
