@@ -1,8 +1,9 @@
 """The scheduler's and the graph mode's costs, per the cascade/scheduler issue's targets.
 
 1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; paged and ragged prefill of
-   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix):
-   median over 40 plans after 10 warm-up plans, time.perf_counter around the call.
+   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix;
+   each again with request lengths drawn from 1024-4096 keys): median over 40 plans after 10 warm-up
+   plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
    after a plan(); host µs per graph.launch() / the run()s it holds (a decode run() is one kernel,
@@ -10,9 +11,7 @@
 3. Skewed decode 1 x 32768 + 63 x 512 (32:8 heads, head_dim 128, fp16, page 16): CUDA events, L2
    read-flushed before each call, median; K/V bytes read / time against the read ceiling measured
    in the run, with what describe() says the scheduler did.
-
-4. ``--host-only`` (no GPU needed): plan() host time alone, every wrapper of 1. plus the same batches
-   with request lengths drawn from 1024-4096 keys, on a stubbed CuPy (``FakeCupy``: the device
+4. ``--host-only`` (no GPU needed): plan() host time alone, the cases of 1., on a stubbed CuPy (``FakeCupy``: the device
    calls -- pinned allocation, the async copy, events, device arrays -- are no-ops, everything else
    plan() does runs as on a GPU host, with the device taken to be an sm_90a of 132 SMs). Median over
    200 plans after 20 warm-up plans; ``--profile`` adds a cProfile of each case.
@@ -99,7 +98,7 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
 
 
 def plan_costs() -> dict:
-    return {k: plan_host_us(f) for k, f in plan_cases().items()}
+    return {k: plan_host_us(f) for k, f in {**plan_cases(), **plan_cases(varied=True)}.items()}
 
 
 class FakeCupy:
