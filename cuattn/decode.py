@@ -124,11 +124,6 @@ def _num_sms(device: int) -> int:
     return _plan.num_sms(device)
 
 
-@functools.cache
-def _device_arch(device: int) -> str:     # plan() asks every call; CuPy's answer costs ~1 µs
-    return jit.device_arch(device)
-
-
 # Benchmark/test overrides (BatchDecodeWithPagedKVCacheWrapper._tuning), not API; 0: plan() chooses.
 #   num_stages: cp.async depth (DecodeSpec.num_stages); num_warps: 4 | 8 warps per CTA;
 #   fuse_merge: False launches the separate merge kernel for split requests;
@@ -217,13 +212,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._launch_memo = None                   # (key, launch state) of the last plan (_build_launchers)
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
 
-    @property
-    def _work(self):          # the last plan's work list (tests, benchmarks)
-        return None if self._plan is None else self._plan.work_list
-
-    @property
-    def _spec(self):          # the kernel spec the last plan runs (tests, benchmarks)
-        return None if self._plan is None else self._plan.run_spec
+    # the last plan's work list and the kernel spec it runs (tests, benchmarks)
+    _work = property(lambda self: None if self._plan is None else self._plan.work_list)
+    _spec = property(lambda self: None if self._plan is None else self._plan.run_spec)
 
     # ------------------------------------------------------------------ plan
 
@@ -265,8 +256,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             passed to ``run()`` positionally after the cache.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        # -- the checks of the configuration (everything but the page table) passed before for the
-        #    same arguments: their results, memoized (a serving loop plans one configuration each step)
+        # -- a configuration (all but the page table) checked before for these arguments: its results
         key = _plan.config_key(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
                                logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
                                rope_theta, variant, rotary_dim, self._tuned("num_stages"), self._tuned("l2_prefetch"))
@@ -328,10 +318,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             max_index = hi
 
         self._checked.clear()      # run()'s checks of q, out and lse depend on the plan
-        p = _plan.Plan("BatchDecodeWithPagedKVCacheWrapper", len(kv_lens), int(num_qo_heads), int(num_kv_heads), int(head_dim), q_dtype,
-                       kv_dtype, float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim), bound,
-                       page_size=int(page_size), spec=spec, run_spec=spec, kv_lens=kv_lens, kv_indptr=indptr_h,
-                       kv_indices=indices_h, kv_indices_src=indices, last_page_len=lpl_h, max_page=max_index)
+        p = _plan.Plan("BatchDecodeWithPagedKVCacheWrapper", len(kv_lens), int(num_qo_heads), int(num_kv_heads),
+                       int(head_dim), q_dtype, kv_dtype, float(sm_scale) if sm_scale is not None else
+                       1.0 / math.sqrt(head_dim), bound, page_size=int(page_size), spec=spec, run_spec=spec,
+                       kv_lens=kv_lens, kv_indptr=indptr_h, kv_indices=indices_h, kv_indices_src=indices,
+                       last_page_len=lpl_h, max_page=max_index)
         self._variants: dict[bool, tuple] = {}     # run()'s (launcher, bound) with / without sinks=
         self._plan = p
 
@@ -373,8 +364,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
         tma = self._tuned("tma")
         if tma is None:
-            tma = _device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
-        elif tma and (_device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
+            tma = jit.device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
+        elif tma and (jit.device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
             raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU and page_size % {_TMA_ALIGN} "
                                    f"== 0, got {jit.device_arch(device)} and page_size={p.page_size}")
         if warps != p.run_spec.num_warps or tma:
@@ -489,8 +480,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # split requests are merged inside the decode kernel (last piece to finish) unless the
         # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
         fuse = self._tuned("fuse_merge")
-        # -- the same kernel, pointers and grids as the last plan (a serving loop's steady state):
-        #    its launch state as it is (packing it costs ~10 µs)
+        # -- the same kernel, pointers and grids as the last plan: its launch state (packing costs ~10 µs)
         key = (p.run_spec, tuple(p.meta.values()), p.page_size, p.num_qo_heads, p.num_kv_heads, p.sm_scale,
                p.kv_dtype, p.bound, p.grid_work, p.grid_merge, has_merge, ids_in_plan, fuse, self._device)
         last = self._launch_memo

@@ -228,7 +228,8 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     work, piece_ext = work[order], piece_ext[order]
     s_items = np.nonzero(split)[0]
     merge = np.empty((len(s_items), PREFILL_COLS), np.int32)
-    merge[:, 0], merge[:, 1], merge[:, 2], merge[:, 3] = req[s_items], tile[s_items], slot_base[s_items], pieces[s_items]
+    merge[:, 0], merge[:, 1] = req[s_items], tile[s_items]
+    merge[:, 2], merge[:, 3] = slot_base[s_items], pieces[s_items]
     return PrefillWorkList(work, merge, int(sp.sum()), int(chunk) if len(s_items) else 0, piece_ext)
 
 
@@ -317,7 +318,7 @@ class Plan:
 def host_ints(x, name: str, fn: str) -> np.ndarray:
     """``arrays.host_int_vector`` without its framework dispatch for what plan() is mostly given, a
     contiguous 1-D NumPy int array (returned as is, as there): ~1.5 µs each, 11 per 2-level cascade plan."""
-    if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and (len(x) <= 1 or x.strides[0] == x.itemsize):
+    if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and (len(x) < 2 or x.strides[0] == x.itemsize):
         return x
     return arrays.host_int_vector(x, name, fn)
 

@@ -267,8 +267,8 @@ def test_prefill_work_list_equals_the_loop_reference(qo, extra, group, block_m, 
 
 
 @settings(max_examples=100, deadline=None)
-@given(values=st.lists(st.integers(-2**31, 2**31 - 1), max_size=12), dtype=st.sampled_from(["int32", "int64", "uint32"]),
-       step=st.integers(1, 2))
+@given(values=st.lists(st.integers(-2**31, 2**31 - 1), max_size=12),
+       dtype=st.sampled_from(["int32", "int64", "uint32"]), step=st.integers(1, 2))
 def test_max_index_is_the_max_or_none_when_a_value_is_negative(values, dtype, step):
     ids = np.array([v % 2**32 if dtype == "uint32" else v for v in values], dtype)[::step]
     want = -1 if not len(ids) else None if ids.min() < 0 else int(ids.max())
