@@ -1,8 +1,9 @@
 """The scheduler's and the graph mode's costs, per the cascade/scheduler issue's targets.
 
 1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; paged and ragged prefill of
-   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix):
-   median over 40 plans after 10 warm-up plans, time.perf_counter around the call.
+   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix;
+   each again with request lengths drawn from 1024-4096 keys): median over 40 plans after 10 warm-up
+   plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
    after a plan(); host µs per graph.launch() / the run()s it holds (a decode run() is one kernel,
@@ -10,8 +11,13 @@
 3. Skewed decode 1 x 32768 + 63 x 512 (32:8 heads, head_dim 128, fp16, page 16): CUDA events, L2
    read-flushed before each call, median; K/V bytes read / time against the read ceiling measured
    in the run, with what describe() says the scheduler did.
+4. ``--host-only`` (no GPU needed): plan() host time alone, the cases of 1., on a stubbed CuPy (``FakeCupy``: the device
+   calls -- pinned allocation, the async copy, events, device arrays -- are no-ops, everything else
+   plan() does runs as on a GPU host, with the device taken to be an sm_90a of 132 SMs). Median over
+   200 plans after 20 warm-up plans; ``--profile`` adds a cProfile of each case.
 
     python benchmarks/bench_scheduler.py [--reps 30] [--out results.json]
+    python benchmarks/bench_scheduler.py --host-only [--profile] [--out results.json]
 """
 from __future__ import annotations
 
@@ -41,21 +47,39 @@ def rand(shape, seed):
     return x.view(cp.float16)
 
 
-def plan_host_us(plan, n=40):
+def plan_host_us(plan, n=40, warmup=10, sync=True):
     times = []
-    for i in range(10 + n):
+    for i in range(warmup + n):
         t0 = time.perf_counter()
         plan()
         times.append((time.perf_counter() - t0) * 1e6)
-    cp.cuda.Device().synchronize()
-    return statistics.median(times[10:])
+    if sync:
+        cp.cuda.Device().synchronize()
+    return statistics.median(times[warmup:])
 
 
-def plan_costs() -> dict:
-    batch, kv = 256, 2048
-    indptr, indices, lpl = page_table(batch, kv, PS, 1)
+def varied_table(batch, lo, hi, page_size, seed):
+    """A page table of ``batch`` requests of lo..hi keys (uniform), pages in random order."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, batch)
+    pages = -(-lens // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rng.permutation(int(indptr[-1])).astype(np.int32)
+    lpl = (lens - (pages - 1) * page_size).astype(np.int32)
+    return indptr, indices, lpl, lens
+
+
+def plan_cases(batch=256, kv=2048, varied=False) -> dict:
+    """name -> a plan() call of each wrapper at ``batch`` (uniform ``kv`` keys, or 1024-4096 when ``varied``)."""
+    if varied:
+        indptr, indices, lpl, lens = varied_table(batch, 1024, 4096, PS, 1)
+        kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        tag = "1-4k"
+    else:
+        indptr, indices, lpl = page_table(batch, kv, PS, 1)
+        kv_indptr = (np.arange(batch + 1) * kv).astype(np.int32)
+        tag = str(kv)
     qo = (np.arange(batch + 1) * 64).astype(np.int32)
-    kv_indptr = (np.arange(batch + 1) * kv).astype(np.int32)
     d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
     p = cuattn.BatchPrefillWithPagedKVCacheWrapper()
     r = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
@@ -65,12 +89,112 @@ def plan_costs() -> dict:
                 [np.array([0, 2048], np.int32), indptr], [prefix, indices + 2048],
                 [np.array([16], np.int32), lpl])
     return {
-        "decode 256 x 2048": plan_host_us(lambda: d.plan(indptr, indices, lpl, HQ, HKV, D, PS)),
-        "paged prefill 256 x (64 new / 2048)": plan_host_us(
-            lambda: p.plan(qo, indptr, indices, lpl, HQ, HKV, D, PS, causal=True)),
-        "ragged prefill 256 x (64 / 2048)": plan_host_us(lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True)),
-        "cascade 2-level 32k + 256 x 2048": plan_host_us(lambda: c.plan(*c_tables, HQ, HKV, D, PS)),
+        f"decode {batch} x {tag}": lambda: d.plan(indptr, indices, lpl, HQ, HKV, D, PS),
+        f"paged prefill {batch} x (64 new / {tag})": lambda: p.plan(qo, indptr, indices, lpl, HQ, HKV, D, PS,
+                                                                    causal=True),
+        f"ragged prefill {batch} x (64 / {tag})": lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True),
+        f"cascade 2-level 32k + {batch} x {tag}": lambda: c.plan(*c_tables, HQ, HKV, D, PS),
     }
+
+
+def plan_costs() -> dict:
+    return {k: plan_host_us(f) for k, f in {**plan_cases(), **plan_cases(varied=True)}.items()}
+
+
+class FakeCupy:
+    """Just enough of CuPy for plan() on a machine without a GPU: device calls are no-ops (``--host-only``)."""
+
+    class _Ptr:
+        ptr = 1 << 20
+
+    class _DevArray:
+        def __init__(self, n, dtype):
+            self.shape = tuple(n) if isinstance(n, tuple) else (int(n),)
+            self.size, self.data = int(np.prod(self.shape)), FakeCupy._Ptr()
+
+    class _Stream:
+        ptr = 0
+
+    class _Event:
+        done = True
+
+        def __init__(self, *a, **k):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class _Device:
+        compute_capability = "90"
+        attributes = {"MultiProcessorCount": 132}
+
+        def __init__(self, device=0):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    class _Runtime:
+        memcpyDeviceToDevice = 3
+
+        @staticmethod
+        def getDevice():
+            return 0
+
+        @staticmethod
+        def getDeviceCount():
+            return 1
+
+        @staticmethod
+        def memcpyAsync(dst, src, nbytes, kind, stream):
+            pass
+
+    def __init__(self):
+        import types
+        self.cuda = types.SimpleNamespace(
+            runtime=self._Runtime, Device=self._Device, Event=self._Event, Stream=self._Stream,
+            ExternalStream=self._Stream, get_current_stream=lambda device=None: self._Stream(),
+            alloc_pinned_memory=lambda nbytes: bytearray(nbytes))
+
+    def empty(self, n, dtype):
+        return self._DevArray(n, dtype)
+
+
+def stub_device() -> None:
+    """Route cuattn's device calls to FakeCupy (this process only): ``--host-only``."""
+    from cuattn import arrays, decode, jit, plan
+    fake = FakeCupy()
+    arrays.cupy_module = lambda: fake
+    arrays.gpu_available = lambda: True
+    plan.num_sms = lambda device: 132
+    if hasattr(decode, "_num_sms"):
+        decode._num_sms = lambda device: 132
+    jit.get_launcher = lambda *a, **k: None
+
+
+def host_only(args) -> dict:
+    stub_device()
+    rows = {}
+    for varied in (False, True):
+        for name, f in plan_cases(varied=varied).items():
+            rows[name] = round(plan_host_us(f, n=200, warmup=20, sync=False), 1)
+            print(f"plan() host {name:<45} {rows[name]:7.1f} us")
+            if args.profile:
+                import cProfile
+                import pstats
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(200):
+                    f()
+                pr.disable()
+                pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+    return rows
 
 
 def replay_host_us(plan, run, layers=32):
@@ -135,7 +259,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out")
+    ap.add_argument("--host-only", action="store_true", help="plan() host time on a stubbed device (no GPU)")
+    ap.add_argument("--profile", action="store_true", help="with --host-only: cProfile each case")
     args = ap.parse_args()
+    if args.host_only:
+        import platform
+        print(f"# plan() host time, device stubbed; {platform.processor() or platform.machine()}, "
+              f"cuattn {cuattn.__version__}, numpy {np.__version__}, {datetime.date.today()}")
+        rows = host_only(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(date=str(datetime.date.today()), method=__doc__,
+                                                      plan_host_us_stubbed=rows), indent=1))
+        return
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     read_tbs, _ = ceilings(10)
     print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, read ceiling {read_tbs:.2f} TB/s")

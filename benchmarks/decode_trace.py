@@ -136,7 +136,7 @@ def main():
         us = b.time_events(run, 30, flush)
         mod = jit._module(w._spec, 0)
         gptr = mod.get_global_var("cuattn_trace")
-        ctas = w._k_grid[0] * w._k_grid[1]
+        ctas = w._plan.grid[0] * w._plan.grid[1]
         rows = []
         for _ in range(5):
             if isinstance(gptr, int):
@@ -152,7 +152,7 @@ def main():
         ghz = (t[:, 7] - t[:, 2]) / np.maximum(t[:, 1] - t[:, 0], 1)   # clock cycles per ns
         cyc = lambda a, c: (t[:, c] - t[:, a]) / ghz / 1e3  # noqa: E731
         merged = t[:, 8] > 0
-        print(f"\n{heads} bs{batch}x{kv_len}: event {us:.1f} µs, {ctas} CTAs {w._spec.name} grid {w._k_grid}, "
+        print(f"\n{heads} bs{batch}x{kv_len}: event {us:.1f} µs, {ctas} CTAs {w._spec.name} grid {w._plan.grid}, "
               f"split {bool(w._work.split)}, clock {np.median(ghz):.2f} GHz; "
               f"SMs used {len(set(t[:, 9]))}")
         print(f"  CTA start after the first       {q((t[:, 0] - g0) / 1e3)}")

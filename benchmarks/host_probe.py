@@ -67,12 +67,12 @@ def main():
     _, cache_args = w._kv_view(cache, fn)
     ot = arrays.device_tensor(out, "out", fn)
     rows["decode kernel launch only"] = per_call_us(
-        lambda: w._launch(w._k_launch, qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True,
-                          w._fixed_vargs))
+        lambda: w._launch(w._plan.launchers[0], qt.ptr, qt.strides, cache_args, ot.ptr, ot.strides, 0, stream, True,
+                          w._plan.fixed_vargs))
     for pdl in (False, True):
         def launch_only(pdl=pdl):
-            w._k_launch.configure(w._k_grid, w._spec.threads, stream.ptr, pdl)
-            w._k_launch.launch()
+            w._plan.launchers[0].configure(w._plan.grid, w._spec.threads, stream.ptr, pdl)
+            w._plan.launchers[0].launch()
         rows[f"  cuLaunchKernelEx{', PDL' if pdl else ''} (ctypes, args packed)"] = per_call_us(launch_only)
     rows["run(cupy, out=)"] = per_call_us(lambda: w.run(q, cache, out=out))
     rows["run(cupy)"] = per_call_us(lambda: w.run(q, cache))

@@ -162,6 +162,11 @@ def _paged_tensor_maps(k_ptr: int, v_ptr: int, num_pages: int, page_size: int, n
                                 swizzle_bytes=cols * kv_bytes) for ptr in (k_ptr, v_ptr))
 
 
+def _m_tiles(group: int) -> int:
+    """CTAs per kv head: tiles of up to 16 of its query heads (mma M)."""
+    return -(-group // _M_TILE)
+
+
 def _page_shift(page_size: int) -> int:
     """log2(page_size) for a power of two (the kernel then shifts and masks), else -1."""
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
@@ -196,14 +201,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_cuda_graph = bool(use_cuda_graph)
         self._workspace, self._device = _plan.workspace_of(workspace_buffer, "workspace_buffer", fn)
         self._bufs: _plan.DeviceBuffers | None = None
-        self._planned = False
+        self._plan: _plan.Plan | None = None     # the last plan()'s
         self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)
         # Benchmark/test overrides, not API (benchmarks/bench_decode.py --variants, tests/test_decode.py):
         # keys of _TUNING_DEFAULTS; read only through _tuned().
         self._tuning: dict[str, Any] = {}
         self._kv_memo: dict[tuple, tuple] = {}     # run()'s cache descriptions (_kv_view)
         self._checked: dict[tuple, tuple] = {}     # layouts of q, out, lse that passed this plan (_operand)
+        self._configs: dict[tuple, tuple] = {}     # plan()'s checked configurations (plan.config_key)
+        self._launch_memo = None                   # (key, launch state) of the last plan (_build_launchers)
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
+
+    # the last plan's work list and the kernel spec it runs (tests, benchmarks)
+    _work = property(lambda self: None if self._plan is None else self._plan.work_list)
+    _spec = property(lambda self: None if self._plan is None else self._plan.run_spec)
 
     # ------------------------------------------------------------------ plan
 
@@ -245,28 +256,37 @@ class BatchDecodeWithPagedKVCacheWrapper:
             passed to ``run()`` positionally after the cache.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.plan"
-        self._options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                             variant=variant, rotary_dim=rotary_dim)
-        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **self._options)
+        # -- a configuration (all but the page table) checked before for these arguments: its results
+        key = _plan.config_key(num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left,
+                               logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
+                               rope_theta, variant, rotary_dim, self._tuned("num_stages"), self._tuned("l2_prefetch"))
+        config = self._configs.get(key) if key is not None else None
+        if config is None:
+            options = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                           variant=variant, rotary_dim=rotary_dim)
+            bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim, **options)
+        else:
+            options, bound, q_dtype, kv_dtype, spec = config
         _plan.check_fixed_split(fn, fixed_split_size)
-        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                          ("head_dim", head_dim), ("page_size", page_size)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
-                             f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
-        if data_type is not None and q_data_type == "float16":
-            q_data_type = data_type
-        q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
-        kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
+        if config is None:
+            for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                              ("head_dim", head_dim), ("page_size", page_size)):
+                if not isinstance(val, (int, np.integer)) or val < 1:
+                    raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
+            if num_qo_heads % num_kv_heads:
+                raise ValueError(f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got "
+                                 f"num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}")
+            if data_type is not None and q_data_type == "float16":
+                q_data_type = data_type
+            q_dtype = arrays.as_dtype(q_data_type, "q_data_type", fn)
+            kv_dtype = arrays.as_dtype(kv_data_type if kv_data_type is not None else q_dtype, "kv_data_type", fn)
 
-        indptr_h = arrays.host_int_vector(indptr, "indptr", fn)
-        lpl_h = arrays.host_int_vector(last_page_len, "last_page_len", fn)
+        indptr_h = _plan.host_ints(indptr, "indptr", fn)
+        lpl_h = _plan.host_ints(last_page_len, "last_page_len", fn)
         indices_dev = arrays.is_device_array(indices)
         if not indices_dev:
-            indices_h = arrays.host_int_vector(indices, "indices", fn)
+            indices_h = _plan.host_ints(indices, "indices", fn)
             num_indices = len(indices_h)
         else:
             idx_t = arrays.device_tensor(indices, "indices", fn)
@@ -276,13 +296,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_indices = idx_t.shape[0]
             indices_h = None
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
-        support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
-        if fp8.is_fp8(kv_dtype) and bound.composite.has_qk_transform:
-            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) and a variant's query / key "
-                                   f"transform need a 16-bit KV cache, got kv_data_type={kv_dtype}")
-        if indices_h is not None and len(indices_h) and indices_h.min() < 0:
+        if config is None:
+            support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
+            if fp8.is_fp8(kv_dtype) and bound.composite.has_qk_transform:
+                raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) and a variant's query / "
+                                       f"key transform need a 16-bit KV cache, got kv_data_type={kv_dtype}")
+            spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype), self._tuned("num_stages"), 4,
+                              self._tuned("l2_prefetch"), False, bound.composite)
+            if key is not None:
+                _plan.memo_put(self._configs, key, (options, bound, q_dtype, kv_dtype, spec))
+        self._options = options
+        max_index = _plan.max_index(indices_h) if indices_h is not None else -1
+        if max_index is None:
             raise ValueError(f"{fn}: indices must be >= 0, got min {int(indices_h.min())}")
-        max_index = int(indices_h.max()) if indices_h is not None and len(indices_h) else -1
         if indices_dev and check_page_indices and num_indices:
             import cupy
             raw = cupy.asarray(idx_t.obj) if idx_t.framework == "cupy" else cupy.from_dlpack(indices)
@@ -292,34 +318,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
             max_index = hi
 
         self._checked.clear()      # run()'s checks of q, out and lse depend on the plan
-        self._batch = len(kv_lens)
-        self._num_qo_heads, self._num_kv_heads = int(num_qo_heads), int(num_kv_heads)
-        self._group = self._num_qo_heads // self._num_kv_heads
-        self._m_tiles = -(-self._group // _M_TILE)
-        self._head_dim, self._page_size = int(head_dim), int(page_size)
-        self._q_dtype, self._kv_dtype = q_dtype, kv_dtype
-        self._sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        self._max_index = max_index
-        self._indptr_h, self._lpl_h = indptr_h, lpl_h
-        self._indices_h, self._indices_src = indices_h, indices
-        self._bound = bound
+        p = _plan.Plan("BatchDecodeWithPagedKVCacheWrapper", len(kv_lens), int(num_qo_heads), int(num_kv_heads),
+                       int(head_dim), q_dtype, kv_dtype, float(sm_scale) if sm_scale is not None else
+                       1.0 / math.sqrt(head_dim), bound, page_size=int(page_size), spec=spec, run_spec=spec,
+                       kv_lens=kv_lens, kv_indptr=indptr_h, kv_indices=indices_h, kv_indices_src=indices,
+                       last_page_len=lpl_h, max_page=max_index)
         self._variants: dict[bool, tuple] = {}     # run()'s (launcher, bound) with / without sinks=
-        self._spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype),
-                                                             self._tuned("num_stages"), 4,
-                                                             self._tuned("l2_prefetch"), False, bound.composite)
-        self._planned = True
+        self._plan = p
 
         device = self._device
         if device is None and indices_dev:
             device = idx_t.device
         if device is None and arrays.gpu_available():
             device = arrays.cupy_module().cuda.runtime.getDevice()
-        self._device = device
-        if device is None or self._spec is None:       # CPU-only plan
-            self._work = None
+        self._device = p.device = device
+        if device is None:       # CPU-only plan
             return
 
-        heads_work = self._num_kv_heads * self._m_tiles
+        heads_work = p.num_kv_heads * _m_tiles(p.group)
         # -- 8 warps x 3 stages (one 217 KB CTA per SM) when the batch gives at most one CTA per
         #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
         #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9),
@@ -335,44 +351,44 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not warps and (fixed_split_size is not None or disable_split_kv):
                 warps = 4     # batch invariance: the same kernel whatever the batch (8 warps split a tile otherwise)
             if not warps:
-                ctas, sms, tokens = self._batch * heads_work, _num_sms(device), int(kv_lens.sum())
-                long_waves = ctas >= 8 * sms and tokens >= 2048 * self._batch
+                ctas, sms, tokens = p.batch * heads_work, _num_sms(device), int(kv_lens.sum())
+                long_waves = ctas >= 8 * sms and tokens >= 2048 * p.batch
                 # fp8 K/V: 8 warps for requests of >= 2048 tokens on average (H100, one run, bs64x8192
                 # 32:8 e4m3, TMA: 4 warps x 5 stages 393.0 us, 8 warps 387.5; fp16 705.3)
-                long_waves = long_waves or (self._spec.kv_bytes == 1 and tokens >= 2048 * self._batch)
+                long_waves = long_waves or (p.run_spec.kv_bytes == 1 and tokens >= 2048 * p.batch)
                 few_tokens = tokens <= 2048
-                warps = (8 if self._spec.head_dim == 128 and not self._spec.num_stages
+                warps = (8 if p.run_spec.head_dim == 128 and not p.run_spec.num_stages
                          and ((ctas <= sms and not few_tokens) or long_waves) else 4)
             if self._use_cuda_graph:
                 self._graph_warps = warps
         # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
         tma = self._tuned("tma")
         if tma is None:
-            tma = jit.device_arch(device) == _TMA_ARCH and self._page_size % _TMA_ALIGN == 0
-        elif tma and (jit.device_arch(device) != _TMA_ARCH or self._page_size % _TMA_ALIGN):
+            tma = jit.device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
+        elif tma and (jit.device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
             raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU and page_size % {_TMA_ALIGN} "
-                                   f"== 0, got {jit.device_arch(device)} and page_size={self._page_size}")
-        if warps != self._spec.num_warps or tma:
-            s = self._spec
-            self._spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,
+                                   f"== 0, got {jit.device_arch(device)} and page_size={p.page_size}")
+        if warps != p.run_spec.num_warps or tma:
+            s = p.run_spec
+            p.run_spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,
                                     s.variant)
         if disable_split_kv or not bound.composite.use_softmax:    # weights without softmax: never split
             chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
         elif fixed_split_size is not None:
             chunk, why = int(fixed_split_size), f"fixed_split_size={int(fixed_split_size)}"
         else:
-            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), self._spec.ctas_per_sm,
-                                       self._spec.block_n)
-            why = _plan.split_reason(self._batch * heads_work, _num_sms(device) * self._spec.ctas_per_sm, chunk)
-        self._split_why = why
-        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, self._spec.block_n, _TMA_ALIGN if tma else 1)
+            cps = p.run_spec.ctas_per_sm
+            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), cps, p.run_spec.block_n)
+            why = _plan.split_reason(p.batch * heads_work, _num_sms(device) * cps, chunk)
+        p.split_why = why
+        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, p.run_spec.block_n, _TMA_ALIGN if tma else 1)
         if len(wl.work) > 65535:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
                                    f"pass a larger fixed_split_size")
-        self._work = wl
-        self._upload(wl, indices_h, indices_dev, idx_t if indices_dev else None, fn)
+        p.work_list = wl
+        self._upload(p, wl, indices_h, indices_dev, idx_t if indices_dev else None, fn)
 
-    def _upload(self, wl, indices_h, indices_dev, idx_t, fn):
+    def _upload(self, p: _plan.Plan, wl, indices_h, indices_dev, idx_t, fn):
         cp = arrays.cupy_module()
         if self._bufs is None:
             self._bufs = _plan.DeviceBuffers(self._device, self._use_cuda_graph)
@@ -393,10 +409,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         #    zeroed counter per (merge row, grid x) for the kernel's fused merge (the merging CTA
         #    resets its counter, so replays find zeros), then the page ids when they are uploaded
         #    (host indices, or any indices with use_cuda_graph: fixed addresses)
-        n_ctr = n_merge_c * self._num_kv_heads * self._m_tiles
-        n_len = n_work_c if self._use_cuda_graph else self._batch     # every request's kv_len (variants)
-        if n_len < self._batch:
-            raise ValueError(f"{fn}: the batch ({self._batch} requests) must fit the capacity fixed by the first "
+        n_ctr = n_merge_c * p.num_kv_heads * _m_tiles(p.group)
+        n_len = n_work_c if self._use_cuda_graph else p.batch     # every request's kv_len (variants)
+        if n_len < p.batch:
+            raise ValueError(f"{fn}: the batch ({p.batch} requests) must fit the capacity fixed by the first "
                              f"plan with use_cuda_graph=True ({n_len}); make a new wrapper")
         head = n_work_c * 8 + n_merge_c * 4 + n_ctr + n_len
         n_idx = idx_t.shape[0] if indices_dev else len(indices_h)
@@ -417,37 +433,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
         host[:n_work * 8] = wl.work.ravel()
         host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
         host[n_work_c * 8 + n_merge_c * 4:head - n_len] = 0
-        host[head - n_len:head - n_len + self._batch] = wl.kv_lens
+        host[head - n_len:head - n_len + p.batch] = wl.kv_lens
         if not indices_dev:
             host[head:n_host] = indices_h
         with cp.cuda.Device(self._device):
             plan_dev = bufs._ensure("plan", head + idx_cap, np.int32, "the work list and indices")
             # asynchronous on the caller's current stream: ordered after the runs of the previous
             # plan queued there and before the runs of this one
-            stream = arrays.resolve_stream(arrays.framework_of(self._indices_src), self._device)
+            stream = arrays.resolve_stream(arrays.framework_of(p.kv_indices_src), self._device)
             bufs.upload(plan_dev.data.ptr, host, n_host, stream)
-            self._grid_work, self._grid_merge = n_work_c, n_merge_c
-            self._work_ptr = plan_dev.data.ptr
-            self._merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
-            self._counters_ptr = self._merge_ptr + n_merge_c * 4 * 4
-            self._kv_lens_ptr = plan_dev.data.ptr + (head - n_len) * 4
-            self._has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
+            p.grid_work, p.grid_merge = n_work_c, n_merge_c
+            merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
+            meta = {"work": plan_dev.data.ptr, "merge": merge_ptr, "counters": merge_ptr + n_merge_c * 4 * 4,
+                    "req_kv_len": plan_dev.data.ptr + (head - n_len) * 4}
+            has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
             # host page ids arrive by memcpy, which no kernel overlaps: the kernel may read them
             # before its PDL wait; device ones (even when copied here) may come from the kernel before
-            self._ids_in_plan = int(not indices_dev)
+            ids_in_plan = int(not indices_dev)
             if upload_idx:
-                self._indices_ptr = plan_dev.data.ptr + head * 4
+                meta["kv_indices"] = plan_dev.data.ptr + head * 4
                 if indices_dev and n_idx:     # device to device, on the same stream as the upload
-                    cp.cuda.runtime.memcpyAsync(self._indices_ptr, idx_t.ptr, n_idx * 4,
+                    cp.cuda.runtime.memcpyAsync(meta["kv_indices"], idx_t.ptr, n_idx * 4,
                                                 cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
             else:
-                self._indices_ptr = idx_t.ptr
-                self._indices_keep = idx_t.obj
+                meta["kv_indices"] = idx_t.ptr
+                p.keep = idx_t.obj
             # -- partial outputs for split requests: fp32 rows + LSE
             slots = max(wl.num_slots, 1)
             if self._use_cuda_graph:
                 slots = max(slots, self._cap_work)
-            need = slots * self._num_qo_heads * (self._head_dim + 1)
+            need = slots * p.num_qo_heads * (p.head_dim + 1)
             if self._workspace is not None:
                 ptr, nbytes, _ = self._workspace
                 if need * 4 > nbytes:
@@ -455,33 +470,43 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                      f"plan, got {nbytes}")
             else:
                 ptr = bufs._ensure("partial", need, np.float32, "the split-KV workspace").data.ptr
-            self._part_o = ptr
-            self._part_lse = ptr + slots * self._num_qo_heads * self._head_dim * 4
-        self._build_launchers()
+            meta["part_o"] = ptr
+            meta["part_lse"] = ptr + slots * p.num_qo_heads * p.head_dim * 4
+        p.meta = meta
+        self._build_launchers(p, has_merge, ids_in_plan)
 
-    def _build_launchers(self):
-        self._k_launch, merge = _launchers(self._spec, self._device)
-        # what run()'s checks of a cache compare with (_kv_view)
-        self._kv_geometry = (self._spec.tma, self._page_size, self._num_kv_heads, self._head_dim, self._kv_dtype,
-                             self._device)
-        self._k_grid = (self._num_kv_heads * self._m_tiles, self._grid_work)
+    def _build_launchers(self, p: _plan.Plan, has_merge: bool, ids_in_plan: int):
+        """The plan's launch state: launchers, grids, packed kernel arguments (run() adds the call's)."""
         # split requests are merged inside the decode kernel (last piece to finish) unless the
         # fuse_merge override (benchmarks / tests only) asks for the separate merge kernel
         fuse = self._tuned("fuse_merge")
-        self._plan_args = PARAMS[self._spec.tma].group(
-            "work", "req_kv_len", work=self._work_ptr, kv_indices=self._indices_ptr, part_o=self._part_o,
-            part_lse=self._part_lse, page_size=self._page_size, page_shift=_page_shift(self._page_size),
-            num_qo_heads=self._num_qo_heads, group=self._group, m_tiles=self._m_tiles,
-            scale_log2=self._spec.variant.scale_log2(self._sm_scale), counters=self._counters_ptr if fuse else 0,
-            ids_in_plan=self._ids_in_plan, req_kv_len=self._kv_lens_ptr)
-        self._m_launch = merge if self._has_merge and not fuse else None
-        self._fixed_vargs = self._bound.kernel_args(self._sm_scale, self._bound.fixed, "plan") \
-            if not self._bound.runtime else None
-        self._m_grid = (self._grid_merge, -(-self._num_qo_heads // (_THREADS // (self._spec.head_dim // 4))))
+        # -- the same kernel, pointers and grids as the last plan: its launch state (packing costs ~10 µs)
+        key = (p.run_spec, tuple(p.meta.values()), p.page_size, p.num_qo_heads, p.num_kv_heads, p.sm_scale,
+               p.kv_dtype, p.bound, p.grid_work, p.grid_merge, has_merge, ids_in_plan, fuse, self._device)
+        last = self._launch_memo
+        if last is not None and last[0] == key:
+            p.launchers, p.kernel_args, p.fixed_vargs, p.grid, p.merge_grid = last[1]
+            return
+        attention, merge = _launchers(p.run_spec, self._device)
+        # what run()'s checks of a cache compare with (_kv_view)
+        self._kv_geometry = (p.run_spec.tma, p.page_size, p.num_kv_heads, p.head_dim, p.kv_dtype,
+                             self._device)
+        p.grid = (p.num_kv_heads * _m_tiles(p.group), p.grid_work)
+        p.kernel_args = PARAMS[p.run_spec.tma].group(
+            "work", "req_kv_len", work=p.meta["work"], kv_indices=p.meta["kv_indices"], part_o=p.meta["part_o"],
+            part_lse=p.meta["part_lse"], page_size=p.page_size, page_shift=_page_shift(p.page_size),
+            num_qo_heads=p.num_qo_heads, group=p.group, m_tiles=_m_tiles(p.group),
+            scale_log2=p.run_spec.variant.scale_log2(p.sm_scale), counters=p.meta["counters"] if fuse else 0,
+            ids_in_plan=ids_in_plan, req_kv_len=p.meta["req_kv_len"])
+        p.launchers = (attention, merge if has_merge and not fuse else None)
+        p.fixed_vargs = p.bound.kernel_args(p.sm_scale, p.bound.fixed, "plan") \
+            if not p.bound.runtime else None
+        p.merge_grid = (p.grid_merge, -(-p.num_qo_heads // (_THREADS // (p.run_spec.head_dim // 4))))
+        self._launch_memo = (key, (p.launchers, p.kernel_args, p.fixed_vargs, p.grid, p.merge_grid))
 
     def _tuned(self, key: str):
         """The override in ``self._tuning`` for ``key``, else its default (plan()'s own choice)."""
-        unknown = set(self._tuning) - set(_TUNING_DEFAULTS)
+        unknown = self._tuning and set(self._tuning) - set(_TUNING_DEFAULTS)
         if unknown:
             raise KeyError(f"unknown decode tuning override(s) {sorted(unknown)}; "
                            f"known: {sorted(_TUNING_DEFAULTS)}")
@@ -490,24 +515,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def describe(self) -> str:
         """What the last plan() runs: the kernel specialization, its work items and split decision, and why."""
         fn = "BatchDecodeWithPagedKVCacheWrapper"
-        if not self._planned:
+        p = self._plan
+        if p is None:
             return f"{fn}: not planned"
-        lines = [f"{fn}: batch {self._batch}, {self._num_qo_heads}:{self._num_kv_heads} heads, head_dim "
-                 f"{self._head_dim}, page_size {self._page_size}, {int(self._indptr_h[-1])} pages"]
-        if self._work is None:
+        lines = [f"{fn}: batch {p.batch}, {p.num_qo_heads}:{p.num_kv_heads} heads, head_dim "
+                 f"{p.head_dim}, page_size {p.page_size}, {int(p.kv_indptr[-1])} pages"]
+        if p.work_list is None:
             return "\n".join(lines + ["NumPy reference path (no GPU at plan time)"])
-        wl, spec, heads = self._work, self._spec, self._num_kv_heads * self._m_tiles
+        wl, spec, heads = p.work_list, p.run_spec, p.num_kv_heads * _m_tiles(p.group)
         lines.append(f"kernel: {spec.name} ({spec.num_warps} warps, {'TMA' if spec.tma else 'cp.async'} K/V loads, "
                      f"{spec.ctas_per_sm} CTAs/SM, {spec.block_n} keys per stage)")
         lines.append(f"work: {len(wl.work)} items x {heads} (kv head, 16-head tile) = {len(wl.work) * heads} CTAs on "
-                     f"{_num_sms(self._device)} SMs" + (f"; grid padded to {self._grid_work} items (CUDA graph)"
+                     f"{_num_sms(self._device)} SMs" + (f"; grid padded to {p.grid_work} items (CUDA graph)"
                                                         if self._use_cuda_graph else ""))
         if wl.split:
             fused = "in the kernel (last piece)" if self._tuned("fuse_merge") else "by a merge kernel"
-            lines.append(f"split-KV: {len(wl.merge)} of {self._batch} requests cut into pieces of <= {wl.chunk} keys, "
-                         f"{wl.num_slots} partial rows, merged {fused}; {self._split_why}")
+            lines.append(f"split-KV: {len(wl.merge)} of {p.batch} requests cut into pieces of <= {wl.chunk} keys, "
+                         f"{wl.num_slots} partial rows, merged {fused}; {p.split_why}")
         else:
-            lines.append(f"split-KV: none; {self._split_why}")
+            lines.append(f"split-KV: none; {p.split_why}")
         lens = (wl.work[:, 3] - wl.work[:, 2]).astype(np.int64)
         tiles = -(-lens // spec.block_n) if len(lens) else np.zeros(1)
         lines.append(f"balance: {float(tiles.mean() / max(tiles.max(), 1)):.2f} (mean / max key tiles per work item)")
@@ -552,7 +578,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         out, or (out, lse) with ``return_lse``; in q's framework.
         """
         fn = "BatchDecodeWithPagedKVCacheWrapper.run"
-        if not self._planned:
+        p = self._plan
+        if p is None:
             raise ValueError(f"{fn}: plan() must be called before run()")
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
@@ -567,8 +594,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if k_scale is None and v_scale is None:
             scales = _NO_SCALES
         else:
-            ks = fp8.parse_scale(k_scale, "k_scale", self._num_kv_heads, fn, on_gpu=on_gpu)
-            vs = fp8.parse_scale(v_scale, "v_scale", self._num_kv_heads, fn, on_gpu=on_gpu)
+            ks = fp8.parse_scale(k_scale, "k_scale", p.num_kv_heads, fn, on_gpu=on_gpu)
+            vs = fp8.parse_scale(v_scale, "v_scale", p.num_kv_heads, fn, on_gpu=on_gpu)
             scales = (ks, vs)
         if not on_gpu:
             values = bound.values((), fn) if plain else values
@@ -576,25 +603,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                   scales)
         q_ptr, q_strides, framework = self._operand(q, "q", fn)
         num_pages, cache_args = self._kv_view(paged_kv_cache, fn)
-        if self._max_index >= num_pages:
+        if p.max_page >= num_pages:
             raise ValueError(f"{fn}: indices must be in 0..{num_pages - 1} (num_pages of the cache), "
-                             f"got max {self._max_index}")
+                             f"got max {p.max_page}")
         ctx = arrays.Context(framework, self._device, arrays.resolve_stream(framework, self._device, stream))
         _plan.refuse_capture(fn, self._use_cuda_graph, ctx.stream)
         if out is None:
-            out = arrays.empty(ctx, (self._batch, self._num_qo_heads, self._head_dim), self._q_dtype)
+            out = arrays.empty(ctx, (p.batch, p.num_qo_heads, p.head_dim), p.q_dtype)
         out_ptr, out_strides, _ = self._operand(out, "out", fn)
         lse_ptr = 0
         if lse is None and return_lse:
-            lse = arrays.empty(ctx, (self._batch, self._num_qo_heads), np.float32)
+            lse = arrays.empty(ctx, (p.batch, p.num_qo_heads), np.float32)
         if lse is not None:
             lse_ptr = self._operand(lse, "lse", fn)[0]
-        vargs = self._fixed_vargs if plain else bound.kernel_args(self._sm_scale, values, fn)
+        vargs = p.fixed_vargs if plain else bound.kernel_args(p.sm_scale, values, fn)
         ks, vs = scales
         self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
                      jit.pdl_launch(self._device, enable_pdl),
                      (ks.value, vs.value, ks.ptr, vs.ptr, int(ks.per_head) | 2 * int(vs.per_head)) + vargs)
-        result = arrays.export(ctx, out, self._q_dtype)
+        result = arrays.export(ctx, out, p.q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse)
         return result
@@ -607,27 +634,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
         plan skips the description and the checks (arrays.pointer_layout: the layout is all they
         read), leaving its pointer's alignment to check: a serving loop's layers pass arrays of one
         layout, and describing them costs 1-3 µs each of a run() whose driver launch costs 4-7."""
+        p = self._plan
         found = arrays.pointer_layout(x)
         if found is not None:
             strides = self._checked.get((name, found[1]))
             if strides is not None and found[0] % _ALIGN[name] == 0:
                 return found[0], strides, found[1][0]
         t = arrays.device_tensor(x, name, fn)
-        if t.device != self._device or self._work is None:
+        if t.device != self._device or p.work_list is None:
             raise ValueError(f"{fn}: {name} must be on the GPU the plan was made for (GPU {self._device}), "
                              f"got GPU {t.device}")
         if name == "lse":
-            shape = (self._batch, self._num_qo_heads)
+            shape = (p.batch, p.num_qo_heads)
             if t.shape != shape or t.dtype != np.float32 or not t.is_contiguous():
                 raise ValueError(f"{fn}: lse must be a contiguous float32 array of shape {shape}, "
                                  f"got {t.shape} {t.dtype}")
         else:
-            shape = (self._batch, self._num_qo_heads, self._head_dim)
+            shape = (p.batch, p.num_qo_heads, p.head_dim)
             if t.shape != shape:
                 raise ValueError(f"{fn}: {name} must have shape (batch, num_qo_heads, head_dim) = {shape}, "
                                  f"got {t.shape}")
-            if not arrays.same_storage(t.dtype, self._q_dtype):
-                raise ValueError(f"{fn}: {name} must have dtype {self._q_dtype} (q_data_type of plan), "
+            if not arrays.same_storage(t.dtype, p.q_dtype):
+                raise ValueError(f"{fn}: {name} must have dtype {p.q_dtype} (q_data_type of plan), "
                                  f"got {t.dtype}")
         _check_aligned(t, name, _ALIGN[name], fn)
         if found is not None:
@@ -641,6 +669,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         cache geometry and memoized on it and on the pointer and layout of the cache's arrays (all
         the description reads): a serving loop passes every layer's cache each step, and describing
         one costs ~4 µs of a run(). Entries hold no array, so the memo keeps no cache alive."""
+        p = self._plan
         if isinstance(paged_kv_cache, (tuple, list)):
             key = (self._kv_geometry,) + tuple(map(arrays.pointer_layout, paged_kv_cache))
         else:
@@ -649,25 +678,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if hit is not None:
             return hit
         kv = paged_kv_tensors(paged_kv_cache, self._kv_layout, fn)
-        if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self._page_size, self._num_kv_heads, self._head_dim):
+        if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (p.page_size, p.num_kv_heads, p.head_dim):
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
-                             f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
+                             f"{(p.page_size, p.num_kv_heads, p.head_dim)} as planned, got "
                              f"{(kv.page_size, kv.num_kv_heads, kv.head_dim)} (kv_layout={self._kv_layout})")
-        if not arrays.same_storage(kv.dtype, self._kv_dtype):
-            raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
+        if not arrays.same_storage(kv.dtype, p.kv_dtype):
+            raise ValueError(f"{fn}: paged_kv_cache must have dtype {p.kv_dtype} (kv_data_type of plan), "
                              f"got {kv.dtype}")
         if kv.k.device != self._device:
             raise ValueError(f"{fn}: paged_kv_cache must be on GPU {self._device} like q, got GPU {kv.k.device}")
         _check_aligned(kv.k, "paged_kv_cache", 16, fn)
         _check_aligned(kv.v, "paged_kv_cache", 16, fn)
-        maps = () if not self._spec.tma else _paged_tensor_maps(
+        maps = () if not p.run_spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
-            kv.stride_slot, kv.stride_head, self._spec.kv_bytes)
+            kv.stride_slot, kv.stride_head, p.run_spec.kv_bytes)
         cache = dict(k_cache=kv.k.ptr, v_cache=kv.v.ptr, s_page=kv.stride_page, s_tok=kv.stride_slot,
                      s_head=kv.stride_head)
         if maps:
             cache.update(tmap_k=maps[0], tmap_v=maps[1])
-        view = kv.num_pages, PARAMS[self._spec.tma].group("k_cache", "tmap_v" if maps else "s_head", **cache)
+        view = kv.num_pages, PARAMS[p.run_spec.tma].group("k_cache", "tmap_v" if maps else "s_head", **cache)
         if None not in key:      # CuPy / PyTorch arrays (a JAX array is waited on by every run())
             if len(self._kv_memo) >= 1024:
                 self._kv_memo.clear()
@@ -677,29 +706,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _variant_values(self, bound, args, sinks, q_rope_offset, fn) -> dict:
         """The variant's parameter values of a run() that passes some: positional ``args``, ``sinks=``
         and ``q_rope_offset=`` (checked here)."""
+        p = self._plan
         values = bound.values(args + ((sinks,) if sinks is not None else ()), fn)
         if q_rope_offset is not None:
             if not bound.composite.has_rope:
                 raise ValueError(f"{fn}: q_rope_offset needs a plan with pos_encoding_mode='ROPE_LLAMA'")
             shape = tuple(getattr(q_rope_offset, "shape", ()))
-            if shape != (self._batch,):
-                raise ValueError(f"{fn}: q_rope_offset must have shape (batch,) = ({self._batch},), got {shape}")
+            if shape != (p.batch,):
+                raise ValueError(f"{fn}: q_rope_offset must have shape (batch,) = ({p.batch},), got {shape}")
             values = {**values, "q_rope_offset": q_rope_offset}
-        bound.check_sinks(values, self._num_qo_heads, fn)
+        bound.check_sinks(values, p.num_qo_heads, fn)
         return values
 
     def _variant_state(self, with_sinks: bool, fn: str) -> tuple:
         """(decode launcher or None, bound variant) of a run() with or without ``sinks=``: a
         sink is a variant piece, so run(sinks=...) launches the plan's spec with it added."""
+        p = self._plan
         if not with_sinks:
-            return getattr(self, "_k_launch", None), self._bound
+            return (p.launchers[0] if p.launchers else None), p.bound
         hit = self._variants.get(True)
         if hit is None:
-            bound = variants.resolve(fn, num_qo_heads=self._num_qo_heads, head_dim=self._head_dim, sinks=True,
+            bound = variants.resolve(fn, num_qo_heads=p.num_qo_heads, head_dim=p.head_dim, sinks=True,
                                      **self._options)
             launcher = None
-            if self._spec is not None and self._device is not None and self._work is not None:
-                s = self._spec
+            if p.run_spec is not None and self._device is not None and p.work_list is not None:
+                s = p.run_spec
                 spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, s.num_warps, s.l2_prefetch, s.tma,
                                   bound.composite)
                 launcher = _launchers(spec, self._device)[0]
@@ -709,49 +740,51 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _launch(self, launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, stream, pdl: bool,
                 vargs: tuple):
         """vargs: the scale arguments (k_scale .. scale_per_head), then the variant's."""
-        if not self._grid_work:       # an empty batch: nothing to launch (a grid of 0 is invalid)
+        p = self._plan
+        if not p.grid_work:       # an empty batch: nothing to launch (a grid of 0 is invalid)
             return
-        launcher(self._k_grid, self._spec.threads, stream, *self._plan_args, *cache_args,
+        launcher(p.grid, p.run_spec.threads, stream, *p.kernel_args, *cache_args,
                  q_ptr, out_ptr, lse_ptr, q_strides[0], q_strides[1], out_strides[0], out_strides[1], *vargs, pdl=pdl)
-        if self._m_launch is not None:
-            self._m_launch(self._m_grid, _THREADS, stream, self._merge_ptr, self._part_o, self._part_lse,
-                           out_ptr, lse_ptr, out_strides[0], out_strides[1], self._num_qo_heads)
+        if p.launchers[1] is not None:
+            p.launchers[1](p.merge_grid, _THREADS, stream, p.meta["merge"], p.meta["part_o"], p.meta["part_lse"],
+                           out_ptr, lse_ptr, out_strides[0], out_strides[1], p.num_qo_heads)
 
     def _run_host(self, q, paged_kv_cache, out, lse, return_lse, fn, bound, values, scales):
+        p = self._plan
         qa = arrays.host_array(q, "q", fn)
         ctx = arrays.Context(arrays.framework_of(q), -1, None)
-        want_q = (self._batch, self._num_qo_heads, self._head_dim)
+        want_q = (p.batch, p.num_qo_heads, p.head_dim)
         if qa.shape != want_q:
             raise ValueError(f"{fn}: q must have shape (batch, num_qo_heads, head_dim) = {want_q}, got {qa.shape}")
-        if qa.dtype != self._q_dtype:
-            raise ValueError(f"{fn}: q must have dtype {self._q_dtype} (q_data_type of plan), got {qa.dtype}")
+        if qa.dtype != p.q_dtype:
+            raise ValueError(f"{fn}: q must have dtype {p.q_dtype} (q_data_type of plan), got {qa.dtype}")
         k_pages, v_pages = paged_kv_host(paged_kv_cache, self._kv_layout, fn)
-        if k_pages.shape[1:] != (self._page_size, self._num_kv_heads, self._head_dim):
+        if k_pages.shape[1:] != (p.page_size, p.num_kv_heads, p.head_dim):
             raise ValueError(f"{fn}: paged_kv_cache must have page_size, num_kv_heads, head_dim = "
-                             f"{(self._page_size, self._num_kv_heads, self._head_dim)} as planned, got "
+                             f"{(p.page_size, p.num_kv_heads, p.head_dim)} as planned, got "
                              f"{k_pages.shape[1:]} (kv_layout={self._kv_layout})")
-        if k_pages.dtype == np.uint8 and fp8.is_fp8(self._kv_dtype):    # raw bits of the plan's fp8 type
-            k_pages, v_pages = k_pages.view(self._kv_dtype), v_pages.view(self._kv_dtype)
-        if k_pages.dtype != self._kv_dtype:
-            raise ValueError(f"{fn}: paged_kv_cache must have dtype {self._kv_dtype} (kv_data_type of plan), "
+        if k_pages.dtype == np.uint8 and fp8.is_fp8(p.kv_dtype):    # raw bits of the plan's fp8 type
+            k_pages, v_pages = k_pages.view(p.kv_dtype), v_pages.view(p.kv_dtype)
+        if k_pages.dtype != p.kv_dtype:
+            raise ValueError(f"{fn}: paged_kv_cache must have dtype {p.kv_dtype} (kv_data_type of plan), "
                              f"got {k_pages.dtype}")
-        indices = self._indices_h
+        indices = p.kv_indices
         if indices is None:
-            indices = arrays.host_int_vector(self._indices_src, "indices", fn)
+            indices = arrays.host_int_vector(p.kv_indices_src, "indices", fn)
         if len(indices) and (indices.min() < 0 or indices.max() >= k_pages.shape[0]):
             raise ValueError(f"{fn}: indices must be in 0..{k_pages.shape[0] - 1} (num_pages of the cache), "
                              f"got values in {int(indices.min())}..{int(indices.max())}")
         o = np.empty(want_q, np.float32)
         s = np.empty(want_q[:2], np.float32)
-        for b in range(self._batch):
-            k, v = reference.gather_paged_kv(k_pages, v_pages, indices, self._indptr_h, self._lpl_h, b)
-            if scales is not _NO_SCALES or fp8.is_fp8(self._kv_dtype):      # real values, float32
+        for b in range(p.batch):
+            k, v = reference.gather_paged_kv(k_pages, v_pages, indices, p.kv_indptr, p.last_page_len, b)
+            if scales is not _NO_SCALES or fp8.is_fp8(p.kv_dtype):      # real values, float32
                 ks, vs = scales
                 k, v = fp8.dequantize(k, ks.host, 1), fp8.dequantize(v, vs.host, 1)
-            ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=self._sm_scale, variant=bound.composite,
+            ob, sb = reference.attention(qa[b:b + 1], k, v, sm_scale=p.sm_scale, variant=bound.composite,
                                          values=values, batch_idx=b, fn=fn)
             o[b], s[b] = ob[0], sb[0]
-        return arrays.host_results(ctx, o, s, out, lse, return_lse, self._q_dtype, fn)
+        return arrays.host_results(ctx, o, s, out, lse, return_lse, p.q_dtype, fn)
 
 
 _NO_SCALES = (fp8.ONE, fp8.ONE)     # run() without k_scale / v_scale (host factors filled on use)

@@ -509,25 +509,25 @@ class ContextParallelDecodeWrapper:
                           logits_soft_cap=logits_soft_cap, q_data_type=q_data_type, kv_data_type=kv_data_type,
                           data_type=data_type, sm_scale=sm_scale, fixed_split_size=fixed_split_size,
                           disable_split_kv=disable_split_kv)
-        d = self._decode
-        if self._use_cuda_graph and getattr(self, "_batch", d._batch) != d._batch:
+        d = self._decode._plan      # plan.Plan of the local decode
+        if self._use_cuda_graph and getattr(self, "_batch", d.batch) != d.batch:
             raise ValueError(f"{fn}: batch must stay {self._batch} (the first plan's) with use_cuda_graph=True (the "
-                             f"captured all-gather has a fixed size), got {d._batch}; use one wrapper per batch size")
+                             f"captured all-gather has a fixed size), got {d.batch}; use one wrapper per batch size")
         if check_ranks and self._comm.world_size > 1:
             f64 = lambda x: int(np.float64(x if x is not None else np.nan).view(np.int64))   # noqa: E731
             crc = lambda dt: _DTYPES.index(dt) if dt in _DTYPES else -1                      # noqa: E731
-            mine = np.array([d._batch, d._num_qo_heads, d._num_kv_heads, d._head_dim, crc(d._q_dtype),
-                             crc(d._kv_dtype), f64(d._sm_scale), f64(logits_soft_cap),
+            mine = np.array([d.batch, d.num_qo_heads, d.num_kv_heads, d.head_dim, crc(d.q_dtype),
+                             crc(d.kv_dtype), f64(d.sm_scale), f64(logits_soft_cap),
                              -1 if world_size is None else world_size], np.int64)
             every = self._comm.gather_host(mine)
             for i, name in enumerate(_SIGNATURE):
                 if np.any(every[:, i] != every[0, i]):
                     raise ValueError(f"{fn}: {name} must be the same on every rank, got "
                                      f"{self._describe(every[:, i], name)} by rank")
-        self._batch, self._q_dtype = d._batch, d._q_dtype
-        self._shape = (d._batch, d._num_qo_heads, d._head_dim)
-        self._o_bytes = d._batch * d._num_qo_heads * d._head_dim * d._q_dtype.itemsize
-        self._nbytes = -(-(self._o_bytes + d._batch * d._num_qo_heads * 4) // 16) * 16   # per rank: out, LSE, pad
+        self._batch, self._q_dtype = d.batch, d.q_dtype
+        self._shape = (d.batch, d.num_qo_heads, d.head_dim)
+        self._o_bytes = d.batch * d.num_qo_heads * d.head_dim * d.q_dtype.itemsize
+        self._nbytes = -(-(self._o_bytes + d.batch * d.num_qo_heads * 4) // 16) * 16   # per rank: out, LSE, pad
         self._views = None
         self._planned = True
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
+from .plan import host_ints
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -144,11 +145,11 @@ class MultiLevelCascadeAttentionWrapper:
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
         for i in range(self._num_levels):
-            qo = arrays.host_int_vector(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
+            qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
             totals.add(int(qo[-1]) if len(qo) else 0)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill
-            kv_indptr = arrays.host_int_vector(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
+            kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
             kind = "decode" if len(qo) > 1 and len(kv_indptr) == len(qo) and \
                 np.array_equal(qo, np.arange(len(qo))) else "prefill"
             if kind != self._kinds[i]:
@@ -175,8 +176,7 @@ class MultiLevelCascadeAttentionWrapper:
     def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
         at the first plan, with room for twice its queries)."""
-        w = self._levels[0]
-        device = w._device if self._kinds[0] == "decode" else w._bufs.device
+        device = self._levels[0]._plan.device      # plan.Plan, whichever kind the level is
         if device is None or self._num_levels == 1:
             return
         if self._states is not None:

@@ -14,11 +14,11 @@ row, first slot and number of pieces (the kernel's fused merge: the last piece t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-import functools
 
 from . import arrays
 
@@ -173,14 +173,22 @@ class PrefillWorkList:
 def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
     """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
     heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right)."""
-    qo_lens, kv_lens = qo_lens.astype(np.int64), kv_lens.astype(np.int64)
+    qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
+    n = len(qo_lens)
     tiles = -(-qo_lens * group // block_m)
-    req = np.repeat(np.arange(len(qo_lens)), tiles)
-    tile = np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    kv = kv_lens[req]
+    t0 = int(tiles[0]) if n else 0
+    if n and t0 > 0 and int(tiles.min()) == int(tiles.max()):     # every request t0 tiles: no repeats
+        k = np.arange(n * t0)
+        req, tile = (k, k * 0) if t0 == 1 else (k // t0, k % t0)
+        q, kv = (qo_lens, kv_lens.copy()) if t0 == 1 else (qo_lens[req], kv_lens[req])
+    else:
+        ends = np.cumsum(tiles)
+        req = np.repeat(np.arange(n), tiles)
+        tile = np.arange(int(ends[-1]) if n else 0) - (ends - tiles)[req]
+        q, kv = qo_lens[req], kv_lens[req]
     if causal:
-        max_q = np.minimum(qo_lens[req] - 1, ((tile + 1) * block_m - 1) // group)
-        kv = np.clip(max_q + kv - qo_lens[req] + 1, 0, kv)
+        max_q = np.minimum(q - 1, ((tile + 1) * block_m - 1) // group)
+        kv = np.minimum(np.maximum(max_q + kv - q + 1, 0), kv)        # np.clip, at a quarter of its cost
     return req, tile, kv
 
 
@@ -193,10 +201,13 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
                                                                   block_m, causal)
     n = len(req)
     if chunk <= 0 or (n and int(ext.max()) <= chunk):       # nothing split: one row per item
-        order = np.argsort(-(-(-ext // block_n)), kind="stable") if n else np.zeros(0, np.int64)
         work = np.full((n, PREFILL_COLS), -1, np.int32)
-        work[:, 0], work[:, 1], work[:, 2] = req[order], tile[order], 0
-        return PrefillWorkList(work, np.zeros((0, PREFILL_COLS), np.int32), 0, 0, ext[order])
+        tiles = -(-ext // block_n)
+        if n and int(tiles.min()) != int(tiles.max()):       # (equal keys: the stable order is the identity)
+            order = np.argsort(-tiles, kind="stable")
+            req, tile, ext = req[order], tile[order], ext[order]
+        work[:, 0], work[:, 1], work[:, 2] = req, tile, 0
+        return PrefillWorkList(work, np.zeros((0, PREFILL_COLS), np.int32), 0, 0, ext)
     pieces = np.ones(n, np.int64) if chunk <= 0 else np.maximum(1, -(-ext // chunk))
     ends = np.cumsum(pieces)
     total = int(ends[-1]) if n else 0
@@ -209,17 +220,17 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     work[:, 0], work[:, 1], work[:, 2] = req[item], tile[item], k
     work[:, 3] = np.where(split[item], slot_base[item] + k, -1)
     if chunk > 0:
-        piece_ext = np.clip(ext[item] - k * chunk, 0, chunk)
+        piece_ext = np.minimum(np.maximum(ext[item] - k * chunk, 0), chunk)     # np.clip, at a quarter of its cost
     else:
         piece_ext = ext[item]
     tiles = -(-piece_ext // block_n)
     order = np.argsort(-tiles, kind="stable")                       # most key tiles first
     work, piece_ext = work[order], piece_ext[order]
     s_items = np.nonzero(split)[0]
-    merge = np.stack([req[s_items], tile[s_items], slot_base[s_items], pieces[s_items]], axis=1).astype(np.int32) \
-        if len(s_items) else np.zeros((0, PREFILL_COLS), np.int32)
-    return PrefillWorkList(work, merge.reshape(-1, PREFILL_COLS), int(sp.sum()), int(chunk) if len(s_items) else 0,
-                           piece_ext)
+    merge = np.empty((len(s_items), PREFILL_COLS), np.int32)
+    merge[:, 0], merge[:, 1] = req[s_items], tile[s_items]
+    merge[:, 2], merge[:, 3] = slot_base[s_items], pieces[s_items]
+    return PrefillWorkList(work, merge, int(sp.sum()), int(chunk) if len(s_items) else 0, piece_ext)
 
 
 def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, ctas_per_sm: int, block_n: int,
@@ -234,9 +245,116 @@ def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, c
     return 0 if chunk and chunk >= int(extents.max()) else chunk
 
 
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclass(eq=False, slots=True)
+class Plan:
+    """One planned batch, the one structure every wrapper's plan() produces (decode, ragged and paged
+    prefill, and through them the cascade levels, block-sparse, BatchAttention, context-parallel) and
+    its run() and describe() read. Declared fields only (slots: a misspelt field raises).
+
+    The host part is filled on every path (the NumPy path runs from it alone); the GPU part is left
+    at its defaults on a NumPy plan (``meta is None``). Prefill's run() still reads fields by
+    subscript (``plan["num_kv_heads"]``, the dict this replaced): ``__getitem__`` reads the declared
+    field of that name.
+    """
+    # -- the batch and its configuration (every path)
+    owner: str                          # the wrapper class (error messages)
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int                       # q / k columns
+    q_dtype: np.dtype
+    kv_dtype: np.dtype
+    sm_scale: float
+    bound: Any                          # variants.Bound: the plan's variant and its fixed parameters
+    causal: bool = False
+    page_size: int | None = None        # None: contiguous K/V (ragged prefill)
+    spec: Any = None                    # the kernel spec known without a device (decode: before warps/TMA; fa2)
+    # -- host metadata (int32 unless said)
+    kv_lens: np.ndarray | None = None   # int64 [batch]: keys of every request
+    qo_indptr: np.ndarray | None = None     # [batch + 1] (prefill)
+    qo_lens: np.ndarray | None = None       # int64 [batch] (prefill)
+    kv_indptr: np.ndarray | None = None     # [batch + 1]: pages (paged) or keys (ragged)
+    kv_indices: np.ndarray | None = None    # [nnz pages]: host page ids (None: decode's device ids)
+    kv_indices_src: Any = None          # decode: the caller's page ids as given (a device array used in place)
+    last_page_len: np.ndarray | None = None
+    max_page: int = -1                  # largest page id (-1: none, or not known on the host)
+    mask: np.ndarray | None = None      # packed custom mask, uint8 (prefill)
+    mask_indptr: np.ndarray | None = None
+    head_dim_vo: int | None = None      # v / output columns (prefill; head_dim when they are equal)
+    # -- the GPU half (defaults on a NumPy plan)
+    device: int | None = None
+    backend: str = ""                   # prefill: "fa2" | "fa3"
+    run_spec: Any = None                # the kernel spec run() launches
+    work_list: Any = None               # DecodeWorkList | PrefillWorkList
+    split_why: str = ""                 # why split-KV came out as it did (describe())
+    meta: dict | None = None            # device pointers by name (plan segments, partial workspace)
+    grid_work: int = 0                  # work rows the grid covers (graph mode: the capacity)
+    grid_merge: int = 0                 # merge rows the merge grid covers
+    fixed_vargs: tuple | None = None    # the variant's kernel arguments when run() adds none (built once)
+    # -- launch state prepared at plan() (decode: run() launches with no per-call packing)
+    launchers: tuple = ()               # (attention launcher, merge launcher or None)
+    kernel_args: tuple = ()             # the plan's kernel arguments, packed in the kernel's order
+    grid: tuple = ()                    # attention grid
+    merge_grid: tuple = ()              # merge grid
+    keep: Any = None                    # a device array the plan's pointers point into (kept alive)
+
+    @property
+    def group(self) -> int:             # query heads per kv head
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.meta is not None
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+    def get(self, name: str, default=None):       # as the dict's: a declared field (None when unset)
+        return getattr(self, name)
+
+
+def host_ints(x, name: str, fn: str) -> np.ndarray:
+    """``arrays.host_int_vector`` without its framework dispatch for what plan() is mostly given, a
+    contiguous 1-D NumPy int array (returned as is, as there): ~1.5 µs each, 11 per 2-level cascade plan."""
+    if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and (len(x) < 2 or x.strides[0] == x.itemsize):
+        return x
+    return arrays.host_int_vector(x, name, fn)
+
+
+def max_index(ids: np.ndarray) -> int | None:
+    """The largest value of a host int array (-1 when empty), or None when a value is negative, in one
+    pass (min and max were two: ~10 µs for a batch-256 page table): a signed array viewed as unsigned
+    puts every negative value above every non-negative one."""
+    if not len(ids):
+        return -1
+    if ids.dtype.kind == "i":
+        top = int(ids.view(ids.dtype.str.replace("i", "u")).max())
+        return None if top >> (8 * ids.itemsize - 1) else top
+    return int(ids.max())
+
+
+def config_key(*args) -> tuple | None:
+    """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
+    arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""
+    key = tuple([(type(a), a) for a in args])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def memo_put(memo: dict, key: tuple, value) -> None:
+    """Store a checked configuration (a few per wrapper; cleared past 64)."""
+    if len(memo) >= 64:
+        memo.clear()
+    memo[key] = value
+
+
 # ---------------------------------------------------------------------------- plan buffers
-
-
 
 
 class DeviceBuffers:
@@ -248,7 +366,7 @@ class DeviceBuffers:
         self.partial = None       # float32 cupy (when no workspace buffer was given)
         # plan() staging: pinned int32 host buffers, each with the event after its last upload;
         # plan() takes one whose upload has finished (event query, no wait), else a new one
-        self._staging: list[list] = []    # [pinned memory, int32 NumPy view, event or None]
+        self._staging: list[list] = []    # [pinned memory, int32 NumPy view, event or None, address]
         self._current = 0
 
     def staging(self, size: int) -> np.ndarray:
@@ -256,12 +374,12 @@ class DeviceBuffers:
         No waiting on an upload where avoidable: with two buffers used in turn, every other plan()
         took 0.8-1 ms in one H100 run (FlashInfer loaded in the same process; not pinned down
         further). With _MAX_STAGING buffers in flight, the next in turn is waited for."""
-        for i, (_, view, copied) in enumerate(self._staging):
+        for i, (_, view, copied, _) in enumerate(self._staging):
             if view.size >= size and (copied is None or copied.done):
                 self._current = i
                 return view
         if len(self._staging) < _MAX_STAGING:
-            self._staging.append([None, None, None])
+            self._staging.append([None, None, None, 0])
             self._current = len(self._staging) - 1
         else:
             self._current = (self._current + 1) % _MAX_STAGING
@@ -273,14 +391,17 @@ class DeviceBuffers:
             n = max(size, 1024) if entry[1] is None else max(size, 2 * entry[1].size)
             entry[0] = cp.cuda.alloc_pinned_memory(n * 4)
             entry[1] = np.frombuffer(entry[0], np.int32, n)
+            entry[3] = entry[1].__array_interface__["data"][0]     # (ndarray.ctypes.data costs ~15 µs)
         return entry[1]
 
     def upload(self, dst_ptr: int, host: np.ndarray, count: int, stream) -> None:
         """Copy ``count`` int32 from the staging buffer just returned to ``dst_ptr``, asynchronously
         on ``stream`` (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
         cp = arrays.cupy_module()
-        cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, count * 4, 1, stream.ptr)
         entry = self._staging[self._current]
+        if entry[1] is not host:
+            raise ValueError(f"{self.owner}: upload() takes the staging buffer staging() returned last")
+        cp.cuda.runtime.memcpyAsync(dst_ptr, entry[3], count * 4, 1, stream.ptr)
         if entry[2] is None:
             entry[2] = cp.cuda.Event(block=False, disable_timing=True)
         entry[2].record(stream)
@@ -400,10 +521,11 @@ class PlanBuffers:
             self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
         host = self._bufs.staging(total)
         for name, a, fill in segments:
-            o, n = offsets[name], 0 if a is None else len(a)
+            o, n, cap = offsets[name], 0 if a is None else len(a), sizes[name]
             if n:
                 host[o:o + n] = a
-            host[o + n:o + sizes[name]] = fill
+            if cap > n:
+                host[o + n:o + cap] = fill
         with cp.cuda.Device(self.device):
             dev = self._bufs._ensure("plan", total, np.int32, "the plan")
             stream = arrays.resolve_stream(arrays.framework_of(like), self.device)

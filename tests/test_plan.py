@@ -183,3 +183,93 @@ def test_choose_prefill_chunk_grows_pieces_to_fit_a_fixed_workspace():
     fixed = plan.choose_prefill_chunk(ext, 8, 132, 2, 64, max_slots=10)
     assert fixed > free and int(np.where(ext > fixed, -(-ext // fixed), 0).sum()) <= 10
     assert plan.choose_prefill_chunk(ext, 8, 132, 2, 64, max_slots=1) == 0
+
+
+# ---------------------------------------------------------------------------- vectorised = loop reference
+# plan()'s work lists are built with NumPy (a few dozen array calls per plan, whatever the batch);
+# these loops state what they build, one request / item / piece at a time.
+
+
+def _decode_work_list_loop(indptr, kv_lens, chunk, block_n, align):
+    lens = [int(n) for n in kv_lens]
+    if chunk <= 0 or (lens and max(lens) <= chunk):
+        rows = [(r, int(indptr[r]), 0, n, -1, 0, 0, 0) for r, n in enumerate(lens)]
+        return sorted(rows, key=lambda w: -(w[3] - w[2])), [], 0
+    rows, merge, slot = [], [], 0
+    for r, n in enumerate(lens):
+        pieces = max(1, -(-n // chunk))
+        piece = -(-n // pieces)
+        piece = max(-(-piece // block_n) * block_n if piece > block_n else -(-piece // align) * align, 1)
+        pieces = max(1, -(-n // piece))
+        for k in range(pieces):
+            split = pieces > 1
+            rows.append((r, int(indptr[r]), k * piece, min(k * piece + piece, n), slot + k if split else -1,
+                         len(merge) if split else 0, slot if split else 0, pieces if split else 0))
+        if pieces > 1:
+            merge.append((r, slot, slot + pieces, 0))
+            slot += pieces
+    return sorted(rows, key=lambda w: -(w[3] - w[2])), merge, slot       # sorted(): stable, longest first
+
+
+def _prefill_items_loop(qo_lens, kv_lens, group, block_m, causal):
+    items = []
+    for r, (q, k) in enumerate(zip(qo_lens.tolist(), kv_lens.tolist())):
+        for t in range(-(-q * group // block_m)):
+            last_row = min(q - 1, ((t + 1) * block_m - 1) // group)        # the tile's last query
+            items.append((r, t, min(max(last_row + k - q + 1, 0), k) if causal else k))
+    return items
+
+
+def _prefill_work_list_loop(items, block_n, chunk):
+    if chunk <= 0 or (items and max(e for *_, e in items) <= chunk):
+        rows = sorted([((r, t, 0, -1), e) for r, t, e in items], key=lambda x: -(-(-x[1] // block_n)))
+        return [w for w, _ in rows], [e for _, e in rows], [], 0
+    rows, merge, slot = [], [], 0
+    for r, t, e in items:
+        pieces = max(1, -(-e // chunk))
+        for k in range(pieces):
+            rows.append(((r, t, k, slot + k if pieces > 1 else -1), min(max(e - k * chunk, 0), chunk)))
+        if pieces > 1:
+            merge.append((r, t, slot, pieces))
+            slot += pieces
+    rows.sort(key=lambda x: -(-(-x[1] // block_n)))
+    return [w for w, _ in rows], [e for _, e in rows], merge, slot
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.integers(0, 6000), min_size=1, max_size=40), chunk=st.sampled_from([0, 1, 50, 128, 700, 4096]),
+       block_n=st.sampled_from([32, 64, 128]), align=st.sampled_from([1, 16]))
+def test_decode_work_list_equals_the_loop_reference(lens, chunk, block_n, align):
+    kv_lens = np.array(lens, np.int64)
+    indptr = np.concatenate([[0], np.cumsum(-(-kv_lens // 16))])
+    wl = plan.decode_work_list(indptr, kv_lens, chunk, block_n, align)
+    rows, merge, slots = _decode_work_list_loop(indptr, kv_lens, chunk, block_n, align)
+    assert wl.work.dtype == np.int32 and wl.work.tolist() == [list(w) for w in rows]
+    assert wl.merge.tolist() == [list(m) for m in merge] and wl.num_slots == slots
+    assert wl.chunk == (chunk if merge or (chunk > 0 and max(lens) > chunk) else 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(qo=st.lists(st.integers(0, 400), min_size=0, max_size=30), extra=st.lists(st.integers(0, 5000), min_size=30,
+       max_size=30), group=st.sampled_from([1, 2, 4, 7, 8]), block_m=st.sampled_from([64, 128]),
+       block_n=st.sampled_from([32, 64, 128]), causal=st.booleans(), chunk=st.sampled_from([0, 64, 512, 1024, 4096]))
+def test_prefill_work_list_equals_the_loop_reference(qo, extra, group, block_m, block_n, causal, chunk):
+    qo_lens = np.array(qo, np.int64)
+    kv_lens = qo_lens + np.array(extra[:len(qo)], np.int64)
+    req, tile, ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal)
+    items = _prefill_items_loop(qo_lens, kv_lens, group, block_m, causal)
+    assert list(zip(req.tolist(), tile.tolist(), ext.tolist())) == items
+    wl = plan.prefill_work_list(qo_lens, kv_lens, group, block_m, block_n, causal, chunk)
+    rows, extents, merge, slots = _prefill_work_list_loop(items, block_n, chunk)
+    assert wl.work.dtype == np.int32 and wl.work.tolist() == [list(w) for w in rows]
+    assert wl.extents.tolist() == extents and wl.merge.tolist() == [list(m) for m in merge]
+    assert wl.num_slots == slots and wl.chunk == (chunk if merge else 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.integers(-2**31, 2**31 - 1), max_size=12),
+       dtype=st.sampled_from(["int32", "int64", "uint32"]), step=st.integers(1, 2))
+def test_max_index_is_the_max_or_none_when_a_value_is_negative(values, dtype, step):
+    ids = np.array([v % 2**32 if dtype == "uint32" else v for v in values], dtype)[::step]
+    want = -1 if not len(ids) else None if ids.min() < 0 else int(ids.max())
+    assert plan.max_index(ids) == want

@@ -42,6 +42,46 @@ def test_describe_names_the_numpy_path_without_a_gpu_and_every_wrapper_has_one()
             assert "NumPy reference path" in text
 
 
+def test_every_wrapper_plans_into_one_typed_plan_structure():
+    """decode, ragged and paged prefill, a cascade's levels, block-sparse and BatchAttention all hold a
+    plan.Plan after plan(); its fields are declared (a misspelt one raises)."""
+    from cuattn.plan import Plan
+    rng = np.random.default_rng(1)
+    cache, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7], 16, 2, 64, "NHD")
+    qo = np.array([0, 3, 4], np.int32)
+    d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    d.plan(indptr, indices, last, 4, 2, 64, 16)
+    p = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    p.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True)
+    r = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    r.plan(qo, np.array([0, 40, 47], np.int32), 4, 2, 64, causal=True)
+    c = cuattn.MultiLevelCascadeAttentionWrapper(2)
+    c.plan([np.array([0, 2], np.int32), np.arange(3, dtype=np.int32)], [np.array([0, 1], np.int32), indptr],
+           [np.array([0], np.int32), indices], [np.array([16], np.int32), last], 4, 2, 64, 16)
+    s = cuattn.BlockSparseAttentionWrapper()
+    s.plan(np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), 32, 32, 16, 16, 4, 2, 64)
+    a = cuattn.BatchAttention()
+    a.plan(qo, indptr, indices, np.array([40, 7], np.int32), 4, 2, 64, 64, 16)
+    plans = [d._plan, p._plan, r._plan, *(w._plan for w in c._levels), s._inner._plan, a._inner._plan]
+    assert all(type(x) is Plan for x in plans)
+    assert [x.batch for x in plans] == [2, 2, 2, 1, 2, 2, 2]
+    assert d._plan.kv_lens.tolist() == p._plan.kv_lens.tolist() == [40, 7] and p._plan["num_kv_heads"] == 2
+    with pytest.raises(AttributeError):
+        d._plan.num_kv_head = 3
+
+
+def test_decode_plan_checks_again_an_argument_equal_to_a_checked_one_but_of_another_type():
+    """plan() memoizes checked configurations; 16.0 == 16 but a float page_size is still refused."""
+    rng = np.random.default_rng(2)
+    _, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7], 16, 2, 64, "NHD")
+    d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    d.plan(indptr, indices, last, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        d.plan(indptr, indices, last, 4, 2, 64, 16.0)
+    d.plan(indptr, indices, last, np.int64(4), 2, 64, 16, logits_soft_cap=30.0)
+    assert d._plan.bound.composite.has("logits_transform") and d._plan.num_qo_heads == 4
+
+
 def test_prefill_plan_rejects_a_bad_fixed_split_size_on_every_path():
     rng = np.random.default_rng(1)
     _, _, _, qo_indptr, kv_indptr = _ragged_inputs(rng, [3], [9], 4, 2, 64)
