@@ -6,6 +6,9 @@ filler matmul keeps the stream busy while the host issues the call, so neither h
 idle GPU's wake-up lands between the events; the paged/contiguous ratio uses these), "b2b" (10
 calls back to back) and "us" (one eager call on an idle stream: host time before the launch plus
 the kernel, and slower again when the GPU idled ms before it; --diagnose splits it). TFLOP/s = 4 * qo * kv * num_qo_heads * head_dim / time; causal halves the work.
+fp8 columns (--fp8 e4m3 / e5m2, default e4m3; "none" skips): the same paged batch over an fp8 cache with
+per-kv-head k_scale / v_scale (fa2, GPU alone), its ratio to the fp16 paged time (fp16 us / fp8 us: the
+issue-22 target is >= 0.95), and FlashInfer's fp8 paged prefill (same cache bytes) when importable.
 The fp16 matmul ceiling (cuBLAS through CuPy, 8192^3) is measured in the same run. SDPA and
 FlashInfer are timed the same way when importable; otherwise the PEERS.md H100 numbers are
 printed, labelled as not from this run. JSON goes to benchmarks/results/ (or --out).
@@ -156,7 +159,23 @@ def paged_call(q, indptr, length, causal, hq, hkv, d, page_size, dtype, order="r
     return (lambda: wp.run(q, cache, out=out)), cache, perm, last, pages_per
 
 
-def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None):
+def paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size, dtype, kv):
+    """(call, cache, scales): the paged batch of paged_call (same page table) over an fp8 cache of random
+    finite bytes (uint8, read as plan()'s kv_data_type) with per-kv-head k_scale / v_scale."""
+    batch, total = len(indptr) - 1, len(perm)
+    # clear an exponent bit: no NaN / inf bit patterns, magnitudes below 1 (e4m3: 0xB7, e5m2: 0xBB)
+    cache = cp.random.randint(0, 256, (total, 2, page_size, hkv, d), dtype=cp.int32).astype(cp.uint8) & \
+        (0xB7 if kv == "e4m3" else 0xBB)
+    scales = (cp.full(hkv, 0.5, cp.float32), cp.full(hkv, 0.25, cp.float32))
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
+            causal=causal, q_data_type=dtype, kv_data_type="float8_e4m3fn" if kv == "e4m3" else "float8_e5m2")
+    out = cp.empty_like(q)
+    return (lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])), cache, scales
+
+
+def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None, fp8="e4m3",
+             flashinfer_fp8=None):
     res = dict(batch=batch, qo_len=length, kv_len=length, causal=causal, num_qo_heads=hq, num_kv_heads=hkv,
                head_dim=d, dtype=dtype)
     f = flops(batch, length, length, hq, d, causal)
@@ -183,6 +202,16 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
     if flashinfer is not None:
         res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
     del cache, paged
+    if fp8 != "none":        # -- the same batch over an fp8 cache (fa2), next to the fp16 paged time
+        paged8, cache8, scales = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
+                                                dtype, fp8)
+        g8 = gpu_us(paged8, reps)
+        res.update(fp8=fp8, paged_fp8_gpu_us=g8, paged_fp8_gpu_tflops=f / (g8 * 1e-6) / 1e12,
+                   paged_fp8_speed_vs_fp16=gp / g8)
+        if flashinfer_fp8 is not None:
+            res.update(flashinfer_fp8(q, cache8, scales, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size,
+                                      dtype, fp8, reps, f))
+        del cache8, paged8
     if sdpa is not None:
         res.update(sdpa(batch, length, causal, hq, hkv, d, dtype, reps, f))
     return res
@@ -242,6 +271,37 @@ def make_flashinfer():
                 out[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         return out
     return fi
+
+
+def make_flashinfer_fp8():
+    """FlashInfer's paged prefill over the same fp8 cache (fa2; its fa3 where it builds), k_scale /
+    v_scale as floats (FlashInfer takes per-tensor scales), timed like ours; None when not importable."""
+    try:
+        import flashinfer
+        import torch
+    except ImportError:
+        return None
+
+    def fi8(q, cache8, scales, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, kv, reps, f):
+        tdt = torch.float16 if dtype == "float16" else torch.bfloat16
+        kdt = torch.float8_e4m3fn if kv == "e4m3" else torch.float8_e5m2
+        tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
+        tc = torch.from_dlpack(cache8).view(kdt)
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        out = {}
+        for backend in ("fa2", "fa3") if cp.cuda.Device().compute_capability == "90" else ("fa2",):
+            try:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(torch.from_numpy(indptr), torch.from_numpy(np.arange(len(indptr), dtype=np.int32) * pages_per),
+                       torch.from_numpy(perm).cuda(), torch.from_numpy(last), hq, hkv, d, page_size,
+                       causal=causal, q_data_type=tdt, kv_data_type=kdt)
+                g = gpu_us(lambda: w.run(tq, tc, k_scale=0.5, v_scale=0.25), reps)
+                out[f"flashinfer_{backend}_fp8_gpu_us"] = g
+                out[f"flashinfer_{backend}_fp8_gpu_tflops"] = f / (g * 1e-6) / 1e12
+            except Exception as e:    # a backend FlashInfer cannot build or run here: say so, go on
+                out[f"flashinfer_{backend}_fp8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return out
+    return fi8
 
 
 def check(args):
@@ -481,6 +541,8 @@ def main():
     ap.add_argument("--variants", nargs="?", const="tiles", default=None, choices=("tiles", "paged", "issue4"),
                     help="sweep tile configurations (or the paged variants: --variants paged) first (hd128)")
     ap.add_argument("--paged-diag", action="store_true", help="8x2048 paged: page size and page order")
+    ap.add_argument("--fp8", default="e4m3", choices=("e4m3", "e5m2", "none"),
+                    help="paged fp8 columns: the KV format (none: skip)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
@@ -497,6 +559,7 @@ def main():
     print(f"fp16 matmul 8192^3 (cuBLAS via CuPy): {mm:.0f} TFLOP/s")
     sdpa = None if args.no_sdpa else make_sdpa()
     flashinfer = make_flashinfer()
+    flashinfer_fp8 = make_flashinfer_fp8() if args.fp8 != "none" else None
     if flashinfer is None:
         print("flashinfer: not importable here; PEERS.md H100 numbers shown (not from this run)")
     diag = diagnose_percall(args, hq, hkv) if args.diagnose else None
@@ -524,7 +587,8 @@ def main():
             for shp in args.shapes:
                 b, n = map(int, shp.split("x"))
                 for causal in (False, True):
-                    r = run_case(b, n, causal, hq, hkv, d, dtype, args.reps, args.page_size, sdpa, flashinfer)
+                    r = run_case(b, n, causal, hq, hkv, d, dtype, args.reps, args.page_size, sdpa, flashinfer,
+                                 args.fp8, flashinfer_fp8)
                     r["matmul_tflops"] = mm
                     peer = PEERS_H100.get((b, n, causal)) if (d == 128 and (hq, hkv) == (32, 8)) else None
                     if peer:
@@ -562,6 +626,22 @@ def main():
           "over ours, paged, same run (> 1: cuattn faster); * = PEERS.md H100 time, not this run. The columns "
           "before fa3 are cuattn's fa2 backend (mma.sync); fa3 = cuattn's Hopper backend (wgmma + TMA, "
           "contiguous K/V, what backend='auto' runs there), GPU alone; FI3/fa3 = FlashInfer fa3 (paged) over it.")
+    fp8_rows = [r for r in rows if "paged_fp8_gpu_us" in r]
+    if fp8_rows:
+        print(f"\n{'case (paged, fp8 KV)':<22}{'fp16 us':>9}{'fp8 us':>9}{'TF/s':>7}{'16/8':>7}{'FI2 fp8':>9}{'FI2/8':>7}"
+              f"{'FI3 fp8':>9}{'FI3/8':>7}")
+        for r in fp8_rows:
+            case = f"{r['fp8']} hd{r['head_dim']} {r['batch']}x{r['qo_len']}{' c' if r['causal'] else ''}"
+            g8 = r["paged_fp8_gpu_us"]
+            peers = ""
+            for b in ("fa2", "fa3"):
+                fi = r.get(f"flashinfer_{b}_fp8_gpu_us")
+                peers += f"{fi:9.1f}{fi / g8:7.2f}" if fi else f"{'-':>9}{'-':>7}"
+            print(f"{case:<22}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
+                  f"{r['paged_fp8_speed_vs_fp16']:7.2f}{peers}")
+        print("fp8 = cuattn fa2 paged prefill over an fp8 cache (per-kv-head scales), GPU alone; 16/8 = fp16 paged GPU "
+              "time over it (target >= 0.95); FI2/8, FI3/8 = FlashInfer fp8 paged (fa2 / fa3) over ours (> 1: cuattn "
+              "faster), same run.")
 
 
 if __name__ == "__main__":
