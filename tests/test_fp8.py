@@ -165,12 +165,12 @@ def test_fp8_append_rejects_bad_scales():
 
 def test_fp8_fused_rope_is_refused_with_a_clear_message():
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper()     # fp8 prefill itself: tests/test_prefill_dtypes.py
-    with pytest.raises(UnsupportedError, match="needs a 16-bit KV cache"):
+    with pytest.raises(UnsupportedError, match="16-bit KV cache"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 64, 16, q_data_type="float16", kv_data_type="float8_e4m3fn",
                pos_encoding_mode="ROPE_LLAMA")
     d = cuattn.BatchDecodeWithPagedKVCacheWrapper()
-    with pytest.raises(UnsupportedError, match="needs a 16-bit KV cache"):
+    with pytest.raises(UnsupportedError, match="16-bit KV cache"):
         d.plan(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([4], np.int32), 4, 4, 64, 16,
                pos_encoding_mode="ROPE_LLAMA", kv_data_type="float8_e5m2")
 

@@ -163,7 +163,7 @@ def test_prefill_fp8_refusals_name_the_limit():
         cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32),
                                                           lpl, 4, 4, 128, 16, q_data_type="float8_e4m3fn",
                                                           kv_data_type="float8_e4m3fn")
-    with pytest.raises(UnsupportedError, match="needs a 16-bit KV cache"):
+    with pytest.raises(UnsupportedError, match="16-bit KV cache"):
         cuattn.BatchPrefillWithRaggedKVCacheWrapper().plan(ind, np.array([0, 4], np.int32), 4, 4, 128,
                                                            kv_data_type="float8_e5m2", pos_encoding_mode="ROPE_LLAMA")
     # auto plans fa2 for an fp8 cache, wherever fa3 would run the 16-bit case
@@ -365,7 +365,7 @@ def test_split_head_dims_refusals_name_the_argument():
             w.plan(qo, kv, 4, 4, dqk, dvo)
     with pytest.raises(TypeError, match="head_dim_vo must be an int"):
         w.plan(qo, kv, 4, 4, 192, 128.0)
-    with pytest.raises(UnsupportedError, match="fused RoPE\\) needs head_dim_vo == head_dim_qk"):
+    with pytest.raises(UnsupportedError, match="need head_dim_vo == head_dim_qk"):
         w.plan(qo, kv, 4, 4, 192, 128, pos_encoding_mode="ROPE_LLAMA", rotary_dim=64)
     with pytest.raises(UnsupportedError, match="backend='fa3': fa3 has a kernel for head_dim 128 only"):
         cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
