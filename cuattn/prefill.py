@@ -71,7 +71,7 @@ class PrefillSpec:
     stages: int = 2        # K/V tiles in flight (cp.async pipeline depth)
     tuning: tuple = ()    # extra -D defines for tuning experiments (benchmarks); () in shipped specs
     variant: variants.Composite = variants.DEFAULT
-    dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2"
+    dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2" | "f32"
     head_dim_vo: int = 0   # V / out columns when not head_dim (192 / 128: HEAD_DIM_PAIRS)
     source = _SOURCE
 
@@ -81,7 +81,7 @@ class PrefillSpec:
 
     @property
     def kv_bytes(self) -> int:
-        return 1 if self.dtype_kv else 2
+        return {"": 2, "f32": 4}.get(self.dtype_kv, 1)
 
     @property
     def dim_vo(self) -> int:
@@ -103,6 +103,7 @@ class PrefillSpec:
                 f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
                 f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
+                f"-DKV_F32={int(self.dtype_kv == 'f32')}",
                 f"-DHEAD_DIM_VO={self.dim_vo}") + \
             tuple(f"-D{v}" for v in self.tuning)
 
@@ -110,7 +111,7 @@ class PrefillSpec:
     def smem_bytes(self) -> int:     # Q tile (2-byte elements) + STAGES K tiles + STAGES V tiles
         d, dv = self.head_dim, self.dim_vo
         tiles = self.block_m * d * 2 + self.stages * self.block_n * (d + dv) * self.kv_bytes
-        if self.dtype_kv:            # fp8: the converted f16 K and V tiles
+        if self.dtype_kv:            # fp8 / fp32: the converted 16-bit K and V tiles
             tiles += self.block_n * (d + dv) * 2
         # paged: row offsets (STAGES x BLOCK_N int) and page ids ((STAGES + 1) x BLOCK_N int)
         return tiles + (4 * (2 * self.stages + 1) * self.block_n if self.paged else 0)
@@ -123,8 +124,11 @@ def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged:
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
     num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_qk_transform,
                                              paged, small_q)
-    if head_dim_vo not in (None, head_dim):     # 192 / 128: Q 48 KiB, K 24 + V 16 KiB a stage
-        num_mma_q, block_n, stages = SPLIT_TILES
+    if head_dim_vo not in (None, head_dim):     # 192 / 128 (fp32 K/V: 64 x 64 spilled 12 bytes, paged)
+        num_mma_q, block_n, stages = SPLIT_TILES if dtype_kv != "f32" else (1, 32, 2)
+    elif dtype_kv == "f32":
+        # fp32 K/V: 4-byte stages, two of them (three of hd64 took 128 KiB); hd128 128 x 32
+        block_n, stages = (32 if (head_dim, num_mma_q, block_n) == (128, 2, 64) else block_n), 2
     elif dtype_kv not in ("", dtype) and (head_dim, num_mma_q, block_n) == (128, 2, 64):
         # fp8 K/V (tiles converted to f16 in smem): 128 x 64 spilled 4-100 bytes on sm_80 / sm_90a whatever
         # the load order; 128 x 32 with three stages is spill-free (73 KiB, two CTAs per SM)

@@ -113,7 +113,13 @@ def _split_pair(paged_kv_cache, plan, fn: str):
 
 
 def _kv_short(q_dt, kv_dt, bound, fn: str) -> str:
-    """The spec's dtype_kv: "" for K/V of q's dtype, "e4m3" / "e5m2" for an fp8 cache (support.check passed)."""
+    """The spec's dtype_kv: "" for K/V of q's dtype, "e4m3" / "e5m2" for an fp8 cache, "f32" for an fp32
+    one (support.check passed)."""
+    if np.dtype(kv_dt) == np.float32 and np.dtype(q_dt) != np.float32:
+        if bound.composite.has_rope:
+            raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) needs a 16-bit KV cache, "
+                                   f"got kv_data_type={kv_dt}")
+        return "f32"
     if not fp8.is_fp8(kv_dt):
         return ""
     if bound.composite.has_qk_transform:

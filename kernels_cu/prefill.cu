@@ -6,7 +6,8 @@
 //   m-tiles per warp), BLOCK_N (keys per tile), STAGES (K/V tiles in flight, >= 2).
 // Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem BLOCK_M * HEAD_DIM * 2 + 2 STAGES BLOCK_N *
 //   HEAD_DIM * (K/V element bytes) (+ (2 STAGES + 1) * BLOCK_N * 4 when PAGED: the tiles' row offsets and
-//   page ids) (+ 2 BLOCK_N * HEAD_DIM * 2 when KV_FP8: the converted K and V tiles).
+//   page ids) (+ 2 BLOCK_N * HEAD_DIM * 2 when KV_FP8 or KV_F32: the converted K and V tiles).
+// KV_F32 (0 | 1): K/V of fp32 (q fp16 / bf16), staged and converted as KV_FP8's, rounded to q's type.
 //
 // One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
 // row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
@@ -51,13 +52,20 @@ using namespace cuattn;
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
+#ifndef KV_F32
+#define KV_F32 0
+#endif
+#define KV_CONVERT (KV_FP8 || KV_F32)   // K/V staged in their own type, converted to mma_t tiles in smem
 typedef DTYPE dtype_t;                              // q and out
+#if KV_CONVERT && CUATTN_VARIANT_ROPE
+#error "fused RoPE needs a 16-bit KV cache"
+#endif
 #if KV_FP8
 typedef f16 mma_t;                                  // the tensor cores' type: K/V converted to it
 typedef uint8_t kv_t;                               // the cache's element (e4m3 or e5m2 bits)
-#if CUATTN_VARIANT_ROPE
-#error "fused RoPE needs a 16-bit KV cache"
-#endif
+#elif KV_F32
+typedef DTYPE mma_t;                                // fp32 K/V rounded to q's type for the tensor cores
+typedef float kv_t;
 #else
 typedef DTYPE mma_t;
 typedef DTYPE kv_t;
@@ -130,7 +138,7 @@ __device__ __forceinline__ uint32_t swz(int r, int c) { return swz_t<CHUNKS>(r, 
 __device__ __forceinline__ uint32_t swz_v(int r, int c) { return swz_t<DV / 8>(r, c); }
 // -- where a K/V copy lands: the swizzled tile, or (fp8) the staging buffer's plain rows
 __device__ __forceinline__ uint32_t kv_dst(int r, int c) {
-  return KV_FP8 ? uint32_t((r * KV_CHUNKS + c) * 16) : swz(r, c);
+  return KV_CONVERT ? uint32_t((r * KV_CHUNKS + c) * 16) : swz(r, c);
 }
 
 // -- per-thread source pointer of the K or V rows this thread copies: row (tid / CHUNKS), chunk
@@ -253,7 +261,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const kv_t* base, int64_
 #else
     const kv_t* src = base + int64_t(kv0 + r) * s_tok + c * (16 / KV_BYTES);
 #endif
-    cp_async_16(dst + (KV_FP8 ? uint32_t(i * 16) : swz_t<DT / 8>(r, c)), ok ? src : base, ok ? 16 : 0);
+    cp_async_16(dst + (KV_CONVERT ? uint32_t(i * 16) : swz_t<DT / 8>(r, c)), ok ? src : base, ok ? 16 : 0);
   }
 }
 
@@ -273,6 +281,21 @@ __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uin
                                 fp8x2_to_f16x2<KV_FP8, 0x1404>(x.w), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.w));
     *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = lo;
     *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = hi;
+  }
+}
+#elif KV_F32
+// -- an fp32 staging tile (plain rows of 4 DT bytes) -> the swizzled tile of q's type: each thread
+//    converts 32 bytes (8 values) into one 16-byte chunk (round to nearest)
+template <int DT>
+__device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uint32_t src) {
+  constexpr int RCH = DT / 8;
+#pragma unroll 1
+  for (int i = int(threadIdx.x); i < BLOCK_N * RCH; i += NUM_THREADS) {
+    const int r = i / RCH, c = i % RCH;
+    const float4 a = *reinterpret_cast<const float4*>(smem + src + i * 32);
+    const float4 b = *reinterpret_cast<const float4*>(smem + src + i * 32 + 16);
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, c)) =
+        make_uint4(pack2<mma_t>(a.x, a.y), pack2<mma_t>(a.z, a.w), pack2<mma_t>(b.x, b.y), pack2<mma_t>(b.z, b.w));
   }
 }
 #endif
@@ -348,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   const uint32_t sK = sQ + BLOCK_M * D * 2;           // STAGES K tiles, then STAGES V tiles
   const uint32_t sV = sK + STAGES * TILE_BYTES;
   constexpr int PAGED_BYTES = PAGED ? 4 * (2 * STAGES + 1) * BLOCK_N : 0;
-#if KV_FP8   // the converted f16 K and V tiles, after the stages (and the paged offsets)
+#if KV_CONVERT   // the converted K and V tiles, after the stages (and the paged offsets)
   const uint32_t sKc = sV + STAGES * V_TILE_BYTES + PAGED_BYTES, sVc = sKc + BLOCK_N * D * 2;
 #endif
   const int thr_row = tid / KV_CHUNKS, thr_chunk = tid % KV_CHUNKS;
@@ -516,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % STAGES;
-#if KV_FP8
+#if KV_CONVERT
     // the f16 tiles' addresses, opaque to the compiler (hoisting every ldmatrix address of a
     // loop-invariant tile out of the loop would hold registers across it)
     uint32_t sKs, sVs;
@@ -567,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
 #endif
 
-#if KV_FP8
+#if KV_CONVERT
     // -- K[it] into the f16 K tile (every warp finished reading it, S of it-1, before the barrier above)
     convert_kv_tile<D>(smem, sKc - sQ, sK + stage * TILE_BYTES - sQ);
     __syncthreads();                            // f16 K[it] (and q) visible; K staging slot `stage` free
@@ -690,9 +713,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     cp_async_wait<2 * STAGES - 2>();
     __syncthreads();                            // V[it] landed; every warp done reading K[it]
     if (it + STAGES < num_tiles)                // -- K[it+STAGES] into the K buffer just used
-      LOAD_K(KV_FP8 ? sK + stage * TILE_BYTES : sKs, it + STAGES);
+      LOAD_K(KV_CONVERT ? sK + stage * TILE_BYTES : sKs, it + STAGES);
     cp_async_commit();
-#if KV_FP8
+#if KV_CONVERT
     // -- V[it] into the f16 V tile (every warp finished P.V of it-1 before the loop's first barrier)
     convert_kv_tile<DV>(smem, sVc - sQ, sV + stage * V_TILE_BYTES - sQ);
     __syncthreads();                            // f16 V[it] visible

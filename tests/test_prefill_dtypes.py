@@ -433,3 +433,74 @@ def test_prefill_gpu_scales_with_16_bit_kv_on_fa2():
                                               v_scale=_cp().asarray(vs))
     ref, _ = dense_attention(q, k.astype(np.float64) * 0.3, v.astype(np.float64) * vs[None, :, None], causal=True)
     assert rel_err(_cp().asnumpy(out), ref) < 5e-3
+
+
+# ============================================================================ fp32 KV (q fp16 / bf16)
+
+
+def test_fp32_kv_numpy_ragged_and_paged_match_oracle():
+    rng = np.random.default_rng(21)
+    qo_indptr, kv_indptr = np.array([0, 5, 22], np.int32), np.array([0, 21, 61], np.int32)
+    q = rng.standard_normal((22, 8, 64)).astype(BF16)
+    k, v = rng.standard_normal((61, 2, 64)).astype(np.float32), rng.standard_normal((61, 2, 64)).astype(np.float32)
+    ks, vs = [k[:21], k[21:]], [v[:21], v[21:]]
+    ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, True)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(qo_indptr, kv_indptr, 8, 2, 64, causal=True, q_data_type="bfloat16", kv_data_type="float32")
+    out, lse = w.run(q, k, v, return_lse=True)
+    assert out.dtype == BF16 and rel_err(out, ref_o) < 1e-2 and rel_err(lse, ref_s) < 1e-5
+    kp, indptr, indices, last = to_pages(k, kv_indptr, 16)
+    vp, _, _, _ = to_pages(v, kv_indptr, 16)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(qo_indptr, indptr, indices, last, 8, 2, 64, 16, causal=True, q_data_type="bfloat16", kv_data_type="float32")
+    np.testing.assert_array_equal(wp.run(q, (kp, vp)).view(np.uint16), out.view(np.uint16))
+    with pytest.raises(UnsupportedError, match="q dtype float32 has no kernel"):
+        w.plan(qo_indptr, kv_indptr, 8, 2, 64, q_data_type="float32", kv_data_type="float32")
+    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 reads K/V of q's dtype only"):
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo_indptr, kv_indptr, 8, 2, 128,
+                                                                        kv_data_type="float32")
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+def test_fp32_kv_specs_compile_without_spills(arch):
+    for d, t, c, m, p, dv in ((128, "f16", True, False, True, None), (64, "bf16", False, True, False, None),
+                              (256, "f16", False, False, True, None), (192, "bf16", True, False, True, 128)):
+        spec = prefill.make_spec(d, t, c, m, p, dtype_kv="f32", head_dim_vo=dv)
+        res = jit.compile_kernel(spec, arch).resources["cuattn_prefill"]
+        assert res["spill_stores"] == res["spill_loads"] == 0, (spec.name, arch, res)
+
+
+F32_GPU = [   # (qo_lens, kv_lens, hq, hkv, head_dim, q dtype, causal, paged page size (0: ragged))
+    ([37, 200], [97, 200], 32, 8, 128, "float16", True, 16),
+    ([64, 1], [700, 33], 16, 2, 64, "bfloat16", False, 1),
+    ([100], [1500], 8, 2, 128, "bfloat16", True, 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", F32_GPU, ids=_ids(F32_GPU))
+def test_fp32_kv_gpu_matches_oracle(case):
+    qo_lens, kv_lens, hq, hkv, d, qdt, causal, ps = case
+    rng = np.random.default_rng(hq + d)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    rows = int(qo_indptr[-1])
+    q = rng.standard_normal((rows, hq, d)).astype(QDT[qdt])
+    k, v = (rng.standard_normal((int(kv_indptr[-1]), hkv, d)).astype(np.float32) for _ in range(2))
+    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    if ps:
+        kp, indptr, indices, last = to_pages(k, kv_indptr, ps)
+        vp, _, _, _ = to_pages(v, kv_indptr, ps)
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+        w.plan(_dev(qo_indptr), _dev(indptr), _dev(indices), _dev(last), hq, hkv, d, ps, causal=causal,
+               q_data_type=qdt, kv_data_type="float32")
+        w.run(_dev(q), (_dev(kp), _dev(vp)), out=out, lse=lse)
+    else:
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+        w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=causal, q_data_type=qdt, kv_data_type="float32")
+        w.run(_dev(q), _dev(k), _dev(v), out=out, lse=lse)
+    assert w.backend == "fa2"
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, causal)
+    _check(out, lse, ref_o, ref_s, qdt)
