@@ -187,11 +187,12 @@ class BatchMLAPagedAttentionWrapper:
                              f"got kv_len_arr[{b}]={int(kvl[b])} with {int(pages[b])} pages of {page_size}")
         if causal and np.any(np.diff(qo) > kvl):
             raise ValueError(f"{fn}: with causal=True every request needs qo_len <= kv_len")
-        p = dict(qo=qo, kv_indptr=kp, kv_indices=idx, kv_len=kvl, num_heads=int(num_heads),
-                 page_size=int(page_size), causal=bool(causal),
-                 sm_scale=float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
-                 q_dtype=arrays.as_dtype(q_data_type, "q_data_type", fn),
-                 kv_dtype=arrays.as_dtype(kv_data_type, "kv_data_type", fn))
+        n_idx = int(kp[-1])
+        p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe,
+                       arrays.as_dtype(q_data_type, "q_data_type", fn), arrays.as_dtype(kv_data_type, "kv_data_type", fn),
+                       float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
+                       None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, kv_indptr=kp, kv_indices=idx,
+                       max_page=int(idx[:n_idx].max()) if n_idx else -1)
         self._plan = None
         self._plan_device(fn, p, kv_indices, fixed_split_size, disable_split_kv)
         self._plan = p
@@ -202,59 +203,50 @@ class BatchMLAPagedAttentionWrapper:
         of it with the page table. No GPU: a NumPy plan. A dtype the kernel lacks is refused at run()."""
         bufs = self._bufs
         device = bufs.device_for(like)
-        p["device"] = device
-        short = arrays.SHORT_NAME.get(arrays.logical_dtype(p["q_dtype"]))
-        if device is None or short not in ("f16", "bf16") or p["kv_dtype"] != p["q_dtype"]:
+        p.device = device
+        short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
+        if device is None or short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype:
             return
         spec = MLASpec(short, stages_for(jit.device_arch(device)))
-        h, qo_lens = p["num_heads"], np.diff(p["qo"])
-        items = _plan.prefill_items(qo_lens, p["kv_len"], h, BLOCK_M, p["causal"])
+        h, qo_lens = p.num_qo_heads, np.diff(p.qo_indptr)
+        items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)
-        if disable_split_kv:
-            chunk, why = 0, "disable_split_kv"
-        elif fixed_split_size is not None:
-            chunk = -(-int(fixed_split_size) // BLOCK_N) * BLOCK_N
-            why = f"fixed_split_size={int(fixed_split_size)} (whole {BLOCK_N}-key tiles)"
-        else:
-            chunk = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats))
-            why = _plan.split_reason(len(items[2]), sms, chunk)
-        wl = _plan.prefill_work_list(qo_lens, p["kv_len"], h, BLOCK_M, BLOCK_N, p["causal"], chunk, items)
+
+        def auto():
+            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats))
+            return c, _plan.split_reason(len(items[2]), sms, c)
+        chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, BLOCK_N, auto)
+        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, BLOCK_N, p.causal, chunk, items)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         i32 = np.int32
-        segments = [("kv_chunk", np.array([wl.chunk], i32), 0), ("qo_indptr", p["qo"].astype(i32), 0),
-                    ("kv_indptr", p["kv_indptr"].astype(i32), 0), ("kv_len", p["kv_len"].astype(i32), 0),
-                    ("kv_indices", p["kv_indices"].astype(i32), 0), ("work", wl.work.ravel(), -1),
+        segments = [("kv_chunk", np.array([wl.chunk], i32), 0), ("qo_indptr", p.qo_indptr.astype(i32), 0),
+                    ("kv_indptr", p.kv_indptr.astype(i32), 0), ("kv_len", p.kv_lens.astype(i32), 0),
+                    ("kv_indices", p.kv_indices.astype(i32), 0), ("work", wl.work.ravel(), -1),
                     ("merge", wl.merge.ravel(), -1)]
-        kernel = (spec.name, h, p["page_size"], p["causal"], p["sm_scale"])
+        kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale)
         ptrs = bufs.upload(fn, segments, kernel, like)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))
-        p.update(spec=spec, work_list=wl, meta=ptrs, split_why=why,
-                 grid_work=bufs.rows("work", len(wl.work), _plan.PREFILL_COLS),
-                 grid_merge=bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS))
+        p.run_spec, p.work_list, p.meta, p.split_why = spec, wl, ptrs, why
+        p.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
+        p.grid_merge = bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS)
 
     def describe(self) -> str:
         """What the last plan() runs: the kernel, its work items and the split-KV decision."""
         p = self._plan
         if p is None:
             return f"{self._fn}: not planned"
-        batch = len(p["qo"]) - 1
-        lines = [f"{self._fn}: batch {batch}, {int(p['qo'][-1])} queries x {p['num_heads']} heads, page_size "
-                 f"{p['page_size']}, {'causal' if p['causal'] else 'full'}"]
-        if "meta" not in p:
+        batch = len(p.qo_indptr) - 1
+        lines = [f"{self._fn}: batch {batch}, {int(p.qo_indptr[-1])} queries x {p.num_qo_heads} heads, page_size "
+                 f"{p.page_size}, {'causal' if p.causal else 'full'}"]
+        if p.meta is None:
             return "\n".join(lines + ["NumPy reference path (no GPU kernel planned)"])
-        wl = p["work_list"]
-        lines.append(f"kernel: {p['spec'].name}, tiles of {BLOCK_M} packed rows (token x head) x {BLOCK_N} keys")
-        lines.append(f"work: {len(wl.work)} CTAs on {_plan.num_sms(p['device'])} SMs"
-                     + (f"; grid padded to {p['grid_work']} (CUDA graph)" if self._bufs.graph else ""))
-        if wl.split:
-            lines.append(f"split-KV: {len(wl.merge)} tiles cut into pieces of {wl.chunk} keys, {wl.num_slots} partial "
-                         f"slots, merged by a second kernel; {p['split_why']}")
-        else:
-            lines.append(f"split-KV: none; {p['split_why']}")
-        lines.append(f"balance: {wl.balance(BLOCK_N):.2f} (mean / max key tiles per CTA)")
-        return "\n".join(lines)
+        wl = p.work_list
+        lines.append(f"kernel: {p.run_spec.name}, tiles of {BLOCK_M} packed rows (token x head) x {BLOCK_N} keys")
+        lines.append(f"work: {len(wl.work)} CTAs on {_plan.num_sms(p.device)} SMs"
+                     + (f"; grid padded to {p.grid_work} (CUDA graph)" if self._bufs.graph else ""))
+        return "\n".join(lines + _plan.describe_split(wl, BLOCK_N, p.split_why))
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
@@ -292,33 +284,33 @@ class BatchMLAPagedAttentionWrapper:
                                  return_lse_base_on_e)
         qn, qp = arrays.host_array(q_nope, "q_nope", fn), arrays.host_array(q_pe, "q_pe", fn)
         ckv, kpe = arrays.host_array(ckv_cache, "ckv_cache", fn), arrays.host_array(kpe_cache, "kpe_cache", fn)
-        rows, h = int(p["qo"][-1]), p["num_heads"]
+        rows, h = int(p.qo_indptr[-1]), p.num_qo_heads
         for x, name, want in ((qn, "q_nope", (rows, h, HEAD_DIM_CKV)), (qp, "q_pe", (rows, h, HEAD_DIM_KPE))):
             if x.shape != want:
                 raise ValueError(f"{fn}: {name} must have shape {want}, got {x.shape}")
-            if x.dtype != p["q_dtype"]:
-                raise ValueError(f"{fn}: {name} must have dtype {p['q_dtype']} (q_data_type of plan), got {x.dtype}")
+            if x.dtype != p.q_dtype:
+                raise ValueError(f"{fn}: {name} must have dtype {p.q_dtype} (q_data_type of plan), got {x.dtype}")
         for x, name, d in ((ckv, "ckv_cache", HEAD_DIM_CKV), (kpe, "kpe_cache", HEAD_DIM_KPE)):
-            if x.ndim != 3 or x.shape[1:] != (p["page_size"], d):
-                raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p['page_size']}, {d}), "
+            if x.ndim != 3 or x.shape[1:] != (p.page_size, d):
+                raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p.page_size}, {d}), "
                                  f"got {x.shape}")
-            if x.dtype != p["kv_dtype"]:
-                raise ValueError(f"{fn}: {name} must have dtype {p['kv_dtype']} (kv_data_type of plan), got {x.dtype}")
-        if len(p["kv_indices"]) and p["kv_indices"][:p["kv_indptr"][-1]].max(initial=-1) >= min(len(ckv), len(kpe)):
+            if x.dtype != p.kv_dtype:
+                raise ValueError(f"{fn}: {name} must have dtype {p.kv_dtype} (kv_data_type of plan), got {x.dtype}")
+        if p.max_page >= min(len(ckv), len(kpe)):
             raise ValueError(f"{fn}: kv_indices must be < num_pages of the caches ({min(len(ckv), len(kpe))})")
         o = np.zeros((rows, h, HEAD_DIM_CKV), np.float32)
         s_out = np.full((rows, h), -np.inf, np.float32)
-        for b in range(len(p["qo"]) - 1):
-            q0, q1 = int(p["qo"][b]), int(p["qo"][b + 1])
-            n = int(p["kv_len"][b])
+        for b in range(len(p.qo_indptr) - 1):
+            q0, q1 = int(p.qo_indptr[b]), int(p.qo_indptr[b + 1])
+            n = int(p.kv_lens[b])
             if q1 == q0 or n == 0:
                 continue
-            ids = p["kv_indices"][p["kv_indptr"][b]:p["kv_indptr"][b + 1]]
+            ids = p.kv_indices[p.kv_indptr[b]:p.kv_indptr[b + 1]]
             c = ckv[ids].reshape(-1, HEAD_DIM_CKV)[:n].astype(np.float32)
             k = kpe[ids].reshape(-1, HEAD_DIM_KPE)[:n].astype(np.float32)
             s = (np.einsum("ihd,jd->hij", qn[q0:q1].astype(np.float32), c)
-                 + np.einsum("ihd,jd->hij", qp[q0:q1].astype(np.float32), k)) * p["sm_scale"]
-            if p["causal"]:
+                 + np.einsum("ihd,jd->hij", qp[q0:q1].astype(np.float32), k)) * p.sm_scale
+            if p.causal:
                 allowed = np.arange(n)[None, :] <= np.arange(q1 - q0)[:, None] + (n - (q1 - q0))
                 s = np.where(allowed[None], s, -np.inf)
             m = s.max(-1, keepdims=True)
@@ -328,32 +320,32 @@ class BatchMLAPagedAttentionWrapper:
             s_out[q0:q1] = (m[..., 0] + np.log(z[..., 0])).T
         if not return_lse_base_on_e:
             s_out = s_out / np.float32(math.log(2))
-        return arrays.host_results(ctx, o, s_out, out, lse, return_lse, p["q_dtype"], fn)
+        return arrays.host_results(ctx, o, s_out, out, lse, return_lse, p.q_dtype, fn)
 
     forward = run
 
     def _run_gpu(self, ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, base_e):
-        if p["device"] is None or "meta" not in p:
-            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p["q_dtype"]))
-            if short not in ("f16", "bf16") or p["kv_dtype"] != p["q_dtype"]:
+        if p.device is None or p.meta is None:
+            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
+            if short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype:
                 raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type == kv_data_type, float16 or bfloat16, "
-                                       f"got {p['q_dtype']} and {p['kv_dtype']}")
+                                       f"got {p.q_dtype} and {p.kv_dtype}")
             raise ValueError(f"{fn}: the plan was made without a GPU; plan() again with a GPU present")
-        if p["device"] != ctx.device:
-            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p['device']}), "
+        if p.device != ctx.device:
+            raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p.device}), "
                              f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
         _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
-        rows, h = int(p["qo"][-1]), p["num_heads"]
+        rows, h = int(p.qo_indptr[-1]), p.num_qo_heads
         ts = {}
-        for x, name, want, dt in ((q_nope, "q_nope", (rows, h, HEAD_DIM_CKV), p["q_dtype"]),
-                                  (q_pe, "q_pe", (rows, h, HEAD_DIM_KPE), p["q_dtype"]),
-                                  (ckv_cache, "ckv_cache", None, p["kv_dtype"]),
-                                  (kpe_cache, "kpe_cache", None, p["kv_dtype"])):
+        for x, name, want, dt in ((q_nope, "q_nope", (rows, h, HEAD_DIM_CKV), p.q_dtype),
+                                  (q_pe, "q_pe", (rows, h, HEAD_DIM_KPE), p.q_dtype),
+                                  (ckv_cache, "ckv_cache", None, p.kv_dtype),
+                                  (kpe_cache, "kpe_cache", None, p.kv_dtype)):
             t = arrays.device_tensor(x, name, fn)
             if want is None:
                 d = HEAD_DIM_CKV if name == "ckv_cache" else HEAD_DIM_KPE
-                if t.ndim != 3 or t.shape[1:] != (p["page_size"], d):
-                    raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p['page_size']}, {d}), "
+                if t.ndim != 3 or t.shape[1:] != (p.page_size, d):
+                    raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p.page_size}, {d}), "
                                      f"got {t.shape}")
             elif t.shape != want:
                 raise ValueError(f"{fn}: {name} must have shape {want}, got {t.shape}")
@@ -363,16 +355,14 @@ class BatchMLAPagedAttentionWrapper:
             _check_aligned(t, name, 16, fn)
             ts[name] = t
         num_pages = min(ts["ckv_cache"].shape[0], ts["kpe_cache"].shape[0])
-        n_idx = int(p["kv_indptr"][-1])
-        if n_idx and int(p["kv_indices"][:n_idx].max()) >= num_pages:
-            raise ValueError(f"{fn}: kv_indices must be < num_pages of the caches ({num_pages}), got "
-                             f"{int(p['kv_indices'][:n_idx].max())}")
+        if p.max_page >= num_pages:        # the page ids' maximum, found once in plan()
+            raise ValueError(f"{fn}: kv_indices must be < num_pages of the caches ({num_pages}), got {p.max_page}")
         if out is None:
-            out = arrays.empty(ctx, (rows, h, HEAD_DIM_CKV), p["q_dtype"])
+            out = arrays.empty(ctx, (rows, h, HEAD_DIM_CKV), p.q_dtype)
         ot = arrays.device_tensor(out, "out", fn)
-        if ot.shape != (rows, h, HEAD_DIM_CKV) or not arrays.same_storage(ot.dtype, p["q_dtype"]) \
+        if ot.shape != (rows, h, HEAD_DIM_CKV) or not arrays.same_storage(ot.dtype, p.q_dtype) \
                 or ot.device != ctx.device:
-            raise ValueError(f"{fn}: out must be a ({rows}, {h}, {HEAD_DIM_CKV}) {p['q_dtype']} array on GPU "
+            raise ValueError(f"{fn}: out must be a ({rows}, {h}, {HEAD_DIM_CKV}) {p.q_dtype} array on GPU "
                              f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
         _check_aligned(ot, "out", 8, fn)
         if lse is None and return_lse:
@@ -385,30 +375,30 @@ class BatchMLAPagedAttentionWrapper:
                                  f"got {lt.shape} {lt.dtype}")
             lse_ptr = lt.ptr
         self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0)
-        o = arrays.export(ctx, out, p["q_dtype"])
+        o = arrays.export(ctx, out, p.q_dtype)
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
     def _launch(self, ctx, p, ts, ot, lse_ptr: int, lse_scale: float) -> None:
-        spec, meta = p["spec"], p["meta"]
+        spec, meta = p.run_spec, p.meta
         qn, qp, ckv, kpe = ts["q_nope"], ts["q_pe"], ts["ckv_cache"], ts["kpe_cache"]
-        if p["grid_work"]:
+        if p.grid_work:
             launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds, spec.smem_bytes)
-            launch((p["grid_work"],), _THREADS, ctx.stream, *PARAMS.pack(
+            launch((p.grid_work,), _THREADS, ctx.stream, *PARAMS.pack(
                 work=meta["work"], kv_chunk=meta["kv_chunk"], qo_indptr=meta["qo_indptr"],
                 kv_indptr=meta["kv_indptr"], kv_indices=meta["kv_indices"], kv_len_arr=meta["kv_len"],
                 q_nope=qn.ptr, q_pe=qp.ptr, ckv_cache=ckv.ptr, kpe_cache=kpe.ptr, out=ot.ptr, lse=lse_ptr,
-                part_o=meta["part_o"], part_lse=meta["part_lse"], num_heads=p["num_heads"],
-                page_size=p["page_size"], causal=int(p["causal"]), qn_s_tok=qn.strides[0], qn_s_head=qn.strides[1],
+                part_o=meta["part_o"], part_lse=meta["part_lse"], num_heads=p.num_qo_heads,
+                page_size=p.page_size, causal=int(p.causal), qn_s_tok=qn.strides[0], qn_s_head=qn.strides[1],
                 qp_s_tok=qp.strides[0], qp_s_head=qp.strides[1], ckv_s_page=ckv.strides[0], ckv_s_tok=ckv.strides[1],
                 kpe_s_page=kpe.strides[0], kpe_s_tok=kpe.strides[1], o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
-                scale_log2=p["sm_scale"] / _LN2, lse_scale=lse_scale))
+                scale_log2=p.sm_scale / _LN2, lse_scale=lse_scale))
         # -- split items' pieces (graph mode: always, over the merge rows' capacity, so a replay after a
         #    plan that splits merges too)
-        if p["grid_merge"] and (p["work_list"].split or self._bufs.graph):
+        if p.grid_merge and (p.work_list.split or self._bufs.graph):
             merge = jit.get_launcher(spec, _MERGE_ENTRY, ctx.device, MERGE_PARAMS.kinds)
-            merge((p["grid_merge"], BLOCK_M), _MERGE_THREADS, ctx.stream, *MERGE_PARAMS.pack(
+            merge((p.grid_merge, BLOCK_M), _MERGE_THREADS, ctx.stream, *MERGE_PARAMS.pack(
                 merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"], part_lse=meta["part_lse"],
-                out=ot.ptr, lse=lse_ptr, num_heads=p["num_heads"], o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
+                out=ot.ptr, lse=lse_ptr, num_heads=p.num_qo_heads, o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
                 lse_scale=lse_scale))
 
 

@@ -429,6 +429,24 @@ def check_fixed_split(fn: str, fixed_split_size) -> None:
         raise ValueError(f"{fn}: fixed_split_size must be None or an int >= 1, got {fixed_split_size!r}")
 
 
+def split_choice(disable_split_kv: bool, fixed_split_size, block_n: int, auto) -> tuple[int, str]:
+    """(keys per piece, why) of a prefill-style plan: none with ``disable_split_kv``, the caller's
+    ``fixed_split_size`` rounded up to whole ``block_n``-key tiles, else ``auto()`` (the scheduler's)."""
+    if disable_split_kv:
+        return 0, "disable_split_kv"
+    if fixed_split_size is not None:
+        return (-(-int(fixed_split_size) // block_n) * block_n,
+                f"fixed_split_size={int(fixed_split_size)} (whole {block_n}-key tiles)")
+    return auto()
+
+
+def describe_split(wl, block_n: int, why: str) -> list[str]:
+    """describe()'s split-KV and balance lines of a prefill work list (prefill, cascade levels, MLA)."""
+    head = (f"split-KV: {len(wl.merge)} query tiles cut into pieces of {wl.chunk} keys, {wl.num_slots} partial "
+            f"slots, merged by a second kernel; {why}") if wl.split else f"split-KV: none; {why}"
+    return [head, f"balance: {wl.balance(block_n):.2f} (mean / max key tiles per CTA)"]
+
+
 def refuse_capture(fn: str, use_cuda_graph: bool, stream) -> None:
     """A wrapper built without ``use_cuda_graph`` refuses a run() on a stream capturing a CUDA graph:
     its plan buffers move and its grid follows each plan, so a replay would read stale memory

@@ -345,15 +345,15 @@ class _BatchPrefillBase:
         slot_floats = h_kv * spec.block_m * (plan["head_dim"] + 1)      # a slot: every kv head's tile rows + LSE
         max_slots = bufs.max_partial(slot_floats)
         slots = _plan.num_sms(device) * (2 if backend == "fa2" else 1)       # resident CTAs
-        if disable_split_kv or not composite.use_softmax:       # weights without softmax: never split
-            chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
-        elif fixed_split_size is not None:
-            chunk = -(-int(fixed_split_size) // spec.block_n) * spec.block_n    # whole key tiles
-            why = f"fixed_split_size={int(fixed_split_size)} (whole {spec.block_n}-key tiles)"
-        else:
-            chunk = _plan.choose_prefill_chunk(ext, h_kv, _plan.num_sms(device), slots // _plan.num_sms(device),
-                                               spec.block_n, max_slots)
-            why = _plan.split_reason(len(ext) * h_kv, slots, chunk)
+
+        def auto():
+            c = _plan.choose_prefill_chunk(ext, h_kv, _plan.num_sms(device), slots // _plan.num_sms(device),
+                                           spec.block_n, max_slots)
+            return c, _plan.split_reason(len(ext) * h_kv, slots, c)
+        if composite.use_softmax:
+            chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
+        else:                                     # weights without softmax: never split (nothing to merge)
+            chunk, why = 0, "the variant has no softmax to merge"
         wl = _plan.prefill_work_list(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, spec.block_n,
                                      plan["causal"], chunk, items)
         if len(wl.work) > 2 ** 31 - 1:
@@ -387,13 +387,7 @@ class _BatchPrefillBase:
         lines.append(f"work: {len(wl.work)} items x {h} kv heads = {len(wl.work) * h} CTAs on "
                      f"{_plan.num_sms(p['device'])} SMs" + (f"; grid padded to {p['grid_work']} items (CUDA graph)"
                                                            if self._bufs.graph else ""))
-        if wl.split:
-            lines.append(f"split-KV: {len(wl.merge)} query tiles cut into pieces of {wl.chunk} keys, {wl.num_slots} "
-                         f"partial slots, merged by a second kernel; {p['split_why']}")
-        else:
-            lines.append(f"split-KV: none; {p['split_why']}")
-        lines.append(f"balance: {wl.balance(spec.block_n):.2f} (mean / max key tiles per CTA)")
-        return "\n".join(lines)
+        return "\n".join(lines + _plan.describe_split(wl, spec.block_n, p["split_why"]))
 
     def _merge(self, ctx, plan, ot, lse_ptr) -> None:
         """After the attention kernel: merge the pieces of split items (graph mode: always launched,
