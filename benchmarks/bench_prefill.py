@@ -203,14 +203,14 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
         res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
     del cache, paged
     if fp8 != "none":        # -- the same batch over an fp8 cache (fa2), next to the fp16 paged time
-        paged8, cache8, scales = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
+        paged8, cache8, _ = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
                                                 dtype, fp8)
         g8 = gpu_us(paged8, reps)
         res.update(fp8=fp8, paged_fp8_gpu_us=g8, paged_fp8_gpu_tflops=f / (g8 * 1e-6) / 1e12,
                    paged_fp8_speed_vs_fp16=gp / g8)
         if flashinfer_fp8 is not None:
-            res.update(flashinfer_fp8(q, cache8, scales, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size,
-                                      dtype, fp8, reps, f))
+            res.update(flashinfer_fp8(q, cache8, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size,
+                                      dtype, reps, f, kv=fp8))
         del cache8, paged8
     if sdpa is not None:
         res.update(sdpa(batch, length, causal, hq, hkv, d, dtype, reps, f))
@@ -245,48 +245,25 @@ def make_sdpa():
 
 def make_flashinfer():
     """FlashInfer's paged prefill (fa2 and, on Hopper, fa3) on our paged inputs, timed like ours
-    (GPU alone), or None when it is not importable."""
+    (GPU alone), or None when it is not importable. ``kv`` None: the 16-bit cache; "e4m3" / "e5m2":
+    the same cache bytes read as fp8 with k_scale / v_scale as floats (FlashInfer takes per-tensor
+    scales), its results under "flashinfer_<backend>_fp8_*"."""
     try:
         import flashinfer
         import torch
     except ImportError:
         return None
 
-    def fi(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f):
+    def fi(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f, kv=None):
         tdt = torch.float16 if dtype == "float16" else torch.bfloat16
         tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
-        tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        out = {}
-        for backend in ("fa2", "fa3") if cp.cuda.Device().compute_capability == "90" else ("fa2",):
-            try:
-                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-                w.plan(torch.from_numpy(indptr), torch.from_numpy(np.arange(len(indptr), dtype=np.int32) * pages_per),
-                       torch.from_numpy(perm).cuda(), torch.from_numpy(last), hq, hkv, d, page_size,
-                       causal=causal, q_data_type=tdt, kv_data_type=tdt)
-                g = gpu_us(lambda: w.run(tq, tc), reps)
-                out[f"flashinfer_{backend}_gpu_us"] = g
-                out[f"flashinfer_{backend}_gpu_tflops"] = f / (g * 1e-6) / 1e12
-            except Exception as e:    # a backend FlashInfer cannot build or run here: say so, go on
-                out[f"flashinfer_{backend}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        return out
-    return fi
-
-
-def make_flashinfer_fp8():
-    """FlashInfer's paged prefill over the same fp8 cache (fa2; its fa3 where it builds), k_scale /
-    v_scale as floats (FlashInfer takes per-tensor scales), timed like ours; None when not importable."""
-    try:
-        import flashinfer
-        import torch
-    except ImportError:
-        return None
-
-    def fi8(q, cache8, scales, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, kv, reps, f):
-        tdt = torch.float16 if dtype == "float16" else torch.bfloat16
-        kdt = torch.float8_e4m3fn if kv == "e4m3" else torch.float8_e5m2
-        tq = torch.from_dlpack(q.view(cp.uint16)).view(tdt)
-        tc = torch.from_dlpack(cache8).view(kdt)
+        if kv is None:
+            kdt, tag, scales = tdt, "", {}
+            tc = torch.from_dlpack(cache.view(cp.uint16)).view(tdt)
+        else:
+            kdt, tag, scales = (torch.float8_e4m3fn if kv == "e4m3" else torch.float8_e5m2), "_fp8", \
+                dict(k_scale=0.5, v_scale=0.25)
+            tc = torch.from_dlpack(cache).view(kdt)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         out = {}
         for backend in ("fa2", "fa3") if cp.cuda.Device().compute_capability == "90" else ("fa2",):
@@ -295,13 +272,13 @@ def make_flashinfer_fp8():
                 w.plan(torch.from_numpy(indptr), torch.from_numpy(np.arange(len(indptr), dtype=np.int32) * pages_per),
                        torch.from_numpy(perm).cuda(), torch.from_numpy(last), hq, hkv, d, page_size,
                        causal=causal, q_data_type=tdt, kv_data_type=kdt)
-                g = gpu_us(lambda: w.run(tq, tc, k_scale=0.5, v_scale=0.25), reps)
-                out[f"flashinfer_{backend}_fp8_gpu_us"] = g
-                out[f"flashinfer_{backend}_fp8_gpu_tflops"] = f / (g * 1e-6) / 1e12
+                g = gpu_us(lambda: w.run(tq, tc, **scales), reps)
+                out[f"flashinfer_{backend}{tag}_gpu_us"] = g
+                out[f"flashinfer_{backend}{tag}_gpu_tflops"] = f / (g * 1e-6) / 1e12
             except Exception as e:    # a backend FlashInfer cannot build or run here: say so, go on
-                out[f"flashinfer_{backend}_fp8_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                out[f"flashinfer_{backend}{tag}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         return out
-    return fi8
+    return fi
 
 
 def check(args):
@@ -559,7 +536,7 @@ def main():
     print(f"fp16 matmul 8192^3 (cuBLAS via CuPy): {mm:.0f} TFLOP/s")
     sdpa = None if args.no_sdpa else make_sdpa()
     flashinfer = make_flashinfer()
-    flashinfer_fp8 = make_flashinfer_fp8() if args.fp8 != "none" else None
+    flashinfer_fp8 = flashinfer if args.fp8 != "none" else None
     if flashinfer is None:
         print("flashinfer: not importable here; PEERS.md H100 numbers shown (not from this run)")
     diag = diagnose_percall(args, hq, hkv) if args.diagnose else None

@@ -17,6 +17,34 @@ typedef uint16_t vec_t;
 typedef uint8_t vec_t;
 #endif
 
+// Thread i's (token, head, vector) of the appended rows and the byte offset of its head row in the
+// cache (page * c_page + slot * c_slot + head * c_head; the vector's offset not included), shared by
+// both append kernels; false: nothing to write (past the end, or a token whose page lies outside its
+// request's pages or the cache).
+struct AppendSlot {
+  int64_t tok, dst;
+  int head, vec;
+};
+__device__ __forceinline__ bool append_slot(AppendSlot& a, const int32_t* __restrict__ batch_indices,
+                                            const int32_t* __restrict__ positions, const int32_t* __restrict__ kv_indices,
+                                            const int32_t* __restrict__ kv_indptr, int64_t nnz, int num_heads,
+                                            int vecs_per_row, int page_size, int num_pages, int64_t c_page,
+                                            int64_t c_slot, int64_t c_head) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nnz * num_heads * vecs_per_row) return false;
+  a.vec = int(i % vecs_per_row);
+  a.head = int((i / vecs_per_row) % num_heads);
+  a.tok = i / (int64_t(vecs_per_row) * num_heads);
+  const int b = batch_indices[a.tok];
+  const int pos = positions[a.tok];
+  const int64_t page_iter = int64_t(kv_indptr[b]) + pos / page_size;
+  if (pos < 0 || page_iter >= kv_indptr[b + 1]) return false;
+  const int page = kv_indices[page_iter];
+  if (page < 0 || page >= num_pages) return false;
+  a.dst = page * c_page + int64_t(pos % page_size) * c_slot + a.head * c_head;
+  return true;
+}
+
 // Copy each appended token's K and V rows into its page slot. A token whose page lies outside
 // its request's pages, or whose page index is out of range, is skipped (no out-of-bounds write);
 // the host validates those cases before launch when the metadata is on the host.
@@ -32,21 +60,14 @@ extern "C" __global__ void cuattn_page_append(
     int64_t nnz, int num_heads, int vecs_per_row, int page_size, int num_pages,
     int64_t ak_tok, int64_t ak_head, int64_t av_tok, int64_t av_head,   // byte strides of inputs
     int64_t c_page, int64_t c_slot, int64_t c_head) {                   // byte strides of cache
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t total = nnz * num_heads * vecs_per_row;
-  if (i >= total) return;
-  int vec = int(i % vecs_per_row);
-  int head = int((i / vecs_per_row) % num_heads);
-  int64_t tok = i / (int64_t(vecs_per_row) * num_heads);
+  AppendSlot a;
+  if (!append_slot(a, batch_indices, positions, kv_indices, kv_indptr, nnz, num_heads, vecs_per_row, page_size,
+                   num_pages, c_page, c_slot, c_head))
+    return;
+  const int64_t tok = a.tok;
+  const int head = a.head, vec = a.vec;
 
-  int b = batch_indices[tok];
-  int pos = positions[tok];
-  int64_t page_iter = int64_t(kv_indptr[b]) + pos / page_size;
-  if (pos < 0 || page_iter >= kv_indptr[b + 1]) return;
-  int page = kv_indices[page_iter];
-  if (page < 0 || page >= num_pages) return;
-
-  int64_t dst = page * c_page + int64_t(pos % page_size) * c_slot + head * c_head + vec * VEC_BYTES;
+  const int64_t dst = a.dst + vec * VEC_BYTES;
   const vec_t k = *reinterpret_cast<const vec_t*>(append_key + tok * ak_tok + head * ak_head + vec * VEC_BYTES);
   const vec_t v = *reinterpret_cast<const vec_t*>(append_value + tok * av_tok + head * av_head + vec * VEC_BYTES);
   *reinterpret_cast<vec_t*>(k_cache + dst) = k;
@@ -127,24 +148,17 @@ extern "C" __global__ void cuattn_page_append_fp8(
     float k_scale, float v_scale, const float* __restrict__ k_scales, const float* __restrict__ v_scales,
     int scale_per_head) {   // bit 0: k_scales per head, bit 1: v_scales
   using namespace cuattn;
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  int64_t total = nnz * num_heads * vecs_per_row;
-  if (i >= total) return;
-  int vec = int(i % vecs_per_row);
-  int head = int((i / vecs_per_row) % num_heads);
-  int64_t tok = i / (int64_t(vecs_per_row) * num_heads);
-
-  int b = batch_indices[tok];
-  int pos = positions[tok];
-  int64_t page_iter = int64_t(kv_indptr[b]) + pos / page_size;
-  if (pos < 0 || page_iter >= kv_indptr[b + 1]) return;
-  int page = kv_indices[page_iter];
-  if (page < 0 || page >= num_pages) return;
+  AppendSlot a;
+  if (!append_slot(a, batch_indices, positions, kv_indices, kv_indptr, nnz, num_heads, vecs_per_row, page_size,
+                   num_pages, c_page, c_slot, c_head))
+    return;
+  const int64_t tok = a.tok;
+  const int head = a.head, vec = a.vec;
   float ks = k_scale, vs = v_scale;
   if (k_scales != nullptr) ks *= k_scales[(scale_per_head & 1) ? head : 0];
   if (v_scales != nullptr) vs *= v_scales[(scale_per_head & 2) ? head : 0];
 
-  int64_t dst = page * c_page + int64_t(pos % page_size) * c_slot + head * c_head + vec * 8;
+  const int64_t dst = a.dst + vec * 8;
   const uint4 k = *reinterpret_cast<const uint4*>(append_key + tok * ak_tok + head * ak_head + vec * 16);
   const uint4 v = *reinterpret_cast<const uint4*>(append_value + tok * av_tok + head * av_head + vec * 16);
   auto pack = [](uint4 x, float s) {    // 8 values -> 8 fp8 bytes
