@@ -36,7 +36,7 @@ _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and piece
 class DecodeSpec:
     head_dim: int       # 64 | 128 | 256
     dtype_q: str        # "f16" | "bf16"
-    dtype_kv: str       # "f16" | "bf16" | "e4m3" | "e5m2" (fp8: converted to f16 when fragments load)
+    dtype_kv: str       # "f16" | "bf16" | "e4m3" | "e5m2" | "f32" (fp8: to f16, fp32: to q's type when fragments load)
     num_stages: int = 0  # cp.async depth; 0: the default for head_dim (tuning experiments only)
     num_warps: int = 4   # warps per CTA (16 tokens each per stage); plan() picks 8 at <= 1 CTA/SM (hd128)
     # cp.async L2 prefetch size hint in bytes (0 | 128 | 256). 128 on H100 (same run, read flush):
@@ -65,7 +65,7 @@ class DecodeSpec:
 
     @property
     def kv_bytes(self) -> int:   # bytes per K/V element
-        return 1 if self.dtype_kv in FP8 else 2
+        return 1 if self.dtype_kv in FP8 else 4 if self.dtype_kv == "f32" else 2
 
     @property
     def stages(self) -> int:   # pipeline depth: ~70-135 KB of K/V in flight per CTA
@@ -73,11 +73,14 @@ class DecodeSpec:
             return self.num_stages
         if self.kv_bytes == 1:   # stages of half the bytes: more of them (as many as keep 2 CTAs/SM at hd128)
             return {64: 8, 128: 5, 256: 4}[self.head_dim]
+        if self.kv_bytes == 4:   # twice the bytes: fewer (hd256 runs 2 warps: F32_WARPS)
+            return {64: 3, 128: 2, 256: 2}[self.head_dim]
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DQ_BF16={int(self.dtype_q == 'bf16')}",
                 f"-DKV_BF16={int(self.dtype_kv == 'bf16')}", f"-DKV_FP8={FP8.get(self.dtype_kv, 0)}",
+                f"-DKV_F32={int(self.dtype_kv == 'f32')}",
                 f"-DSTAGES={self.stages}",
                 f"-DNUM_WARPS={self.num_warps}", f"-DL2_PREFETCH={self.l2_prefetch}", f"-DTMA={int(self.tma)}")
 
@@ -104,12 +107,14 @@ class DecodeSpec:
 
 
 FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8
+F32_WARPS = {64: 4, 128: 4, 256: 2}   # fp32 K/V: warps per CTA (hd256: 4 warps x 2 stages exceed shared memory)
 
 
 def shipped_specs() -> list[DecodeSpec]:
     dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16", "e4m3", "e5m2")]
     return [DecodeSpec(d, q, kv, tma=tma) for tma in (False, True) for d in HEAD_DIMS for q, kv in dts] + \
-        [DecodeSpec(128, q, kv, num_warps=8, tma=tma) for tma in (False, True) for q, kv in dts]
+        [DecodeSpec(128, q, kv, num_warps=8, tma=tma) for tma in (False, True) for q, kv in dts] + \
+        [DecodeSpec(128, q, "f32") for q in ("f16", "bf16")]
 
 
 @functools.cache
@@ -244,7 +249,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         head_dim : int (GPU: 64, 128, 256)
         page_size : int >= 1
         q_data_type, kv_data_type : dtype (NumPy, string or torch); kv defaults to q's.
-            kv: float16, bfloat16, float8_e4m3fn or float8_e5m2 (a uint8 cache is read as the fp8
+            kv: float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 (a uint8 cache is read as the fp8
             type named here). With fp8 the tensor cores run f16: a bfloat16 q is converted to f16
             (exact for |q| in [2^-14, 65504]).
         sm_scale : float, optional, default ``1 / sqrt(head_dim)``
@@ -298,7 +303,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_lens = validate_page_table(fn, indptr_h, lpl_h, int(page_size), num_indices)
         if config is None:
             support.check("decode", fn, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)   # every path
-            if fp8.is_fp8(kv_dtype) and bound.composite.has_qk_transform:
+            if (fp8.is_fp8(kv_dtype) or kv_dtype == np.float32) and bound.composite.has_qk_transform:
                 raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) and a variant's query / "
                                        f"key transform need a 16-bit KV cache, got kv_data_type={kv_dtype}")
             spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype), self._tuned("num_stages"), 4,
@@ -346,6 +351,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         #    13.3 -> 12.4; 32:32 bs1x512 12.4 -> 11.5; bs1x8192 prefers 8 warps, H200 18.3 vs 20.8).
         #    With use_cuda_graph the choice of the first plan is kept (the captured kernel).
         warps = self._tuned("num_warps")
+        if not warps and p.run_spec.dtype_kv == "f32":
+            warps = F32_WARPS[p.run_spec.head_dim]
         if not warps:
             warps = self._graph_warps if self._use_cuda_graph else 0
             if not warps and (fixed_split_size is not None or disable_split_kv):
@@ -364,10 +371,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # -- TMA loads on Hopper wherever pages hold whole 16-slot boxes (pieces are cut to match)
         tma = self._tuned("tma")
         if tma is None:
-            tma = jit.device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0
-        elif tma and (jit.device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN):
-            raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU and page_size % {_TMA_ALIGN} "
-                                   f"== 0, got {jit.device_arch(device)} and page_size={p.page_size}")
+            tma = jit.device_arch(device) == _TMA_ARCH and p.page_size % _TMA_ALIGN == 0 and p.run_spec.kv_bytes != 4
+        elif tma and (jit.device_arch(device) != _TMA_ARCH or p.page_size % _TMA_ALIGN or p.run_spec.kv_bytes == 4):
+            raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU, page_size % {_TMA_ALIGN} "
+                                   f"== 0 and a 16-bit or fp8 cache, got {jit.device_arch(device)}, page_size="
+                                   f"{p.page_size} and kv_data_type={p.kv_dtype}")
         if warps != p.run_spec.num_warps or tma:
             s = p.run_spec
             p.run_spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,

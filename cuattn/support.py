@@ -14,7 +14,7 @@ TABLE = {
     "decode": dict(
         api="BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache",
         head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"),
-        kv_dtypes=("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"),
+        kv_dtypes=("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1 (TMA on sm_90 when page_size % 16 == 0)",
         archs="sm_80+ (sm_90a: TMA loads)"),
     "prefill": dict(
@@ -28,7 +28,7 @@ TABLE = {
               "128 or a multiple of 128"),
 }
 # what a refused kv dtype is told, per family
-KV_NOT_YET = {"decode": "fp32 KV: not yet",
+KV_NOT_YET = {"decode": "fp32 q: not yet",
               "prefill": "fp8 and fp32 KV: fa2 backend; fp32 q: not yet"}
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
             "(every family); pos_encoding_mode='ROPE_LLAMA' and a user variant's query_transform / key_transform "

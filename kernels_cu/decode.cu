@@ -1,7 +1,7 @@
 // decode.cu — launched by cuattn/decode.py (DecodeSpec).
 // Parameters: mirrored by decode.py PARAMS / MERGE_PARAMS (by name; tests/test_params.py checks the two agree).
 // Compile-time: HEAD_DIM (64 | 128 | 256), Q_BF16 / KV_BF16 (0: fp16, 1: bf16), KV_FP8 (0: 16-bit K/V,
-//   1: e4m3, 2: e5m2; see below), STAGES (cp.async depth),
+//   1: e4m3, 2: e5m2; see below), KV_F32 (1: fp32 K/V, see below), STAGES (cp.async depth),
 //   NUM_WARPS (4 | 8: warps per CTA, 16 tokens each per stage), TMA (0 | 1, sm_90 only: see below).
 //
 // cuattn_decode_paged: one CTA = one work item (request, kv range) x one tile of up to 16 query
@@ -42,6 +42,10 @@
 //   the query rows are stored in smem in that order. V (transposed ldmatrix): a thread holds tokens
 //   2t, 2t+1 x dims 2g, 2g+1, so each 16-dim chunk is two n8 tiles (even dims, odd dims) and the
 //   accumulator's dims come out as 4t..4t+3 of the chunk (one float4 at the warp merge).
+// KV_F32: K/V stay fp32 in shared memory (cp.async, not TMA); fragments are built by 8-byte (K) and
+//   4-byte (V) shared loads and rounded to q's type (the tensor cores run q's type): a thread's K
+//   fragment is key row g, dims 2t, 2t+1 | 2t+8, 2t+9 of the k16 step, its V fragment keys 2t, 2t+1 |
+//   2t+8, 2t+9 of dim g (the padded rows keep both conflict-free), so the accumulator is the 16-bit one.
 // Scales (every KV dtype): k = k_scale * (k_scales ? k_scales[kv_head or 0] : 1), likewise v;
 //   the key factor multiplies the logits (folded into scale_log2 without a logits transform), the
 //   value factor the output row (partial rows included: the merge is linear).
@@ -72,9 +76,15 @@ typedef f16 q_t;
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
+#ifndef KV_F32
+#define KV_F32 0
+#endif
 #if KV_FP8
 typedef f16 kv_t;                                // the tensor cores' type
 typedef uint8_t kv_mem_t;                        // the cache's element (e4m3 or e5m2 bits)
+#elif KV_F32
+typedef q_t kv_t;                                // fp32 K/V rounded to q's type in the fragments
+typedef float kv_mem_t;
 #elif KV_BF16
 typedef bf16 kv_t;
 typedef bf16 kv_mem_t;
@@ -82,11 +92,14 @@ typedef bf16 kv_mem_t;
 typedef f16 kv_t;
 typedef f16 kv_mem_t;
 #endif
-constexpr int KVB = KV_FP8 ? 1 : 2;              // bytes per K/V element
+constexpr int KVB = KV_FP8 ? 1 : KV_F32 ? 4 : 2; // bytes per K/V element
 // e4m3 -> f16 by bit operations is exact times 2^-8: the scales carry the 2^8
 constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;
-#if KV_FP8 && (CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK)
+#if (KV_FP8 || KV_F32) && (CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK)
 #error "fused RoPE and query / key transforms need a 16-bit KV cache"
+#endif
+#if KV_F32 && TMA
+#error "fp32 K/V: cp.async loads only"
 #endif
 
 #ifndef NUM_WARPS
@@ -482,6 +495,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         }
       }
     }
+#elif KV_F32
+    {  // thread (g, t): key rows g and 8 + g, dims 16 kk + 2t, +1 and +8, +9
+      const unsigned char* krow = ks + (lane / 4) * SROW + (lane % 4) * 8;
+#pragma unroll
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, q_addr + kk * 32);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float2 lo = *reinterpret_cast<const float2*>(krow + nt * 8 * SROW + kk * 64);
+          const float2 hi = *reinterpret_cast<const float2*>(krow + nt * 8 * SROW + kk * 64 + 32);
+          mma_m16n8k16<kv_t>(s[nt], a, pack2<kv_t>(lo.x, lo.y), pack2<kv_t>(hi.x, hi.y));
+        }
+      }
+    }
 #else
     {
       const uint32_t k_base = smem_u32(ks);
@@ -547,6 +575,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
           mma_m16n8k16<kv_t>(acc[2 * c + 1], pa, fp8x2_to_f16x2<KV_FP8, 0x3414>(b[2 * h]),
                              fp8x2_to_f16x2<KV_FP8, 0x3414>(b[2 * h + 1]));
         }
+      }
+    }
+#elif KV_F32
+    {  // thread (g, t): keys 2t, 2t+1 | 2t+8, 2t+9 of dim 8 j + g
+      const float* vcol = reinterpret_cast<const float*>(vs + (2 * (lane % 4)) * SROW) + lane / 4;
+      constexpr int R = SROW / 4;              // floats per padded row
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 8; ++j) {
+        const float* v = vcol + 8 * j;
+        mma_m16n8k16<kv_t>(acc[j], pa, pack2<kv_t>(v[0], v[R]), pack2<kv_t>(v[8 * R], v[9 * R]));
       }
     }
 #else

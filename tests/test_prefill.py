@@ -72,15 +72,13 @@ def test_what_no_gpu_kernel_runs_is_refused_at_plan_on_the_numpy_path_too():
     """One contract: the NumPy path refuses what the GPU refuses, at plan(), with the same message."""
     ind, lpl = np.array([0, 1], np.int32), np.array([3], np.int32)
     for kw, match in ((dict(head_dim=96), "head_dim=96 has no kernel; supported: 64, 128, 256"),
-                      (dict(q_data_type="float32"), "q dtype float32 has no kernel"),
-                      (dict(kv_data_type="float32"), "kv dtype float32 with q dtype float16 has no kernel")):
-        # (fp8 KV has kernels in both families: tests/test_fp8.py, tests/test_prefill_dtypes.py)
+                      (dict(q_data_type="float32"), "q dtype float32 has no kernel")):
+        # (fp8 and fp32 KV have kernels in both families: tests/test_fp8.py, tests/test_decode_f32.py,
+        # tests/test_prefill_dtypes.py)
         args = dict(head_dim=64, q_data_type="float16") | kw
         d = args.pop("head_dim")
         with pytest.raises(UnsupportedError, match=match):
             cuattn.BatchDecodeWithPagedKVCacheWrapper().plan(ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
-        if args.get("kv_data_type") == "float32":        # fp32 KV: prefill has kernels (tests/test_prefill_dtypes.py)
-            continue
         with pytest.raises(UnsupportedError, match=match):
             cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
     x = np.zeros((3, 4, 64), np.float32)
