@@ -7,7 +7,7 @@ idle GPU's wake-up lands between the events; the paged/contiguous ratio uses the
 calls back to back) and "us" (one eager call on an idle stream: host time before the launch plus
 the kernel, and slower again when the GPU idled ms before it; --diagnose splits it). TFLOP/s = 4 * qo * kv * num_qo_heads * head_dim / time; causal halves the work.
 fp8 columns (--fp8 e4m3 / e5m2, default e4m3; "none" skips): the same paged batch over an fp8 cache with
-per-kv-head k_scale / v_scale (fa2, GPU alone), its ratio to the fp16 paged time (fp16 us / fp8 us: the
+per-kv-head k_scale / v_scale (backend "auto": fa3 on sm_90, else fa2; GPU alone), its ratio to the fp16 paged time (fp16 us / fp8 us: the
 issue-22 target is >= 0.95), and FlashInfer's fp8 paged prefill (same cache bytes) when importable.
 The fp16 matmul ceiling (cuBLAS through CuPy, 8192^3) is measured in the same run. SDPA and
 FlashInfer are timed the same way when importable; otherwise the PEERS.md H100 numbers are
@@ -160,8 +160,8 @@ def paged_call(q, indptr, length, causal, hq, hkv, d, page_size, dtype, order="r
 
 
 def paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size, dtype, kv):
-    """(call, cache, scales): the paged batch of paged_call (same page table) over an fp8 cache of random
-    finite bytes (uint8, read as plan()'s kv_data_type) with per-kv-head k_scale / v_scale."""
+    """(call, cache, scales, backend): the paged batch of paged_call (same page table, backend "auto") over an
+    fp8 cache of random finite bytes (uint8, read as plan()'s kv_data_type) with per-kv-head k_scale / v_scale."""
     batch, total = len(indptr) - 1, len(perm)
     # clear an exponent bit: no NaN / inf bit patterns, magnitudes below 1 (e4m3: 0xB7, e5m2: 0xBB)
     cache = cp.random.randint(0, 256, (total, 2, page_size, hkv, d), dtype=cp.int32).astype(cp.uint8) & \
@@ -171,7 +171,7 @@ def paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_si
     wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
             causal=causal, q_data_type=dtype, kv_data_type="float8_e4m3fn" if kv == "e4m3" else "float8_e5m2")
     out = cp.empty_like(q)
-    return (lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])), cache, scales
+    return (lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])), cache, scales, wp.backend
 
 
 def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None, fp8="e4m3",
@@ -202,11 +202,11 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
     if flashinfer is not None:
         res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
     del cache, paged
-    if fp8 != "none":        # -- the same batch over an fp8 cache (fa2), next to the fp16 paged time
-        paged8, cache8, _ = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
-                                                dtype, fp8)
+    if fp8 != "none":        # -- the same batch over an fp8 cache (auto: fa3 on sm_90), next to the fp16 paged time
+        paged8, cache8, _, backend8 = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
+                                                     dtype, fp8)
         g8 = gpu_us(paged8, reps)
-        res.update(fp8=fp8, paged_fp8_gpu_us=g8, paged_fp8_gpu_tflops=f / (g8 * 1e-6) / 1e12,
+        res.update(fp8=fp8, paged_fp8_backend=backend8, paged_fp8_gpu_us=g8, paged_fp8_gpu_tflops=f / (g8 * 1e-6) / 1e12,
                    paged_fp8_speed_vs_fp16=gp / g8)
         if flashinfer_fp8 is not None:
             res.update(flashinfer_fp8(q, cache8, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size,
@@ -605,18 +605,20 @@ def main():
           "contiguous K/V, what backend='auto' runs there), GPU alone; FI3/fa3 = FlashInfer fa3 (paged) over it.")
     fp8_rows = [r for r in rows if "paged_fp8_gpu_us" in r]
     if fp8_rows:
-        print(f"\n{'case (paged, fp8 KV)':<22}{'fp16 us':>9}{'fp8 us':>9}{'TF/s':>7}{'16/8':>7}{'FI2 fp8':>9}{'FI2/8':>7}"
+        print(f"\n{'case (paged, fp8 KV)':<26}{'fp16 us':>9}{'fp8 us':>9}{'TF/s':>7}{'16/8':>7}{'FI2 fp8':>9}{'FI2/8':>7}"
               f"{'FI3 fp8':>9}{'FI3/8':>7}")
         for r in fp8_rows:
-            case = f"{r['fp8']} hd{r['head_dim']} {r['batch']}x{r['qo_len']}{' c' if r['causal'] else ''}"
+            case = (f"{r['fp8']} {r.get('paged_fp8_backend', '')} hd{r['head_dim']} {r['batch']}x{r['qo_len']}"
+                    f"{' c' if r['causal'] else ''}")
             g8 = r["paged_fp8_gpu_us"]
             peers = ""
             for b in ("fa2", "fa3"):
                 fi = r.get(f"flashinfer_{b}_fp8_gpu_us")
                 peers += f"{fi:9.1f}{fi / g8:7.2f}" if fi else f"{'-':>9}{'-':>7}"
-            print(f"{case:<22}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
+            print(f"{case:<26}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
                   f"{r['paged_fp8_speed_vs_fp16']:7.2f}{peers}")
-        print("fp8 = cuattn fa2 paged prefill over an fp8 cache (per-kv-head scales), GPU alone; 16/8 = fp16 paged GPU "
+        print("fp8 = cuattn paged prefill over an fp8 cache (per-kv-head scales; backend named in the case: 'auto' "
+              "picks it, as for the fp16 paged column), GPU alone; 16/8 = fp16 paged GPU "
               "time over it (target >= 0.95); FI2/8, FI3/8 = FlashInfer fp8 paged (fa2 / fa3) over ours (> 1: cuattn "
               "faster), same run.")
 

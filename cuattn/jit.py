@@ -395,11 +395,6 @@ def _encode_tiled():
     return f
 
 
-def tensor_map_16bit(ptr: int, dims: tuple, strides: tuple, box: tuple, user: str, fn: str) -> bytes:
-    """``tensor_map`` of 16-bit elements with the 128-byte swizzle (box[0] = 64 elements)."""
-    return tensor_map(ptr, dims, strides, box, user, fn)
-
-
 def tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple, user: str, fn: str, *, elem_bytes: int = 2,
                swizzle_bytes: int = 128) -> bytes:
     """A 128-byte CUtensorMap (``cuTensorMapEncodeTiled``) of 16-bit or 8-bit (``elem_bytes``)

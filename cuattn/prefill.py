@@ -26,7 +26,7 @@ from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host, unpack_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
-from .prefill_checks import (DTYPES, _check_fa3_scales, _check_group, _check_head_dim_vo, _check_kv_dtype, _check_out,
+from .prefill_checks import (DTYPES, _check_group, _check_head_dim_vo, _check_kv_dtype, _check_out,
                              _check_q, _host_kv, _host_mask, _kv_dims, _kv_short, _scales, _short_dtype,
                              _split_pair)
 
@@ -170,12 +170,10 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
                     dtype_kv: str | None = None) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device. ``dtype_kv``: the KV short name when it is
-    not q's (fa3 reads 16-bit K/V of q's type only)."""
+    not q's (fa3 reads 16-bit K/V of q's type or fp8)."""
     if backend == "fa2":
         return "fa2"
-    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size)
-    if reason is None and dtype_kv not in (None, "", dtype):
-        reason = f"fa3 reads K/V of q's dtype only (float16 / bfloat16), got an {dtype_kv} KV cache"
+    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size, dtype_kv)
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
@@ -334,7 +332,7 @@ class _BatchPrefillBase:
         if hit is None:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged)
+                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv)
             _plan.memo_put(self._backend_memo, key, (backend, spec))
         else:
             backend, spec = hit
@@ -518,7 +516,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         k, v : array, shape (kv_indptr[-1], num_kv_heads, head_dim) "NHD" or transposed "HND";
             kv_data_type (fp8: torch / ml_dtypes float8, or uint8 read as the plan's fp8 type)
         k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
-            Stored value x scale = real value (FlashInfer's meaning; any KV dtype; fa2 backend).
+            Stored value x scale = real value (FlashInfer's meaning; any KV dtype; fa2 and fa3).
         out : array, optional, shape of ``q``; lse : float32 (qo_indptr[-1], num_qo_heads), optional
         enable_pdl : bool, optional
             Programmatic Dependent Launch (the kernel may be scheduled while the previous kernel in
@@ -555,13 +553,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         if plan["backend"] == "fa3":
-            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
                                     lse_ptr=lse_ptr, num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"],
                                     group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"],
-                                    pdl=pdl)
+                                    pdl=pdl, scales=scales)
         else:
             _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
@@ -684,13 +681,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
-            _check_fa3_scales(scales, fn)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=kv.v, k_strides=None, v_strides=None,
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
                                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                                     sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"], pdl=pdl,
-                                    paged=(kv.page_size, kv.num_pages, strides))
+                                    paged=(kv.page_size, kv.num_pages, strides), scales=scales)
         else:
             if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
                     or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):

@@ -96,12 +96,6 @@ def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
                              f"view, got {dt}")
 
 
-def _check_fa3_scales(scales, fn: str) -> None:
-    if any(sc.ptr or sc.value != 1.0 for sc in scales):
-        raise UnsupportedError(f"{fn}: k_scale / v_scale other than 1 have no fa3 kernel; plan with backend='fa2' "
-                               f"(or 'auto' on a device without fa3)")
-
-
 def _split_pair(paged_kv_cache, plan, fn: str):
     """The (k_cache, v_cache) pair of a plan with head_dim_vo != head_dim_qk (None otherwise)."""
     if plan["head_dim_vo"] == plan["head_dim"]:

@@ -5,9 +5,10 @@ when the backend resolves to "fa3" (``prefill.resolve_backend``). Kept in its ow
 portable launcher, because it pairs with its own CUDA file and launches with tensor maps
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 
-Cases with a kernel: head_dim 128, fp16 / bf16, causal or not, any GQA group, contiguous K/V (NHD
-or HND: the tensor map takes both strides), no custom mask, device sm_90. ``unsupported_reason``
-names the first limit a call hits; callers raise UnsupportedError with it.
+Cases with a kernel: head_dim 128, fp16 / bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the
+TMA, converted to f16 in smem), k_scale / v_scale of any value, causal or not, any GQA group, contiguous
+K/V (NHD or HND: the tensor map takes both strides) or pages the TMA can box, no custom mask, device
+sm_90. ``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-from . import jit, variants
+from . import fp8, jit, variants
 from .params import Params
 
 _SOURCE = "prefill_sm90.cu"
@@ -31,7 +32,8 @@ PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_i
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i work:p part_o:p part_lse:p "
                                "kv_chunk:p single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
-                               "scale_log2:f")
+                               "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
+KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Sm90PrefillSpec:
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0)
+    dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -51,9 +54,10 @@ class Sm90PrefillSpec:
     block_m = BLOCK_M
 
     @property
-    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2"
+    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2"
         return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"{'_paged' if self.paged else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
+                f"{'_paged' if self.paged else ''}{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
     @property
@@ -62,22 +66,36 @@ class Sm90PrefillSpec:
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}") + \
-            tuple(f"-D{v}" for v in self.tuning)
+                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}",
+                f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
-    def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
-        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+    def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
+        return 1 if self.dtype_kv else 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Alignment slack + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8: + STAGES (K + V)
+        staging tiles + 4 STAGES mbarriers (224 KiB at head_dim 128: within sm_90's 227 KiB)."""
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+        if self.dtype_kv:
+            tiles += 2 * self.stages * self.block_n * self.head_dim + 32 * self.stages
+        return 1024 + tiles
 
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
-              paged: bool = False) -> Sm90PrefillSpec:
-    return Sm90PrefillSpec(dtype, bool(causal), variant=variant, paged=bool(paged))
+              paged: bool = False, dtype_kv: str = "") -> Sm90PrefillSpec:
+    """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one."""
+    return Sm90PrefillSpec(dtype, bool(causal), variant=variant, paged=bool(paged),
+                           dtype_kv="" if dtype_kv == dtype else dtype_kv)
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
-    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
-    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)]
+    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): every 16-bit case,
+    and for fp8 K/V what serving runs (paged, causal or not, both formats; contiguous fp8 compiles on
+    first use)."""
+    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
+        [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8]
 
 
 def page_box(page_size: int, block_n: int = 128) -> int | None:
@@ -88,14 +106,19 @@ def page_box(page_size: int, block_n: int = 128) -> int | None:
 
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
-                       paged: bool, rope: bool = False, page_size: int | None = None) -> str | None:
-    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
+                       paged: bool, rope: bool = False, page_size: int | None = None,
+                       dtype_kv: str | None = None) -> str | None:
+    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked.
+    ``dtype_kv``: the KV short name when it is not q's ("e4m3", "e5m2", "f32")."""
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
     if head_dim != HEAD_DIM:
         return f"fa3 has a kernel for head_dim 128 only, got head_dim={head_dim}"
     if dtype not in ("f16", "bf16"):
         return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
+    if dtype_kv not in (None, "", dtype) and dtype_kv not in KV_FP8:
+        return (f"fa3 reads K/V of q's dtype or fp8 (float8_e4m3fn / float8_e5m2) only, got an {dtype_kv} KV cache "
+                f"(the fa2 kernel reads it)")
     if custom_mask:
         return "fa3 has no custom-mask kernel"
     if paged and page_size is not None and page_box(page_size) is None:
@@ -109,20 +132,31 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
 # ---------------------------------------------------------------------------- tensor maps
 
 
+def box_cols(head_dim: int, elem_bytes: int) -> int:
+    """Columns per TMA box row: 128 bytes (64 16-bit or 128 fp8 elements; the kernel's swizzle), or a whole
+    narrower fp8 row (head_dim 64: 64 bytes, 64-byte swizzle); the kernel's LOAD_COLS."""
+    return min(128 // elem_bytes, head_dim)
+
+
 @functools.lru_cache(maxsize=256)      # serving loops reuse each layer's K/V buffers
-def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str) -> bytes:
-    """The tensor map of a K or V array: dims (HEAD_DIM, tokens, heads), element strides s_tok /
-    s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's descriptors expect."""
-    return jit.tensor_map_16bit(ptr, (HEAD_DIM, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (64, block_n, 1),
-                                "the fa3 kernel", fn)
+def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str,
+                  elem_bytes: int = 2) -> bytes:
+    """The tensor map of a K or V array of ``elem_bytes`` elements (2: fp16 / bf16, 1: fp8): dims
+    (HEAD_DIM, tokens, heads), element strides s_tok / s_head, box (box_cols, block_n, 1) with the swizzle
+    of box_cols * elem_bytes bytes the kernel expects."""
+    cols = box_cols(HEAD_DIM, elem_bytes)
+    return jit.tensor_map(ptr, (HEAD_DIM, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (cols, block_n, 1),
+                          "the fa3 kernel", fn, elem_bytes=elem_bytes, swizzle_bytes=cols * elem_bytes)
 
 
 @functools.lru_cache(maxsize=256)
-def paged_tensor_map(ptr: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int, fn: str) -> bytes:
+def paged_tensor_map(ptr: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int, fn: str,
+                     elem_bytes: int = 2) -> bytes:
     """The tensor map of a paged K or V cache: dims (HEAD_DIM, page_size, heads, pages), element
-    strides (slot, head, page), box (64, box, 1, 1) with the 128-byte swizzle."""
-    return jit.tensor_map_16bit(ptr, (HEAD_DIM, page_size, max(heads, 1), max(num_pages, 1)), strides, (64, box, 1, 1),
-                                "the fa3 paged kernel", fn)
+    strides (slot, head, page), box (box_cols, box, 1, 1), swizzled as ``kv_tensor_map``'s."""
+    cols = box_cols(HEAD_DIM, elem_bytes)
+    return jit.tensor_map(ptr, (HEAD_DIM, page_size, max(heads, 1), max(num_pages, 1)), strides, (cols, box, 1, 1),
+                          "the fa3 paged kernel", fn, elem_bytes=elem_bytes, swizzle_bytes=cols * elem_bytes)
 
 
 # ---------------------------------------------------------------------------- launch
@@ -133,11 +167,13 @@ META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "par
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
-           single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None) -> None:
-    """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
-    ``meta`` = the plan's device pointers by parameter name (qo_indptr, kv_indptr, work, part_o,
-    part_lse, kv_chunk; the page table when paged) in batch mode, None for a single request.
-    ``paged`` = (page_size, num_pages, (s_tok, s_head, s_page)): k / v are a paged cache's K and V."""
+           single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None,
+           scales=(fp8.ONE, fp8.ONE)) -> None:
+    """One launch. k / v: device tensors (of ``spec.kv_bytes`` elements: an fp8 cache may be uint8);
+    k_strides / v_strides = (token, head) element strides; ``meta`` = the plan's device pointers by
+    parameter name (qo_indptr, kv_indptr, work, part_o, part_lse, kv_chunk; the page table when paged) in
+    batch mode, None for a single request. ``paged`` = (page_size, num_pages, (s_tok, s_head, s_page)): k / v
+    are a paged cache's K and V. ``scales`` = run()'s (k, v) fp8.Scale."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
@@ -154,10 +190,11 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     if paged is not None:
         page_size, num_pages, strides = paged
         box = page_box(page_size, spec.block_n)
-        tk, tv = (paged_tensor_map(x.ptr, page_size, num_kv_heads, num_pages, strides, box, fn) for x in (k, v))
+        tk, tv = (paged_tensor_map(x.ptr, page_size, num_kv_heads, num_pages, strides, box, fn, spec.kv_bytes)
+                  for x in (k, v))
     else:
-        tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
-        tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
+        tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn, spec.kv_bytes)
+        tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn, spec.kv_bytes)
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
                        **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,
@@ -165,5 +202,7 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
                        page_box=box, single_qo_len=single[0],
                        single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
                        q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
+                       k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
+                       scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
                        scale_log2=spec.variant.scale_log2(sm_scale))
     launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, *args, *variant_args, pdl=pdl)

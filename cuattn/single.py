@@ -155,9 +155,9 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
         head_dim) for "HND"; last dimension contiguous; v's head_dim may differ from k's (head_dim_qk /
         head_dim_vo 192 / 128 on fa2; out then has v's). dtype of ``q``, or float8_e4m3fn /
-        float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as ``kv_data_type``; backend fa2).
+        float8_e5m2 (torch / ml_dtypes fp8, or uint8 read as ``kv_data_type``).
     k_scale, v_scale : float, or float32 array of shape (1,) or (num_kv_heads,), optional
-        Stored value x scale = real value (FlashInfer's meaning; any KV dtype; backend fa2).
+        Stored value x scale = real value (FlashInfer's meaning; any KV dtype).
     kv_data_type : dtype, optional
         The fp8 type of a uint8 k / v ("float8_e4m3fn" or "float8_e5m2"); default: their dtype.
     custom_mask : array, shape (qo_len, kv_len) or flattened, bool, optional. True = attend.

@@ -24,15 +24,15 @@ TABLE = {
         head_dims=(64, 128, 256), head_dim_pairs=((192, 128),), q_dtypes=("float16", "bfloat16"),
         kv_dtypes=("same as q", "float8_e4m3fn", "float8_e5m2", "float32"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
-        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, K/V of q's dtype, no custom mask, contiguous K/V or pages of 16, 32, 64, "
+        archs="fa2: sm_80+; fa3: sm_90a, head_dim 128, K/V of q's dtype or fp8, no custom mask, contiguous K/V or pages of 16, 32, 64, "
               "128 or a multiple of 128"),
 }
 # what a refused kv dtype is told, per family
 KV_NOT_YET = {"decode": "fp32 q: not yet",
-              "prefill": "fp8 and fp32 KV: fa2 backend; fp32 q: not yet"}
+              "prefill": "fp32 KV: fa2 backend; fp32 q: not yet"}
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
             "(every family); pos_encoding_mode='ROPE_LLAMA' and a user variant's query_transform / key_transform "
-            "(decode and fa2; not fa3; not with an fp8 KV cache); fp8 KV (decode, prefill on fa2): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
+            "(decode and fa2; not fa3; not with an fp8 KV cache); fp8 KV (decode, prefill on fa2 and fa3): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
             "not yet: "
             "use_fp16_qk_reduction")
 

@@ -1,15 +1,16 @@
-"""Prefill (fa2) beyond 16-bit K/V of q's dtype (issues 22 and 21): fp8 e4m3 / e5m2 KV caches with
-k_scale / v_scale (floats, 1-element or per-kv-head arrays) in single / ragged / paged prefill, and
-head_dim_qk != head_dim_vo. The oracle is tests/oracle.py's float64 attention over the real K/V (fp8
+"""Prefill beyond 16-bit K/V of q's dtype (issues 22 and 21): fp8 e4m3 / e5m2 KV caches with
+k_scale / v_scale (floats, 1-element or per-kv-head arrays) in single / ragged / paged prefill on fa2 and
+(sm_90) fa3, and head_dim_qk != head_dim_vo. The oracle is tests/oracle.py's float64 attention over the real K/V (fp8
 values times their scales: exact once dequantised)."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, prefill
+from cuattn import jit, prefill, prefill_sm90, variants
 from cuattn.errors import UnsupportedError
-from tests.oracle import dense_attention, rel_err
+from tests.conftest import gpu_cc
+from tests.oracle import dense_attention, rel_err, variant_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
@@ -156,9 +157,11 @@ def test_prefill_rejects_bad_scales_naming_the_argument():
 def test_prefill_fp8_refusals_name_the_limit():
     ind, lpl = np.array([0, 4], np.int32), np.array([3], np.int32)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match=r"backend='fa3': fa3 reads K/V of q's dtype only .*e4m3"):
-        w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 16,
-               kv_data_type="float8_e4m3fn")
+    w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 16,
+           kv_data_type="float8_e4m3fn")          # fa3 has fp8 kernels (NumPy plan here)
+    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32"):
+        w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 5,
+               kv_data_type="float8_e5m2")
     with pytest.raises(UnsupportedError, match="q dtype float8_e4m3fn has no kernel"):
         cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32),
                                                           lpl, 4, 4, 128, 16, q_data_type="float8_e4m3fn",
@@ -166,11 +169,17 @@ def test_prefill_fp8_refusals_name_the_limit():
     with pytest.raises(UnsupportedError, match="16-bit KV cache"):
         cuattn.BatchPrefillWithRaggedKVCacheWrapper().plan(ind, np.array([0, 4], np.int32), 4, 4, 128,
                                                            kv_data_type="float8_e5m2", pos_encoding_mode="ROPE_LLAMA")
-    # auto plans fa2 for an fp8 cache, wherever fa3 would run the 16-bit case
+    # auto plans fa3 for an fp8 cache wherever it runs the 16-bit case (paged or not), fa2 elsewhere;
+    # fp32 K/V: fa2 only
+    for kv in ("e4m3", "e5m2"):
+        for kw in (dict(paged=True, page_size=16), dict(paged=False)):
+            assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
+                                           dtype_kv=kv, **kw) == "fa3"
+        for arch, ps in (("sm_80", 16), ("sm_90a", 5)):
+            assert prefill.resolve_backend("auto", "f", arch=arch, head_dim=128, dtype="f16", custom_mask=False,
+                                           paged=True, page_size=ps, dtype_kv=kv) == "fa2"
     assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="f16", custom_mask=False,
-                                   paged=True, page_size=16, dtype_kv="e4m3") == "fa2"
-    assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="f16", custom_mask=False,
-                                   paged=True, page_size=16) == "fa3"
+                                   paged=False, dtype_kv="f32") == "fa2"
 
 
 def test_fp8_shipped_prefill_specs_cover_serving_and_stay_few():
@@ -180,6 +189,22 @@ def test_fp8_shipped_prefill_specs_cover_serving_and_stay_few():
     assert len(fp8_specs) <= 16
     assert len({s.name for s in prefill.shipped_specs()}) == len(prefill.shipped_specs())
     # spill-free on sm_80 and sm_90a: tests/test_prefill.py::test_shipped_specs_compile_without_spills
+
+
+def test_fa3_fp8_specs_compile_without_spills():
+    """fa3 over fp8 (sm_90a): the shipped paged specs (tests/test_prefill_sm90.py compiles them) and the
+    ones compiled on first use: contiguous K/V, a logits transform (the key scale on raw dot products)."""
+    shipped = [s for s in prefill_sm90.shipped_specs() if s.dtype_kv]
+    assert {(s.dtype, s.causal, s.dtype_kv) for s in shipped if s.paged} == \
+        {(t, c, kv) for t in ("f16", "bf16") for c in (False, True) for kv in ("e4m3", "e5m2")}
+    assert all(s.smem_bytes <= 232448 for s in shipped)                # sm_90's 227 KiB
+    cap = variants.resolve("t", num_qo_heads=8, head_dim=128, logits_soft_cap=30.0).composite
+    for spec in (prefill_sm90.make_spec("f16", True, dtype_kv="e4m3"), prefill_sm90.make_spec("bf16", False, dtype_kv="e5m2"),
+                 prefill_sm90.make_spec("bf16", True, cap, paged=True, dtype_kv="e4m3"),
+                 prefill_sm90.make_spec("f16", False, dtype_kv="f16")):   # q's dtype: the 16-bit spec
+        assert spec.dtype_kv in ("", "e4m3", "e5m2")
+        res = jit.compile_kernel(spec, "sm_90a").resources["cuattn_prefill_sm90"]
+        assert res["spill_stores"] == res["spill_loads"] == res["stack_frame"] == 0, (spec.name, res)
 
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
@@ -254,7 +279,7 @@ def _ids(cases):
 def test_paged_prefill_gpu_fp8_matches_dequantised_oracle(case):
     qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, causal, layout = case
     c = paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 7 + d)
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa2")
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
     assert w.backend == "fa2"
@@ -271,7 +296,7 @@ def test_paged_prefill_gpu_fp8_matches_dequantised_oracle(case):
 def test_ragged_prefill_gpu_fp8_matches_dequantised_oracle(case):
     qo_lens, kv_lens, hq, hkv, d, kv, qdt, sk, causal = case
     c = ragged_fp8_case(qo_lens, kv_lens, hq, hkv, d, kv, qdt, sk, seed=d + hq)
-    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa2")
     w.plan(c["qo_indptr"], c["kv_indptr"], hq, hkv, d, causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
     rows = int(c["qo_indptr"][-1])
     out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
@@ -288,18 +313,118 @@ def test_single_prefill_gpu_fp8_and_split_kv():
     out, lse = cuattn.single_prefill_with_kv_cache(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), causal=True,
                                                    k_scale=_dev_scale(c["scales"][0]),
                                                    v_scale=_dev_scale(c["scales"][1]), kv_data_type="float8_e4m3fn",
-                                                   return_lse=True)
+                                                   return_lse=True, backend="fa2")
     ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
     _check(out, lse, ref_o, ref_s, "float16")
 
 
+# ---------------------------------------------------------------------------- fa3 (sm_90)
+
+sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 GPU")
+
+# (qo_lens, kv_lens, page_size, hq, hkv, kv, q dtype, scales, causal, layout); head_dim 128. Free slots
+# and pages hold NaN bits (paged_fp8_case): rows past a request's end must be masked / zeroed.
+FA3_PAGED_GPU = [
+    ([17, 1, 300], [54, 97, 300], 16, 32, 8, "e4m3", "float16", "tensor", True, "NHD"),
+    ([127, 33], [4932, 40], 16, 28, 4, "e5m2", "bfloat16", "one", False, "HND"),
+    ([1, 1, 1, 1], [2048, 17, 300, 1], 16, 32, 8, "e4m3", "bfloat16", "head", False, "NHD"),  # decode-like rows
+    ([577, 64], [577, 1000], 64, 8, 8, "e5m2", "float16", "head", True, "NHD"),
+]
+FA3_RAGGED_GPU = [   # (qo_lens, kv_lens, hq, hkv, kv, q dtype, scales, causal)
+    ([37, 200], [97, 200], 32, 8, "e4m3", "float16", "head", True),
+    ([100], [1500], 8, 2, "e5m2", "bfloat16", "tensor", False),
+    ([16, 3], [4000, 3], 4, 4, "e4m3", "bfloat16", "one", True),
+]
+
+
 @pytest.mark.gpu
-def test_prefill_gpu_fp8_fa3_is_refused_and_scales_on_fa3_are_refused():
-    c = paged_fp8_case([4], [40], 16, 4, 4, 128, "e4m3", "float16", "tensor")
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="fa3"):
-        w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 4, 4, 128, 16,
-               kv_data_type="float8_e4m3fn")
+@sm90
+@pytest.mark.parametrize("case", FA3_PAGED_GPU, ids=_ids(FA3_PAGED_GPU))
+def test_paged_prefill_gpu_fp8_fa3_matches_dequantised_oracle(case):
+    qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout = case
+    c = paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, 128, kv, qdt, sk, layout, seed=len(qo_lens) * 5 + ps)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)      # auto
+    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, 128, ps,
+           causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
+    assert w.backend == "fa3" and w._plan["run_spec"].dtype_kv == kv
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, hq, 128), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    assert w.backend == "fa3"
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(out, lse, ref_o, ref_s, qdt)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", FA3_RAGGED_GPU, ids=_ids(FA3_RAGGED_GPU))
+def test_ragged_prefill_gpu_fp8_fa3_matches_dequantised_oracle(case):
+    qo_lens, kv_lens, hq, hkv, kv, qdt, sk, causal = case
+    c = ragged_fp8_case(qo_lens, kv_lens, hq, hkv, 128, kv, qdt, sk, seed=hq + 3)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()                     # auto
+    w.plan(_dev(c["qo_indptr"]), _dev(c["kv_indptr"]), hq, hkv, 128, causal=causal, q_data_type=qdt,
+           kv_data_type=FP8_NAME[kv])
+    assert w.backend == "fa3"
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, hq, 128), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(out, lse, ref_o, ref_s, qdt)
+
+
+@pytest.mark.gpu
+@sm90
+def test_paged_prefill_gpu_fp8_fa3_split_kv_and_single():
+    # pieces of 512 keys merged: the value scale (per head, device array) must reach every partial row
+    c = paged_fp8_case([40, 300], [3000, 2100], 16, 16, 4, 128, "e5m2", "float16", "head", seed=17)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 16, 4, 128, 16,
+           causal=True, kv_data_type="float8_e5m2", fixed_split_size=512)
+    assert w.backend == "fa3" and w._plan["work_list"].split
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, 16, 128), "float16"), _cp().full((rows, 16), np.nan, np.float32)
+    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+    _check(out, lse, ref_o, ref_s, "float16")
+    # single request, fp8 read from uint8 with kv_data_type, scalar scales
+    r = ragged_fp8_case([16], [6000], 8, 2, 128, "e4m3", "bfloat16", "tensor", seed=11)
+    o1, s1 = cuattn.single_prefill_with_kv_cache(_dev(r["q"]), _dev(r["k"]), _dev(r["v"]), causal=True,
+                                                 k_scale=r["scales"][0], v_scale=r["scales"][1],
+                                                 kv_data_type="float8_e4m3fn", return_lse=True, backend="fa3")
+    ref_o, ref_s = _oracle(r["q"], r["ks"], r["vs"], r["qo_indptr"], True)
+    _check(o1, s1, ref_o, ref_s, "bfloat16")
+
+
+@pytest.mark.gpu
+@sm90
+def test_prefill_gpu_fp8_fa3_soft_cap_scales_raw_logits():
+    """A logits transform sees the real q.k: the key scale multiplies the dot products before it."""
+    c = ragged_fp8_case([40], [300], 8, 2, 128, "e4m3", "float16", "head", seed=5)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], 8, 2, 128, causal=True, kv_data_type="float8_e4m3fn",
+           logits_soft_cap=2.0)
+    out = _poisoned((40, 8, 128), "float16")
+    w.run(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), out=out, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    assert w.backend == "fa3"
+    ref, _ = variant_attention(c["q"], c["ks"][0], c["vs"][0], causal=True, soft_cap=2.0)
+    o = _cp().asnumpy(out)
+    assert np.all(np.isfinite(o)) and rel_err(o, ref) < TOL
+
+
+@pytest.mark.gpu
+@sm90
+def test_prefill_gpu_scales_with_16_bit_kv_on_fa3():
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((77, 8, 128), (300, 2, 128), (300, 2, 128)))
+    vs = np.array([2.0, 0.5], np.float32)
+    out = cuattn.single_prefill_with_kv_cache(_dev(q), _dev(k), _dev(v), causal=True, backend="fa3", k_scale=0.3,
+                                              v_scale=_cp().asarray(vs))
+    ref, _ = dense_attention(q, k.astype(np.float64) * 0.3, v.astype(np.float64) * vs[None, :, None], causal=True)
+    assert rel_err(_cp().asnumpy(out), ref) < 5e-3
 
 
 # ============================================================================ head_dim_qk != head_dim_vo
@@ -456,7 +581,7 @@ def test_fp32_kv_numpy_ragged_and_paged_match_oracle():
     np.testing.assert_array_equal(wp.run(q, (kp, vp)).view(np.uint16), out.view(np.uint16))
     with pytest.raises(UnsupportedError, match="q dtype float32 has no kernel"):
         w.plan(qo_indptr, kv_indptr, 8, 2, 64, q_data_type="float32", kv_data_type="float32")
-    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 reads K/V of q's dtype only"):
+    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 reads K/V of q's dtype or fp8 .* only, got an f32"):
         cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo_indptr, kv_indptr, 8, 2, 128,
                                                                         kv_data_type="float32")
 

@@ -20,7 +20,8 @@ from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poi
 
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    assert len({s.name for s in specs}) == len(specs) == 8      # f16 / bf16 x full / causal x contiguous / paged
+    assert len({s.name for s in specs}) == len(specs) == 16     # f16 / bf16 x full / causal x contiguous / paged,
+    #                                                           and paged fp8 (e4m3 / e5m2): tests/test_prefill_dtypes.py
     for spec in specs:
         assert spec.archs == ("sm_90a",)
         compiled = jit.compile_kernel(spec, "sm_90a")
