@@ -30,6 +30,8 @@
 #define NUM_WARPS (BLOCK / 32)
 #define CAND_CAP 2048            // top-k candidates held in shared memory (the exact path for k <= BLOCK)
 #define NBINS 2048               // radix_select histogram bins (11-bit digits)
+#define SLOTS (NBINS / BLOCK)    // bins per thread in radix_select's scan
+static_assert(NBINS % BLOCK == 0 && BLOCK % 32 == 0, "BLOCK must be a multiple of 32 dividing 2048");
 
 namespace cuattn {
 
@@ -255,7 +257,7 @@ __device__ __forceinline__ Select radix_select(const Row& row, bool logits, floa
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int pass = 0; pass < 3; ++pass) {
     const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
-    const int top = pass == 0 ? 32 : shift + 11;      // key >> top == prefix: the element is in the chosen bin
+    const int top = pass == 0 ? 32 : pass == 1 ? 21 : 10;   // key >> top == prefix: in the chosen bin
     const uint32_t digit_mask = pass == 2 ? 1023u : 2047u;
     for (int j = threadIdx.x; j < NBINS; j += BLOCK) { h.lo[j] = 0; h.hi[j] = 0; h.cnt[j] = 0; }
     if (threadIdx.x == 0) sm.sel[pass] = 0xffffffffu;
@@ -276,12 +278,20 @@ __device__ __forceinline__ Select radix_select(const Row& row, bool logits, floa
       }
     });
     __syncthreads();
-    // -- suffix sums from the top: thread t holds bins b0 = NBINS - 1 - 2t and b1 = b0 - 1
-    const int b0 = NBINS - 1 - 2 * int(threadIdx.x), b1 = b0 - 1;
-    const uint64_t m0 = (uint64_t(h.hi[b0]) << 32) | h.lo[b0], m1 = (uint64_t(h.hi[b1]) << 32) | h.lo[b1];
-    const uint32_t n0 = h.cnt[b0], n1 = h.cnt[b1];
-    uint64_t qi = m0 + m1;
-    uint32_t ci = n0 + n1;
+    // -- suffix sums from the top: thread t holds slots SLOTS * t + j, slot r being bin NBINS - 1 - r
+    uint64_t mq[SLOTS];
+    uint32_t mc[SLOTS];
+    uint64_t qi = 0;
+    uint32_t ci = 0;
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+      const int bin = NBINS - 1 - (SLOTS * int(threadIdx.x) + j);
+      mq[j] = (uint64_t(h.hi[bin]) << 32) | h.lo[bin];
+      mc[j] = h.cnt[bin];
+      qi += mq[j]; ci += mc[j];
+    }
+    const uint64_t own_q = qi;
+    const uint32_t own_c = ci;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {   // inclusive warp scan
       const uint64_t yq = __shfl_up_sync(0xffffffffu, qi, o);
@@ -290,23 +300,28 @@ __device__ __forceinline__ Select radix_select(const Row& row, bool logits, floa
     }
     if (lane == 31) { sm.wq[warp] = qi; sm.wc[warp] = ci; }
     __syncthreads();
-    uint64_t ex_q = q_above + qi - (m0 + m1), total = q_above;
-    uint32_t ex_c = c_above + ci - (n0 + n1);
+    uint64_t q = q_above + qi - own_q, total = q_above;   // q, c: the mass and count above this thread's slots
+    uint32_t c = c_above + ci - own_c;
     for (int w = 0; w < NUM_WARPS; ++w) {
-      if (w < warp) { ex_q += sm.wq[w]; ex_c += sm.wc[w]; }
+      if (w < warp) { q += sm.wq[w]; c += sm.wc[w]; }
       total += sm.wq[w];
     }
     if (pass == 0 && p < 1.f) target = mass_target(total, p);
-    auto feasible = [&](uint64_t q, uint32_t c) { return (count && c >= k) || q >= target; };
-    // -- the first feasible bin from the top (feasibility only grows downwards)
-    const bool f_prev = feasible(ex_q, ex_c), f0 = feasible(ex_q + m0, ex_c + n0);
-    const bool f1 = feasible(ex_q + m0 + m1, ex_c + n0 + n1);
-    if (!f_prev && (f0 || f1)) {
-      const bool first = f0;
-      sm.sel[pass] = uint32_t(first ? b0 : b1);
-      sm.sel_q[pass] = first ? ex_q : ex_q + m0;
-      sm.sel_c[pass] = first ? ex_c : ex_c + n0;
-      sm.sel_q_ge[pass] = first ? ex_q + m0 : ex_q + m0 + m1;
+    // -- the first feasible bin from the top (feasibility only grows downwards): its lower edge is feasible,
+    //    the bin above is not
+    bool prev = (count && c >= k) || q >= target;
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+      const uint64_t q2 = q + mq[j];
+      const uint32_t c2 = c + mc[j];
+      const bool now = (count && c2 >= k) || q2 >= target;
+      if (now && !prev) {
+        sm.sel[pass] = uint32_t(NBINS - 1 - (SLOTS * int(threadIdx.x) + j));
+        sm.sel_q[pass] = q;
+        sm.sel_c[pass] = c;
+        sm.sel_q_ge[pass] = q2;
+      }
+      prev = now; q = q2; c = c2;
     }
     if (pass == 0 && threadIdx.x == 0) sm.total = total;
     __syncthreads();
