@@ -12,13 +12,16 @@ probabilities. Rows need not be normalized (top-p is a fraction of the row's sum
 GPU (``kernels_cu/sampling.cu``): one CTA per row, no sort over the vocabulary. Top-k with k <= 1024 takes
 one extra pass: the k-th largest of the threads' maxima bounds the threshold from below, the few elements
 above it are sorted in shared memory, and top-p within them comes from one warp's prefix sums. Other
-thresholds (top-p alone, k > 1024, heavy ties) are found by passes over the row that each test several
-candidate thresholds (block reductions). The token is drawn by an exponential
+thresholds (top-p alone, k > 1024, heavy ties) come from a radix select over the float bits: 3 passes
+(11 + 11 + 10 key bits), each a shared-memory histogram of counts and masses, then a block scan. Top-p
+masses are fixed point (``fixed_mass``: ``floor(w * 2**(S - E))``, exact uint64 sums), and the NumPy path
+defines its threshold by the same integers, so both paths keep the same tokens. The token is drawn by an exponential
 race, ``argmin E_i / p_i`` over the kept set, with ``E_i`` from Philox4x32-10 keyed by ``seed`` and
 counted by ``(element, output row, offset)``. Draws are therefore reproducible: the same (seed, offset) give
 the same tokens on every run, block size and GPU; every kernel is deterministic, so ``deterministic`` is
 accepted for FlashInfer's signature and changes nothing. The NumPy path draws from the same random stream
-(bit-identical Philox), with the thresholds computed exactly in float64 by sorting on the host.
+(bit-identical Philox). Logits: values are float32 ``exp(x - max)`` on both paths, and the last bit of the exp
+may differ (rare boundary tokens).
 """
 from __future__ import annotations
 
