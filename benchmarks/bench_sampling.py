@@ -5,7 +5,8 @@ Timing: CUDA events around each call, L2 flushed before every timed call (256 MB
 --no-flush keeps L2 warm), 10 warm-up + N timed calls (default 50), median reported in µs. Inputs: float32
 logits ``3 * randn`` (fixed seed) and their softmax, vocab 128256 (Llama 3), batch 1 / 64 / 256.
 "GB/s" counts one read of the input (the floor every op pays: batch * vocab * 4 bytes); the kernels read a
-row several times (threshold passes), mostly from L2 at small batch.
+row several times (stats, 3 radix passes for a top-p threshold, the race), mostly from L2 at small batch
+(benchmarks/results/sampling_notes.md).
 FlashInfer (needs PyTorch and flashinfer importable; its first call JIT-compiles) and PyTorch are timed on
 the same memory through DLPack. Runs only where CuPy sees a GPU.
 
@@ -114,9 +115,9 @@ def main(argv=None):
     p.add_argument("--no-flush", action="store_true")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--check", action="store_true", help="compare with the NumPy path (batch <= 64)")
-    p.add_argument("--sweep", nargs="*", default=[], metavar="BLOCKxPIVOTS",
-                   help="tuning: also time top_k_top_p_sampling_from_logits and top_p_sampling_from_probs with "
-                        "these SamplingSpec shapes (e.g. 512x12)")
+    p.add_argument("--sweep", nargs="*", default=[], type=int, metavar="BLOCK",
+                   help="tuning: also time top_k_top_p_sampling_from_logits, top_p_sampling_from_probs and "
+                        "top_k_renorm_probs with these SamplingSpec block sizes (divisors of 2048, e.g. 512)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not arrays.gpu_available():
@@ -181,10 +182,10 @@ def main(argv=None):
             rows_out.append(row)
             save()
         shipped = sampling._SPEC
-        for shape in args.sweep:
-            block, pivots = (int(v) for v in shape.split("x"))
-            sampling._SPEC = sampling.SamplingSpec(block, pivots)
-            for op in ("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs", "top_k_renorm_probs"):
+        for block in args.sweep:
+            sampling._SPEC = sampling.SamplingSpec(block)
+            for op in ("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs", "top_k_renorm_probs",
+                       "top_p_renorm_probs"):
                 us = time_events(cuattn_call(op, logits, probs), args.reps, flush, warmup=10)
                 rows_out.append({"op": op, "batch": batch, "vocab": args.vocab, "us": us, "spec": sampling._SPEC.name})
                 print(f"{op + ' ' + sampling._SPEC.name:<34}{batch:>6}{us:>9.1f}", flush=True)

@@ -12,13 +12,16 @@ probabilities. Rows need not be normalized (top-p is a fraction of the row's sum
 GPU (``kernels_cu/sampling.cu``): one CTA per row, no sort over the vocabulary. Top-k with k <= 1024 takes
 one extra pass: the k-th largest of the threads' maxima bounds the threshold from below, the few elements
 above it are sorted in shared memory, and top-p within them comes from one warp's prefix sums. Other
-thresholds (top-p alone, k > 1024, heavy ties) are found by passes over the row that each test several
-candidate thresholds (block reductions). The token is drawn by an exponential
+thresholds (top-p alone, k > 1024, heavy ties) come from a radix select over the float bits: 3 passes
+(11 + 11 + 10 key bits), each a shared-memory histogram of counts and masses, then a block scan. Top-p
+masses are fixed point (``fixed_mass``: ``floor(w * 2**(S - E))``, exact uint64 sums), and the NumPy path
+defines its threshold by the same integers, so both paths keep the same tokens. The token is drawn by an exponential
 race, ``argmin E_i / p_i`` over the kept set, with ``E_i`` from Philox4x32-10 keyed by ``seed`` and
 counted by ``(element, output row, offset)``. Draws are therefore reproducible: the same (seed, offset) give
 the same tokens on every run, block size and GPU; every kernel is deterministic, so ``deterministic`` is
 accepted for FlashInfer's signature and changes nothing. The NumPy path draws from the same random stream
-(bit-identical Philox), with the thresholds computed exactly in float64 by sorting on the host.
+(bit-identical Philox). Logits: values are float32 ``exp(x - max)`` on both paths, and the last bit of the exp
+may differ (rare boundary tokens).
 """
 from __future__ import annotations
 
@@ -43,15 +46,14 @@ class SamplingSpec:
     """The compiled sampling.cu: cuattn_sample, the three renorm/mask entries and
     cuattn_chain_speculative. Vocabulary, batch and parameters are run-time arguments."""
     block: int = 1024         # threads of the one CTA per row
-    num_pivots: int = 6       # candidate thresholds a search pass tests
     source = _SOURCE
 
     @property
-    def name(self) -> str:    # "sampling_b1024_p6"
-        return f"sampling_b{self.block}_p{self.num_pivots}"
+    def name(self) -> str:    # "sampling_b1024"
+        return f"sampling_b{self.block}"
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DBLOCK={self.block}", f"-DNUM_PIVOTS={self.num_pivots}")
+        return (f"-DBLOCK={self.block}",)
 
 
 def shipped_specs() -> list[SamplingSpec]:
@@ -492,7 +494,7 @@ def _renorm(fn, x, name, mode, top_k, top_p, stream):
         x64 = t.astype(np.float64)
         if mode == 2:
             return arrays.export(ctx, np.where(_top_k_keep(x64, per_k), t, np.float32(-np.inf)).astype(np.float32))
-        keep = _top_k_keep(x64, per_k) if mode == 0 else _top_p_keep(x64, per_p)
+        keep = _top_k_keep(x64, per_k) if mode == 0 else _top_p_keep(t, t, per_p)
         kept = np.where(keep, x64, 0.0)
         total = kept.sum(axis=1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -586,14 +588,31 @@ def _top_k_keep(w: np.ndarray, k: np.ndarray) -> np.ndarray:
     return w >= kth[:, None]
 
 
-def _top_p_keep(w: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Tokens whose strictly larger tokens hold less than p of the row's sum (all when p >= 1)."""
-    s = -np.sort(-w, axis=1)
-    cs = np.cumsum(s, axis=1)
-    target = np.asarray(p, np.float64) * cs[:, -1]
+def fixed_mass(w: np.ndarray) -> np.ndarray:
+    """The fixed-point masses top-p compares, as sampling.cu: uint64 ``floor(w * 2**(S - E))`` for w > 0
+    (0 else), E the exponent of the row's largest w (its max in [2**E, 2**(E+1))), S = 62 - bit_length(vocab)
+    so that a row's sum stays below 2**63. Exact integers: sums do not depend on the order of addition."""
+    w64 = np.asarray(w, np.float32).astype(np.float64)
+    pos = np.where(w64 > 0, w64, 0.0)
+    e = np.frexp(pos.max(axis=1))[1] - 1
+    s = 62 - w64.shape[1].bit_length()
+    return np.floor(np.ldexp(pos, (s - e)[:, None].astype(np.int32))).astype(np.uint64)
+
+
+def _top_p_keep(x: np.ndarray, w: np.ndarray, p) -> np.ndarray:
+    """Tokens at or above the largest x = T whose tokens (x >= T) hold at least the target mass
+    ``min(ceil(fp64(total) * fp64(p)), total)`` (fixed_mass of w; total: the row's mass; p rounded to float32,
+    as the kernel receives it); every token when p >= 1 or nothing reaches the target (no mass)."""
+    p64 = np.asarray(p, np.float32).astype(np.float64)
+    x64 = np.asarray(x, np.float64)
+    order = np.argsort(-x64, axis=1, kind="stable")
+    cs = np.cumsum(np.take_along_axis(fixed_mass(w), order, axis=1), axis=1, dtype=np.uint64)
+    total = cs[:, -1]
+    target = np.maximum(np.minimum(np.ceil(total.astype(np.float64) * p64).astype(np.uint64), total), 1)
     first = np.argmax(cs >= target[:, None], axis=1)
-    thr = s[np.arange(len(w)), first]
-    return (w >= thr[:, None]) | (np.asarray(p)[:, None] >= 1)
+    thr = np.take_along_axis(x64, order, axis=1)[np.arange(len(x64)), first]
+    thr = np.where(total >= target, thr, -np.inf)
+    return (x64 >= thr[:, None]) | (p64[:, None] >= 1)
 
 
 def _np_sample(x, rows, flags, k, p, m, seed: int, offset: int) -> np.ndarray:
@@ -603,23 +622,20 @@ def _np_sample(x, rows, flags, k, p, m, seed: int, offset: int) -> np.ndarray:
     for start in range(0, len(rows), step):
         sl = slice(start, start + step)
         xs = x[rows[sl]]
-        if flags & _LOGITS:
-            shifted = xs - xs.max(axis=1, keepdims=True)
-            v32 = np.exp(shifted)
-            w = np.exp(shifted.astype(np.float64))
-        else:
-            v32, w = xs, xs.astype(np.float64)
+        v32 = np.exp(xs - xs.max(axis=1, keepdims=True)) if flags & _LOGITS else xs   # the kernel's values
+        x64 = xs.astype(np.float64)                                                     # order (keys) of tokens
         keep = np.ones(xs.shape, bool)
         if flags & _MIN_P:
-            keep = w >= np.asarray(m[sl], np.float64)[:, None] * w.max(axis=1, keepdims=True)
+            w = v32.astype(np.float64)
+            keep = w >= np.asarray(m[sl], np.float32).astype(np.float64)[:, None] * w.max(axis=1, keepdims=True)
         elif flags & _TOP_K and flags & _TOP_P and flags & _JOINT:
-            keep = _top_k_keep(w, k[sl]) & _top_p_keep(w, p[sl])
+            keep = _top_k_keep(x64, k[sl]) & _top_p_keep(xs, v32, p[sl])
         else:
             if flags & _TOP_K:
-                keep = _top_k_keep(w, k[sl])
+                keep = _top_k_keep(x64, k[sl])
             if flags & _TOP_P:
-                keep &= _top_p_keep(np.where(keep, w, 0.0), p[sl])
-        degenerate = ~(w.sum(axis=1) > 0)
+                keep &= _top_p_keep(xs, np.where(keep, v32, np.float32(0)), p[sl])
+        degenerate = ~(v32.astype(np.float64).sum(axis=1) > 0)
         keep[degenerate] = True
         out[sl] = _race(v32, keep, np.arange(len(rows))[sl], seed, offset)
     return out

@@ -1,17 +1,20 @@
 // sampling.cu — launched by cuattn/sampling.py (SamplingSpec).
-// Compile-time: BLOCK (threads of a CTA), NUM_PIVOTS (thresholds a search pass tests at once).
+// Compile-time: BLOCK (threads of a CTA).
 // Grid (batch) for cuattn_sample and cuattn_chain_speculative, (rows) for cuattn_renorm; one CTA per
 // row, block BLOCK. Rows are float32, contiguous in the vocabulary; 16-byte loads when the vocabulary,
 // the row stride and the base are multiples of 4 floats, else scalar loads.
 //
 // No sort. A row's kept set is {x : key(x) >= T}, key() the order-preserving uint32 of a float, and T
 // the largest element key that is still "feasible": count(key >= T) >= top_k, or
-// sum(value(key >= T)) >= top_p * row sum (value = x for probabilities, exp(x - max) for logits).
-// The search keeps [lo, hi): lo a feasible element key, hi an infeasible key. Each pass reads the row
-// once and tests NUM_PIVOTS keys between them (counts, value sums, and the nearest element keys on
-// either side of each pivot, all block reductions in a fixed order); lo snaps up to the smallest element
-// at or above the last feasible pivot, hi down to one past the largest element below the next pivot,
-// until [lo, hi) holds one value. Every pass shrinks the interval, so the search ends.
+// mass(key >= T) >= target. Mass is fixed point, exact and order-independent: element w (x for
+// probabilities, exp(x - max) for logits) weighs q(w) = floor(w * 2^(S - E)) (0 for w <= 0), E the
+// exponent of the row's largest w (max w in [2^E, 2^(E+1))), S = 62 - bit_length(vocab) so that a
+// row's sum of q stays below 2^63; target = min(ceil(fp64(total) * fp64(top_p)), total) with total the
+// q-sum of the set top-p filters (the row, or the top-k set for "top_k_first"). cuattn/sampling.py
+// defines the NumPy path's threshold by the same integers, so both paths keep the same tokens.
+// T comes from a radix select over the key bits (radix_select: 3 passes of 11 + 11 + 10 bits, each a
+// shared-memory histogram of counts and 64-bit masses, then one block scan from the top bin down), or
+// for top-k with k <= BLOCK from the top-k candidates sorted in shared memory (top_k_candidates).
 // The token is then drawn by an exponential race over the kept set: argmin_i E_i / value_i with
 // E_i = -log(1 - V_i) exponential, V_i uniform from Philox4x32-10 keyed by the seed, with counter
 // (i / 4, row of the output, offset) — one Philox call per 4 elements — so the draw is exactly
@@ -24,11 +27,11 @@
 #ifndef BLOCK
 #define BLOCK 1024
 #endif
-#ifndef NUM_PIVOTS
-#define NUM_PIVOTS 6
-#endif
 #define NUM_WARPS (BLOCK / 32)
 #define CAND_CAP 2048            // top-k candidates held in shared memory (the exact path for k <= BLOCK)
+#define NBINS 2048               // radix_select histogram bins (11-bit digits)
+#define SLOTS (NBINS / BLOCK)    // bins per thread in radix_select's scan
+static_assert(NBINS % BLOCK == 0 && BLOCK % 32 == 0, "BLOCK must be a multiple of 32 dividing 2048");
 
 namespace cuattn {
 
@@ -86,56 +89,30 @@ struct Sum { template <typename T> __device__ T operator()(T a, T b) const { ret
 struct Min { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a < b ? a : b; } };
 struct Max { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; } };
 
-// -- NUM_PIVOTS values of each of the four statistics, reduced over the block through shared memory
-struct PivotStats {
-  uint32_t cnt[NUM_PIVOTS];
-  float sum[NUM_PIVOTS];
-  uint32_t above[NUM_PIVOTS];  // smallest element key >= pivot
-  uint32_t below[NUM_PIVOTS];  // largest element key in [lo, pivot)
+// -- a radix_select histogram: per bin a count and a 64-bit mass kept as two 32-bit words (shared-memory
+//    atomics are 32-bit; the low word's wraps are carried into the high word, so sums are exact)
+struct Hist {
+  uint32_t lo[NBINS];
+  uint32_t hi[NBINS];
+  uint32_t cnt[NBINS];
 };
 
-__device__ __forceinline__ void reduce_pivots(PivotStats& s, uint32_t (*red)[4 * NUM_PIVOTS]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int j = 0; j < NUM_PIVOTS; ++j) {
-    s.cnt[j] = warp_reduce(s.cnt[j], Sum());
-    s.sum[j] = warp_reduce(s.sum[j], Sum());
-    s.above[j] = warp_reduce(s.above[j], Min());
-    s.below[j] = warp_reduce(s.below[j], Max());
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j) {
-      red[warp][j] = s.cnt[j];
-      red[warp][NUM_PIVOTS + j] = __float_as_uint(s.sum[j]);
-      red[warp][2 * NUM_PIVOTS + j] = s.above[j];
-      red[warp][3 * NUM_PIVOTS + j] = s.below[j];
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < 4 * NUM_PIVOTS) {   // one thread per statistic, warps in order
-    const int t = threadIdx.x, kind = t / NUM_PIVOTS;
-    uint32_t acc = red[0][t];
-    for (int w = 1; w < NUM_WARPS; ++w) {
-      const uint32_t v = red[w][t];
-      acc = kind == 0 ? acc + v
-          : kind == 1 ? __float_as_uint(__uint_as_float(acc) + __uint_as_float(v))
-          : kind == 2 ? min(acc, v) : max(acc, v);
-    }
-    red[NUM_WARPS][t] = acc;
-  }
-  __syncthreads();   // the block's statistics are in red[NUM_WARPS]: cnt, sum, above, below
-}
-
 struct Shared {
-  uint32_t red[NUM_WARPS + 1][4 * NUM_PIVOTS];
   float f[NUM_WARPS];
   float g[NUM_WARPS];
   uint32_t u[NUM_WARPS];
   uint32_t v[NUM_WARPS];
+  uint64_t wq[NUM_WARPS];        // per-warp 64-bit partials (block sums, scans)
+  uint32_t wc[NUM_WARPS];
   uint32_t tmax[BLOCK];          // each thread's largest key (pass 0), then sorted
-  uint32_t ckey[CAND_CAP];       // top-k candidates: keys and element indices
-  int cidx[CAND_CAP];
+  union {
+    struct { uint32_t ckey[CAND_CAP]; int cidx[CAND_CAP]; } c;   // top-k candidates: keys, element indices
+    Hist h;                                                       // radix_select (after the candidates)
+  } w;
+  uint32_t sel[3];               // radix_select: the bin chosen by each pass (one slot per pass: no reuse race)
+  uint32_t sel_c[3];
+  uint64_t sel_q[3], sel_q_ge[3];
+  uint64_t total;
   int n, m, hit;
 };
 
@@ -174,8 +151,54 @@ struct Row {
   }
 };
 
+// -- the fixed-point mass of a value: q(w) = floor(w * 2^(S - E)) = floor(sig * 2^(e + shift_c)), with
+//    shift_c = S - E - 150 (fixed_shift), w = sig * 2^(e - 150) (e the biased exponent, 1 for subnormals)
+__device__ __forceinline__ uint64_t fixed_mass(float w, int shift_c) {
+  if (!(w > 0.f)) return 0ull;
+  const uint32_t b = __float_as_uint(w);
+  const int e = int(b >> 23);
+  const uint32_t sig = e ? (b & 0x7fffffu) | 0x800000u : b;
+  const int sh = max(e, 1) + shift_c;
+  return sh >= 0 ? uint64_t(sig) << min(sh, 40) : sh > -24 ? uint64_t(sig >> -sh) : 0ull;
+}
+
+// -- shift_c of a row whose largest value is w_max > 0 (S = 62 - bit_length(vocab))
+__device__ __forceinline__ int fixed_shift(float w_max, int vocab) {
+  const uint32_t b = __float_as_uint(w_max);
+  const int e = int(b >> 23);
+  const int E = e ? e - 127 : (31 - __clz(int(b & 0x7fffffu))) - 149;
+  return (62 - (32 - __clz(vocab))) - E - 150;
+}
+
+// -- value of a fixed-point mass: q * 2^(E - S)
+__device__ __forceinline__ double fixed_value(uint64_t q, int shift_c) {
+  return ldexp(__ull2double_rn(q), -(shift_c + 150));
+}
+
+// -- the mass top-p needs: min(ceil(fp64(total) * fp64(p)), total), at least 1 (the NumPy path's formula)
+__device__ __forceinline__ uint64_t mass_target(uint64_t total, float p) {
+  const double t = ceil(__dmul_rn(__ull2double_rn(total), double(p)));
+  const uint64_t q = __double2ull_rz(t);
+  return max(min(q, total), 1ull);
+}
+
+// -- block sum of a uint64 (exact, so the order does not matter); every thread gets it
+__device__ __forceinline__ uint64_t block_sum(uint64_t v, Shared& sm) {
+  v = warp_reduce(v, Sum());
+  if ((threadIdx.x & 31) == 0) sm.wq[threadIdx.x >> 5] = v;
+  __syncthreads();
+  uint64_t s = 0;
+  for (int w = 0; w < NUM_WARPS; ++w) s += sm.wq[w];
+  __syncthreads();
+  return s;
+}
+
 // -- pass 0: smallest and largest key, and the row's sum of values (logits: max, sum of exp(x - max))
-struct RowStats { uint32_t min_key, max_key; float max_x, sum; };
+struct RowStats { uint32_t min_key, max_key; float max_x, sum; int shift_c; };
+
+__device__ __forceinline__ float value_of(float x, bool logits, float max_x) {
+  return logits ? __expf(x - max_x) : x;
+}
 
 __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Shared& sm) {
   uint32_t mn = 0xffffffffu, mx = 0u;
@@ -201,7 +224,7 @@ __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Share
   s = warp_reduce(s, Sum());
   if (lane == 0) { sm.u[warp] = mn; sm.v[warp] = mx; sm.f[warp] = m; sm.g[warp] = s; }
   __syncthreads();
-  RowStats r{0xffffffffu, 0u, -kInf, 0.f};
+  RowStats r{0xffffffffu, 0u, -kInf, 0.f, 0};
   for (int w = 0; w < NUM_WARPS; ++w) { r.min_key = min(r.min_key, sm.u[w]); r.max_key = max(r.max_key, sm.v[w]); }
   if (logits) {
     for (int w = 0; w < NUM_WARPS; ++w) r.max_x = fmaxf(r.max_x, sm.f[w]);
@@ -209,91 +232,107 @@ __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Share
       if (sm.f[w] > -kInf) r.sum += sm.g[w] * __expf(sm.f[w] - r.max_x);
   } else {
     for (int w = 0; w < NUM_WARPS; ++w) r.sum += sm.g[w];
-    r.max_x = __uint_as_float((r.max_key & 0x80000000u) ? (r.max_key & 0x7fffffffu) : ~r.max_key);
+    r.max_x = key_float(r.max_key);
   }
+  r.shift_c = fixed_shift(value_of(r.max_x, logits, r.max_x), row.vocab);
   __syncthreads();
   return r;
 }
 
-__device__ __forceinline__ float value_of(float x, bool logits, float max_x) {
-  return logits ? __expf(x - max_x) : x;
-}
+// -- the largest element key T >= lo with count(lo <= key, key >= T) >= k or mass(lo <= key, key >= T) >=
+//    mass_target(mass(key >= lo), p): k = 0xffffffff or p >= 1 turn that test off; with_mass (implied by
+//    p < 1) also returns the mass at or above T. Three passes over the row, one per digit of the key
+//    (bits 31-21, 20-10, 9-0): a histogram of the elements that share the digits chosen so far, suffix sums
+//    from the top bin down (one block scan), and the first bin whose lower edge is feasible. Integer sums:
+//    deterministic and exact. No feasible key (no mass at or above lo): T = lo.
+struct Select { uint32_t key; uint64_t mass; };
 
-// -- one element's contribution to the pivot statistics of a search pass over [lo, hi)
-__device__ __forceinline__ void pivot_step(PivotStats& s, const uint32_t (&piv)[NUM_PIVOTS], uint32_t lo, uint32_t hi,
-                                           float x, bool logits, float max_x) {
-  const uint32_t key = ord_key(x);
-  if (key < lo) return;
-  const float v = value_of(x, logits, max_x);
-  if (key >= hi) {   // above the interval: in every pivot's count and sum, in no interval statistic
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j) { s.cnt[j] += 1; s.sum[j] += v; }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < NUM_PIVOTS; ++j) {
-    if (key >= piv[j]) { s.cnt[j] += 1; s.sum[j] += v; s.above[j] = min(s.above[j], key); }
-    else s.below[j] = max(s.below[j], key);
-  }
-}
-
-// -- the largest feasible element key in [lo, hi): count(key >= t) >= k or sum(value(key >= t)) >= p_mass.
-//    lo must be a feasible element key (lo_sum: the sum at lo), hi an infeasible key; *keep_sum gets the
-//    sum of the values at or above the result.
-__device__ __forceinline__ uint32_t search(const Row& row, bool logits, float max_x, uint32_t lo, uint32_t hi, float lo_sum,
-                           uint32_t k, float p_mass, float* keep_sum, Shared& sm) {
-  while (hi - lo > 1) {
-    uint32_t piv[NUM_PIVOTS];
-    const uint64_t span = hi - lo - 1;
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j) piv[j] = lo + 1 + uint32_t(span * (j + 1) / (NUM_PIVOTS + 1));
-    PivotStats s;
-#pragma unroll
-    for (int j = 0; j < NUM_PIVOTS; ++j) { s.cnt[j] = 0; s.sum[j] = 0.f; s.above[j] = 0xffffffffu; s.below[j] = 0; }
-    // explicit loops (a lambda capturing s kept it in local memory)
-    if (row.vec) {
-      const float4* x4 = reinterpret_cast<const float4*>(row.x);
-      const int n4 = row.vocab / 4;
-      int q = threadIdx.x;
-      for (; q + BLOCK < n4; q += 2 * BLOCK) {   // two 16-byte loads in flight
-        const float4 v = x4[q], w = x4[q + BLOCK];
-        pivot_step(s, piv, lo, hi, v.x, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.y, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.z, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.w, logits, max_x);
-        pivot_step(s, piv, lo, hi, w.x, logits, max_x);
-        pivot_step(s, piv, lo, hi, w.y, logits, max_x);
-        pivot_step(s, piv, lo, hi, w.z, logits, max_x);
-        pivot_step(s, piv, lo, hi, w.w, logits, max_x);
+__device__ __forceinline__ Select radix_select(const Row& row, bool logits, float max_x, int shift_c, uint32_t lo,
+                                               uint32_t k, float p, bool with_mass, Shared& sm) {
+  const bool count = k != 0xffffffffu;
+  const bool use_mass = with_mass || p < 1.f;
+  Hist& h = sm.w.h;
+  uint32_t prefix = 0, c_above = 0;
+  uint64_t q_above = 0, target = ~0ull;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+    const int top = pass == 0 ? 32 : pass == 1 ? 21 : 10;   // key >> top == prefix: in the chosen bin
+    const uint32_t digit_mask = pass == 2 ? 1023u : 2047u;
+    for (int j = threadIdx.x; j < NBINS; j += BLOCK) { h.lo[j] = 0; h.hi[j] = 0; h.cnt[j] = 0; }
+    if (threadIdx.x == 0) sm.sel[pass] = 0xffffffffu;
+    __syncthreads();
+    // -- histogram of this digit over the elements that share the chosen higher digits
+    row.for_each([&](int, float x) {
+      const uint32_t key = ord_key(x);
+      if (key < lo || (top < 32 && (key >> top) != prefix)) return;
+      const uint32_t bin = (key >> shift) & digit_mask;
+      if (count) atomicAdd(&h.cnt[bin], 1u);
+      if (use_mass) {
+        const uint64_t q = fixed_mass(value_of(x, logits, max_x), shift_c);
+        const uint32_t ql = uint32_t(q);
+        uint32_t carry = 0;
+        if (ql) { const uint32_t old = atomicAdd(&h.lo[bin], ql); carry = old + ql < old; }
+        const uint32_t qh = uint32_t(q >> 32) + carry;
+        if (qh) atomicAdd(&h.hi[bin], qh);
       }
-      for (; q < n4; q += BLOCK) {
-        const float4 v = x4[q];
-        pivot_step(s, piv, lo, hi, v.x, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.y, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.z, logits, max_x);
-        pivot_step(s, piv, lo, hi, v.w, logits, max_x);
-      }
-    } else {
-      for (int i = threadIdx.x; i < row.vocab; i += BLOCK) pivot_step(s, piv, lo, hi, row.x[i], logits, max_x);
+    });
+    __syncthreads();
+    // -- suffix sums from the top: thread t holds slots SLOTS * t + j, slot r being bin NBINS - 1 - r
+    uint64_t mq[SLOTS];
+    uint32_t mc[SLOTS];
+    uint64_t qi = 0;
+    uint32_t ci = 0;
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+      const int bin = NBINS - 1 - (SLOTS * int(threadIdx.x) + j);
+      mq[j] = (uint64_t(h.hi[bin]) << 32) | h.lo[bin];
+      mc[j] = h.cnt[bin];
+      qi += mq[j]; ci += mc[j];
     }
-    reduce_pivots(s, sm.red);
-    // -- the last feasible pivot (-1: none) moves lo up; the next one moves hi down. Read from shared
-    //    memory: indexing the register copies by `best` would put them in local memory
-    const uint32_t* r = sm.red[NUM_WARPS];
-    int best = -1;
-    for (int j = 0; j < NUM_PIVOTS; ++j)
-      if (r[j] >= k || __uint_as_float(r[NUM_PIVOTS + j]) >= p_mass) best = j;
-    const uint32_t new_hi = best + 1 < NUM_PIVOTS ? r[3 * NUM_PIVOTS + best + 1] + 1 : hi;
-    if (best >= 0) { lo = r[2 * NUM_PIVOTS + best]; lo_sum = __uint_as_float(r[NUM_PIVOTS + best]); }
-    hi = new_hi;
-    __syncthreads();   // red is reused by the next pass
+    const uint64_t own_q = qi;
+    const uint32_t own_c = ci;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {   // inclusive warp scan
+      const uint64_t yq = __shfl_up_sync(0xffffffffu, qi, o);
+      const uint32_t yc = __shfl_up_sync(0xffffffffu, ci, o);
+      if (lane >= o) { qi += yq; ci += yc; }
+    }
+    if (lane == 31) { sm.wq[warp] = qi; sm.wc[warp] = ci; }
+    __syncthreads();
+    uint64_t q = q_above + qi - own_q, total = q_above;   // q, c: the mass and count above this thread's slots
+    uint32_t c = c_above + ci - own_c;
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      if (w < warp) { q += sm.wq[w]; c += sm.wc[w]; }
+      total += sm.wq[w];
+    }
+    if (pass == 0 && p < 1.f) target = mass_target(total, p);
+    // -- the first feasible bin from the top (feasibility only grows downwards): its lower edge is feasible,
+    //    the bin above is not
+    bool prev = (count && c >= k) || q >= target;
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+      const uint64_t q2 = q + mq[j];
+      const uint32_t c2 = c + mc[j];
+      const bool now = (count && c2 >= k) || q2 >= target;
+      if (now && !prev) {
+        sm.sel[pass] = uint32_t(NBINS - 1 - (SLOTS * int(threadIdx.x) + j));
+        sm.sel_q[pass] = q;
+        sm.sel_c[pass] = c;
+        sm.sel_q_ge[pass] = q2;
+      }
+      prev = now; q = q2; c = c2;
+    }
+    if (pass == 0 && threadIdx.x == 0) sm.total = total;
+    __syncthreads();
+    const uint32_t sel = sm.sel[pass];
+    if (sel == 0xffffffffu) return Select{lo, sm.total};    // uniform: every thread reads the same slot
+    prefix = (prefix << (pass == 2 ? 10 : 11)) | sel;
+    q_above = sm.sel_q[pass];
+    c_above = sm.sel_c[pass];
   }
-  *keep_sum = lo_sum;
-  return lo;
+  return Select{prefix, sm.sel_q_ge[2]};
 }
-
-// -- the threshold key of one request's filters (every thread gets it)
-struct Filter { uint32_t top_k; float top_p; float min_p; int flags; };
 
 // -- a before b: larger key first, then lower element index
 __device__ __forceinline__ bool precedes(uint32_t ka, int ia, uint32_t kb, int ib) {
@@ -316,15 +355,17 @@ __device__ __forceinline__ void sort_thread_maxima(Shared& sm) {
 
 // -- bitonic sort of the candidates [0, P) (P a power of two) into `precedes` order
 __device__ __forceinline__ void sort_candidates(Shared& sm, int P) {
+  uint32_t* ckey = sm.w.c.ckey;
+  int* cidx = sm.w.c.cidx;
   for (int k = 2; k <= P; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = threadIdx.x; i < P; i += BLOCK) {
         const int l = i ^ j;
         if (l > i) {
-          const uint32_t ka = sm.ckey[i], kb = sm.ckey[l];
-          const int ia = sm.cidx[i], ib = sm.cidx[l];
+          const uint32_t ka = ckey[i], kb = ckey[l];
+          const int ia = cidx[i], ib = cidx[l];
           if ((i & k) == 0 ? precedes(kb, ib, ka, ia) : precedes(ka, ia, kb, ib)) {
-            sm.ckey[i] = kb; sm.ckey[l] = ka; sm.cidx[i] = ib; sm.cidx[l] = ia;
+            ckey[i] = kb; ckey[l] = ka; cidx[i] = ib; cidx[l] = ia;
           }
         }
       }
@@ -333,106 +374,135 @@ __device__ __forceinline__ void sort_candidates(Shared& sm, int P) {
   }
 }
 
+// -- the threshold key of one request's filters (every thread gets it)
+struct Filter { uint32_t top_k; float top_p; float min_p; int flags; };
+
 // -- the exact path for top-k with k <= BLOCK, in one more pass over the row: the k-th largest of the
 //    threads' maxima (pass 0) is a feasible lower bound (k distinct elements reach it); every element at
 //    or above it goes to shared memory (usually a few k), where a bitonic sort orders them and one warp's
-//    prefix sums (fixed order) place the top-p threshold. False (the caller searches instead) when more
-//    than CAND_CAP elements reach the bound. On true, sm.n candidates are sorted in sm.ckey / sm.cidx.
+//    prefix sums of the fixed-point masses place the top-p threshold. False (the caller runs radix_select
+//    instead) when more than CAND_CAP elements reach the bound. On true, sm.n candidates are sorted in
+//    sm.w.c, *t is the threshold and *keep_q the mass of the candidates at or above it.
 __device__ __forceinline__ bool top_k_candidates(const Row& row, const Filter& f, const RowStats& st, bool use_p,
-                                                 uint32_t* t, float* keep_sum, Shared& sm) {
+                                                 uint32_t* t, uint64_t* keep_q, Shared& sm) {
   const bool logits = f.flags & kFromLogits;
+  const bool joint_p = use_p && (f.flags & kJoint);   // top-p over the whole row: its total mass is needed
+  uint32_t* ckey = sm.w.c.ckey;
+  int* cidx = sm.w.c.cidx;
   sort_thread_maxima(sm);
   const uint32_t lo = sm.tmax[f.top_k - 1];
   if (threadIdx.x == 0) sm.n = 0;
   __syncthreads();
+  uint64_t row_q = 0;
   row.for_each([&](int i, float x) {
     const uint32_t key = ord_key(x);
+    if (joint_p) row_q += fixed_mass(value_of(x, logits, st.max_x), st.shift_c);
     if (key >= lo) {
       const int slot = atomicAdd(&sm.n, 1);
-      if (slot < CAND_CAP) { sm.ckey[slot] = key; sm.cidx[slot] = i; }
+      if (slot < CAND_CAP) { ckey[slot] = key; cidx[slot] = i; }
     }
   });
-  __syncthreads();
+  if (joint_p) row_q = block_sum(row_q, sm); else __syncthreads();
   const int n = sm.n;
   if (n > CAND_CAP) return false;
   int P = 1;
   while (P < n) P <<= 1;
-  for (int i = n + threadIdx.x; i < P; i += BLOCK) { sm.ckey[i] = 0u; sm.cidx[i] = 0x7fffffff; }
+  for (int i = n + threadIdx.x; i < P; i += BLOCK) { ckey[i] = 0u; cidx[i] = 0x7fffffff; }
   __syncthreads();
   sort_candidates(sm, P);
   // -- the k-th key, and m: the candidates at or above it (ties of the k-th are kept)
-  const uint32_t tk = sm.ckey[f.top_k - 1];
+  const uint32_t tk = ckey[f.top_k - 1];
   if (threadIdx.x == 0) sm.m = n;
   __syncthreads();
   for (int i = int(f.top_k) + threadIdx.x; i < n; i += BLOCK)
-    if (sm.ckey[i] < tk && sm.ckey[i - 1] >= tk) sm.m = i;
+    if (ckey[i] < tk && ckey[i - 1] >= tk) sm.m = i;
   __syncthreads();
   const int m = sm.m;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x, chunk = (m + 31) / 32;
     const int beg = min(lane * chunk, m), end = min(beg + chunk, m);
-    float part = 0.f;
-    for (int i = beg; i < end; ++i) part += value_of(key_float(sm.ckey[i]), logits, st.max_x);
-    float incl = part;
+    auto q_of = [&](int i) { return fixed_mass(value_of(key_float(ckey[i]), logits, st.max_x), st.shift_c); };
+    uint64_t part = 0;
+    for (int i = beg; i < end; ++i) part += q_of(i);
+    uint64_t incl = part;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, o);
+      const uint64_t y = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += y;
     }
-    float run = __shfl_up_sync(0xffffffffu, incl, 1);
-    if (lane == 0) run = 0.f;
-    const float total = __shfl_sync(0xffffffffu, incl, 31);
+    const uint64_t total = __shfl_sync(0xffffffffu, incl, 31);
     uint32_t hit = 0x7fffffffu;
     if (use_p) {
-      const float p_mass = f.top_p * ((f.flags & kJoint) ? st.sum : total);
+      const uint64_t target = mass_target(joint_p ? row_q : total, f.top_p);
+      uint64_t run = incl - part;
       for (int i = beg; i < end; ++i) {
-        run += value_of(key_float(sm.ckey[i]), logits, st.max_x);
-        if (run >= p_mass) { hit = uint32_t(i); break; }
+        run += q_of(i);
+        if (run >= target) { hit = uint32_t(i); break; }
       }
     }
     hit = warp_reduce(hit, Min());
-    if (lane == 0) { sm.hit = int(hit); sm.g[0] = total; }
+    const uint32_t thr = hit < uint32_t(m) ? ckey[hit] : tk;
+    uint64_t kept = 0;   // the mass at or above thr (ties of thr after `hit` included)
+    for (int i = beg; i < end; ++i)
+      if (ckey[i] >= thr) kept += q_of(i);
+    kept = warp_reduce(kept, Sum());
+    if (lane == 0) { sm.hit = int(hit); sm.wq[0] = kept; }
   }
   __syncthreads();
-  *t = sm.hit < m ? sm.ckey[sm.hit] : tk;
-  *keep_sum = sm.g[0];
+  *t = sm.hit < m ? ckey[sm.hit] : tk;
+  *keep_q = sm.wq[0];
   __syncthreads();
   return true;
 }
 
-__device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, const RowStats& st, float* keep_sum,
-                                              bool* from_candidates, Shared& sm) {
+// -- the kept set's threshold key; *keep (when want_keep) the value sum of the kept set, for renorm
+__device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, const RowStats& st, bool want_keep,
+                                              double* keep, bool* from_candidates, Shared& sm) {
   *from_candidates = false;
   const bool logits = f.flags & kFromLogits;
-  const uint32_t hi = st.max_key + 1;
-  uint32_t lo = st.min_key;
-  float lo_sum = st.sum;
-  if (!(st.sum > 0.f) || st.max_key == 0xffffffffu) { *keep_sum = st.sum; return lo; }   // degenerate row
+  const uint32_t lo = st.min_key;
+  *keep = st.sum;
+  if (!(st.sum > 0.f) || st.max_key == 0xffffffffu) return lo;   // degenerate row: keep every token
   const bool use_k = (f.flags & kTopK) && f.top_k < uint32_t(row.vocab);
   const bool use_p = (f.flags & kTopP) && f.top_p < 1.f;
-  if (f.flags & kMinP) {
-    const float cut = (logits ? 1.f : st.max_x) * f.min_p;   // min_p sampling is from probabilities
-    *keep_sum = st.sum;
-    return max(lo, ord_key(cut));
+  if (f.flags & kMinP) {   // p >= min_p * max(p), exactly: the smallest float at or above the fp64 product
+    const double cut = double(logits ? 1.f : st.max_x) * double(f.min_p);
+    return max(lo, ord_key(__double2float_ru(cut)));
   }
+  Select s{lo, 0};
   if (use_k && f.top_k <= BLOCK) {
     uint32_t t;
-    if (top_k_candidates(row, f, st, use_p, &t, keep_sum, sm)) { *from_candidates = true; return t; }
+    uint64_t q;
+    if (top_k_candidates(row, f, st, use_p, &t, &q, sm)) {
+      *from_candidates = true;
+      *keep = fixed_value(q, st.shift_c);
+      return t;
+    }
   }
   const uint32_t never_k = 0xffffffffu;
-  if (use_k && use_p && (f.flags & kJoint))
-    return search(row, logits, st.max_x, lo, hi, lo_sum, f.top_k, f.top_p * st.sum, keep_sum, sm);
-  if (use_k) {
-    lo = search(row, logits, st.max_x, lo, hi, lo_sum, f.top_k, kInf, &lo_sum, sm);
+  if (use_k && use_p && (f.flags & kJoint)) {
+    s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, f.top_p, false, sm);
+  } else {
+    if (use_k) s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, 1.f, want_keep && !use_p, sm);
+    if (use_p) s = radix_select(row, logits, st.max_x, st.shift_c, s.key, never_k, f.top_p, true, sm);
   }
-  if (use_p) return search(row, logits, st.max_x, lo, hi, lo_sum, never_k, f.top_p * lo_sum, keep_sum, sm);
-  *keep_sum = lo_sum;
-  return lo;
+  if (want_keep) {
+    if (!use_k && !use_p) {   // every token kept: the row's exact mass
+      uint64_t q = 0;
+      row.for_each([&](int, float x) { q += fixed_mass(value_of(x, logits, st.max_x), st.shift_c); });
+      s.mass = block_sum(q, sm);
+    }
+    *keep = fixed_value(s.mass, st.shift_c);
+  }
+  return s.key;
 }
 
 __device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm);
 
-// -- exponential race over {key >= t}: the index of the smallest E_i / value_i (ties: lower index)
+// -- exponential race over {key >= t}: the index of the smallest E_i / value_i (ties: lower index).
+//    E_i = -log1p(-u_i) >= u_i, so an element with u_i > best * value_i (with a 2^-16 margin for the
+//    roundings of log1pf, the division and the product) scores above this thread's best and cannot win:
+//    it skips log1pf and the division. Exact: the winner and its score are unchanged.
 template <typename V>
 __device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const Rng& rng, uint32_t rng_row, Shared& sm) {
   float best = kInf;
@@ -442,7 +512,10 @@ __device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const R
   row.for_each([&](int i, float x) {
     if (ord_key(x) < t) return;
     if ((i >> 2) != group) { group = i >> 2; r = rng.draw(uint32_t(group), rng_row, kTagRace); }
-    const float score = exponential(pick(r, i & 3)) / value(i, x);
+    const float u = uniform01(pick(r, i & 3));
+    const float v = value(i, x);
+    if (v > 0.f && u > best * v * 1.0000153f) return;            // 1 + 2^-16
+    const float score = -log1pf(-u) / v;
     if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
   });
   return block_argmin(best, best_i, sm);
@@ -454,16 +527,15 @@ __device__ __forceinline__ int race_candidates(uint32_t t, bool logits, float ma
   float best = kInf;
   int best_i = 0x7fffffff;
   for (int c = threadIdx.x; c < sm.n; c += BLOCK) {
-    const uint32_t key = sm.ckey[c];
+    const uint32_t key = sm.w.c.ckey[c];
     if (key < t) continue;
-    const int i = sm.cidx[c];
+    const int i = sm.w.c.cidx[c];
     const float score = exponential(pick(rng.draw(uint32_t(i >> 2), rng_row, kTagRace), i & 3)) /
                         value_of(key_float(key), logits, max_x);
     if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
   }
   return block_argmin(best, best_i, sm);
 }
-
 __device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -507,10 +579,10 @@ extern "C" __global__ void __launch_bounds__(BLOCK) cuattn_sample(
   f.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
   f.min_p = min_p_arr ? min_p_arr[b] : min_p_val;
   const RowStats st = row_stats(row, flags & kFromLogits, sm);
-  float keep_sum;
+  double keep_sum;
   bool from_candidates = false;
   const uint32_t t =
-      (flags & (kTopK | kTopP | kMinP)) ? threshold(row, f, st, &keep_sum, &from_candidates, sm) : st.min_key;
+      (flags & (kTopK | kTopP | kMinP)) ? threshold(row, f, st, false, &keep_sum, &from_candidates, sm) : st.min_key;
   const Rng rng{uint32_t(uint64_t(seed)), uint32_t(uint64_t(seed) >> 32), uint32_t(uint64_t(offset)),
                 uint32_t(uint64_t(offset) >> 32)};
   const bool logits = flags & kFromLogits;
@@ -538,11 +610,11 @@ __device__ __forceinline__ void renorm_row(const float* __restrict__ x, int64_t 
   f.min_p = 0.f;
   f.flags = MODE == 1 ? kTopP : MODE == 2 ? (kTopK | kFromLogits) : kTopK;
   const RowStats st = row_stats(row, MODE == 2, sm);
-  float keep_sum;
+  double keep_sum;
   bool from_candidates;
-  const uint32_t t = threshold(row, f, st, &keep_sum, &from_candidates, sm);
+  const uint32_t t = threshold(row, f, st, MODE != 2, &keep_sum, &from_candidates, sm);
   float* o = out + int64_t(r) * out_stride;
-  const float scale = 1.f / keep_sum;
+  const float scale = float(1.0 / keep_sum);
   row.for_each([&](int i, float v) {
     const bool keep = ord_key(v) >= t;
     o[i] = MODE == 2 ? (keep ? v : -kInf) : (keep ? v * scale : 0.f);

@@ -160,6 +160,36 @@ def test_renorm_and_mask_match_float64_formulas():
     assert got_k.dtype == got_p.dtype == got_m.dtype == np.float32
 
 
+def test_fixed_point_mass_is_the_exact_integer_formula():
+    """q(w) = floor(w * 2**(S - E)): checked with Python integers (exact) on normal, subnormal, zero and
+    negative values; E from the row's max, S = 62 - bit_length(vocab)."""
+    row = np.array([0.75, 1.5, 3e-39, 1e-45, 0.0, -2.0, 1e-30, 1.4999999], np.float32)
+    q = sampling.fixed_mass(row[None])[0]
+    s, e = 62 - len(row).bit_length(), 0                     # max 1.5 in [2**0, 2**1)
+    for w, got in zip(row, q):
+        num, den = float(w).as_integer_ratio() if w > 0 else (0, 1)
+        assert int(got) == (num << (s - e)) // den, (w, got)
+    assert int(q.max()) < 2 ** (s + 1) and int(q[1]) == 3 << (s - 1)
+
+
+def test_top_p_numpy_path_matches_the_float64_nucleus_away_from_the_boundary():
+    """The fixed-point nucleus equals the float64 walk over sorted tokens unless the cumulative mass is within
+    1e-9 of the target (rows with ties and with many zeros included)."""
+    rng = np.random.default_rng(12)
+    rows = [rng.dirichlet(np.full(3000, 0.1)), np.repeat(rng.dirichlet(np.ones(30)), 100),
+            np.where(rng.random(3000) < 0.8, 0.0, rng.random(3000))]
+    for r in rows:
+        p32 = (r / r.sum()).astype(np.float32)
+        p64 = p32.astype(np.float64)
+        cs = np.cumsum(np.sort(p64)[::-1])
+        for top_p in (0.1, 0.5, 0.9, 0.99, 1.0):
+            t = float(np.float32(top_p)) * cs[-1]
+            if np.min(np.abs(cs - t)) < 1e-9:
+                continue
+            got = sampling.top_p_renorm_probs(p32[None], top_p)[0] > 0
+            np.testing.assert_array_equal(got, top_p_set(p64, float(np.float32(top_p))) & (p64 > 0))
+
+
 def test_chain_speculative_sampling_follows_flashinfer_example():
     draft = np.array([[[0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.1]]], np.float32)
     target = np.array([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]], np.float32)
@@ -389,3 +419,64 @@ def test_sampling_gpu_takes_jax_arrays_and_returns_jax():
     assert np.mean(np.asarray(tok) == want) >= 2 / 3
     masked = sampling.top_k_mask_logits(jl, 5)
     np.testing.assert_array_equal(np.asarray(masked), sampling.top_k_mask_logits(logits, 5))
+
+
+GPU_EXACT = [(1, 128256), (7, 128256), (64, 128256), (1, 1000), (7, 1000), (64, 1000), (1, 50257), (7, 50257),
+             (64, 50257)]                                         # (batch, vocab)
+TOP_PS = np.array([0.1, 0.5, 0.9, 0.99, 1.0], np.float32)
+
+
+def exact_rows(batch, vocab, seed):
+    """Rows of four kinds, cycling: peaked (Dirichlet 0.05), softmax of 3 * randn, many zeros (70%), ties
+    (a few distinct values, half the row equal to the largest)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in range(batch):
+        kind = b % 4
+        if kind == 0:
+            r = rng.dirichlet(np.full(vocab, 0.05))
+        elif kind == 1:
+            z = 3 * rng.standard_normal(vocab)
+            r = np.exp(z - z.max())
+        elif kind == 2:
+            r = np.where(rng.random(vocab) < 0.7, 0.0, rng.random(vocab))
+            r[rng.integers(vocab)] = 1.0
+        else:
+            r = rng.integers(1, 5, vocab).astype(np.float64)
+            r[: vocab // 2] = 5.0
+        rows.append(r / r.sum())
+    return np.asarray(rows, np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,vocab", GPU_EXACT, ids=[f"b{b}-v{v}" for b, v in GPU_EXACT])
+def test_top_p_gpu_threshold_equals_numpy_path_exactly(batch, vocab):
+    """The radix-select threshold on fixed-point masses is the NumPy path's: same tokens with the same seed
+    (top-p, top-k + top-p both orders with k on the candidate path (50) and the radix path (2000), min-p),
+    renorm outputs to 1e-6 with identical kept sets; every kernel twice: identical results (deterministic)."""
+    import cupy
+    probs = exact_rows(batch, vocab, seed=batch * 7 + vocab)
+    dev = cupy.asarray(probs)
+    top_p = TOP_PS[np.arange(batch) % len(TOP_PS)]
+    calls = [("top_p_sampling_from_probs", (top_p,), {})]
+    if batch * vocab <= 400_000:   # the NumPy path takes seconds per call on big batches: top-p only there
+        calls += [("top_p_sampling_from_probs", (0.9,), {}), ("min_p_sampling_from_probs", (top_p * 0.5,), {})]
+        for k in (50, 2000):
+            for order in ("top_k_first", "joint"):
+                calls.append(("top_k_top_p_sampling_from_probs", (k, top_p), {"filter_apply_order": order}))
+    for name, args, kw in calls:
+        f = getattr(sampling, name)
+        want = f(probs, *args, seed=17, offset=4, **kw)
+        dev_args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        got = [cupy.asnumpy(f(dev, *dev_args, seed=17, offset=4, deterministic=True, **kw)) for _ in range(2)]
+        np.testing.assert_array_equal(got[0], got[1], err_msg=name)
+        np.testing.assert_array_equal(got[0], want, err_msg=f"{name} {args[0] if np.isscalar(args[0]) else ''} {kw}")
+    for p_arg in (top_p, 0.9) if batch * vocab <= 400_000 else (top_p,):
+        want = sampling.top_p_renorm_probs(probs, p_arg)
+        out = []
+        for _ in range(2):
+            o = sampling.top_p_renorm_probs(dev, cupy.asarray(p_arg) if isinstance(p_arg, np.ndarray) else p_arg)
+            out.append(cupy.asnumpy(o))
+        np.testing.assert_array_equal(out[0], out[1])
+        np.testing.assert_array_equal(out[0] > 0, want > 0)
+        np.testing.assert_allclose(out[0], want, rtol=1e-6, atol=0)
