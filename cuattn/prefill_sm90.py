@@ -6,7 +6,8 @@ portable launcher, because it pairs with its own CUDA file and launches with ten
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 
 Cases with a kernel: head_dim 128, fp16 / bf16, causal or not, any GQA group, contiguous K/V (NHD
-or HND: the tensor map takes both strides), no custom mask, device sm_90. ``unsupported_reason``
+or HND: the tensor map takes both strides), no custom mask, device sm_90; every attention variant,
+the fused RoPE and query / key transforms included. ``unsupported_reason``
 names the first limit a call hits; callers raise UnsupportedError with it.
 """
 from __future__ import annotations
@@ -67,7 +68,9 @@ class Sm90PrefillSpec:
 
     @property
     def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
-        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+        # (+ STAGES "K tile transformed" mbarriers with a query / key transform)
+        bars = 5 if self.variant.has_qk_transform else 4
+        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 8 * bars * self.stages
 
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
@@ -89,7 +92,9 @@ def page_box(page_size: int, block_n: int = 128) -> int | None:
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
                        paged: bool, rope: bool = False, page_size: int | None = None) -> str | None:
-    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
+    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked.
+    ``rope`` (the fused RoPE or a query / key transform) limits nothing: fa3 runs them (kept for the
+    callers' signature)."""
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
     if head_dim != HEAD_DIM:
@@ -101,8 +106,6 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
     if paged and page_size is not None and page_box(page_size) is None:
         return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
                 f"{page_size} (the fa2 kernel gathers any page size)")
-    if rope:
-        return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA') and no query / key transform"
     return None
 
 
