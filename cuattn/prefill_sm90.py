@@ -8,7 +8,8 @@ portable launcher, because it pairs with its own CUDA file and launches with ten
 Cases with a kernel: head_dim 128, fp16 / bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the
 TMA, converted to f16 in smem), k_scale / v_scale of any value, causal or not, any GQA group, contiguous
 K/V (NHD or HND: the tensor map takes both strides) or pages the TMA can box, no custom mask, device
-sm_90. ``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
+sm_90; every attention variant, the fused RoPE and query / key transforms included (16-bit K/V).
+``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
 """
 from __future__ import annotations
 
@@ -75,9 +76,11 @@ class Sm90PrefillSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Alignment slack + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8: + STAGES (K + V)
-        staging tiles + 4 STAGES mbarriers (224 KiB at head_dim 128: within sm_90's 227 KiB)."""
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+        """Alignment slack + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers (+ STAGES "K tile
+        transformed" mbarriers with a query / key transform); fp8: + STAGES (K + V) staging tiles + 4
+        STAGES mbarriers (224 KiB at head_dim 128: within sm_90's 227 KiB)."""
+        bars = 5 if self.variant.has_qk_transform else 4
+        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 8 * bars * self.stages
         if self.dtype_kv:
             tiles += 2 * self.stages * self.block_n * self.head_dim + 32 * self.stages
         return 1024 + tiles
@@ -109,7 +112,8 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
                        paged: bool, rope: bool = False, page_size: int | None = None,
                        dtype_kv: str | None = None) -> str | None:
     """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked.
-    ``dtype_kv``: the KV short name when it is not q's ("e4m3", "e5m2", "f32")."""
+    ``dtype_kv``: the KV short name when it is not q's ("e4m3", "e5m2", "f32"). ``rope`` (the fused RoPE
+    or a query / key transform) limits nothing by itself: fa3 runs them on 16-bit K/V."""
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
     if head_dim != HEAD_DIM:
@@ -124,8 +128,6 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
     if paged and page_size is not None and page_box(page_size) is None:
         return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
                 f"{page_size} (the fa2 kernel gathers any page size)")
-    if rope:
-        return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA') and no query / key transform"
     return None
 
 

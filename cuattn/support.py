@@ -32,7 +32,7 @@ KV_NOT_YET = {"decode": "fp32 q: not yet",
               "prefill": "fp32 KV: fa2 backend; fp32 q: not yet"}
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
             "(every family); pos_encoding_mode='ROPE_LLAMA' and a user variant's query_transform / key_transform "
-            "(decode and fa2; not fa3; not with an fp8 KV cache); fp8 KV (decode, prefill on fa2 and fa3): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
+            "(decode, fa2 and fa3; not with an fp8 or fp32 KV cache); fp8 KV (decode, prefill on fa2 and fa3): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
             "not yet: "
             "use_fp16_qk_reduction")
 

@@ -18,8 +18,7 @@ fa3) calls at the same points, plus the scalars and arrays those hooks read:
   ``q . k``: pair ``j`` (``0 <= j < head_dim / 2``) is ``x = (x_j, x_{j + head_dim/2})`` (NeoX / Llama
   pairing, so a rotary embedding is one hook); the query hook sees ``batch_idx``, ``qo_pos`` and
   ``qo_head_idx``, the key hook ``batch_idx``, ``kv_idx`` and ``kv_head_idx``, both ``pair``. Decode
-  and fa2 prefill apply them in shared memory (a query row once, a key tile as it lands); fa3 prefill
-  has no such pass (``backend="auto"`` runs fa2).
+  and prefill (fa2, fa3) apply them in shared memory (a query row once, a key tile as it lands).
 
 Each hook is a CUDA function body that returns a value. It sees ``params`` (a struct with
 ``sm_scale`` and the variant's declared parameters by name) and the position of the logit:
@@ -38,7 +37,7 @@ composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one `
 that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
 check every wrapper and ``single_*`` function calls. The fused RoPE (``pos_encoding_mode=
 "ROPE_LLAMA"``) is a Variant too, but its query / key transform is built into the decode and
-fa2 kernels (``CUATTN_VARIANT_ROPE``: its float-float angles and angle addition along a key tile are
+prefill kernels (``CUATTN_VARIANT_ROPE``: its float-float angles and angle addition along a key tile are
 faster than a per-pair hook); a user's rotary embedding is a ``query_transform`` / ``key_transform``.
 
 The NumPy path runs a variant through NumPy versions of the hooks (``numpy={hook: callable}``):
@@ -273,7 +272,7 @@ class Composite:
     @property
     def has_qk_transform(self) -> bool:
         """The kernels rewrite q and K rows in shared memory: the built-in RoPE or a user query / key
-        transform (no fa3 kernel; no fp8 KV decode kernel)."""
+        transform (no fp8 KV kernel)."""
         return self.has_rope or self.has("query_transform") or self.has("key_transform")
 
     @property

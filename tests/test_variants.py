@@ -442,10 +442,10 @@ def test_fused_rope_refusals():
     q = np.zeros((3, 4, 64), np.float16)
     with pytest.raises(UnsupportedError, match="rotary_dim=48"):
         cuattn.single_prefill_with_kv_cache(q, q, q, pos_encoding_mode="ROPE_LLAMA", rotary_dim=48)
-    with pytest.raises(UnsupportedError, match="fa3 has no fused RoPE"):
-        cuattn.single_prefill_with_kv_cache(np.zeros((3, 4, 128), np.float16), np.zeros((3, 4, 128), np.float16),
-                                            np.zeros((3, 4, 128), np.float16), pos_encoding_mode="ROPE_LLAMA",
-                                            backend="fa3")
+    with pytest.raises(UnsupportedError, match="16-bit KV cache"):   # fa2 and fa3 alike
+        cuattn.single_prefill_with_kv_cache(np.zeros((3, 4, 128), np.float16), np.zeros((3, 4, 128), np.uint8),
+                                            np.zeros((3, 4, 128), np.uint8), pos_encoding_mode="ROPE_LLAMA",
+                                            kv_data_type="float8_e4m3fn", backend="fa3")
     with pytest.raises(ValueError, match="belong to pos_encoding_mode='ROPE_LLAMA'"):
         cuattn.single_prefill_with_kv_cache(q, q, q, rope_theta=1e4)
 
