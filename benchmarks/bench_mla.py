@@ -4,7 +4,8 @@ name in the same process when ``import flashinfer`` works (skipped with a note o
 
 Shapes (issue 14): decode (qo_len 1), batch {1, 16, 64, 128} x kv_len {1k, 4k, 16k, 32k}, heads 16 and
 128, head_dim_ckv 512 + head_dim_kpe 64, page 64 in random page order, bf16 (--dtype). --quick: batch
-{1, 64} x kv {1k, 16k}.
+{1, 64} x kv {1k, 16k}. --backend (the wrapper's): "auto" runs the Hopper kernel mla_sm90.cu ("fa3") on
+sm_90 and mla.cu ("fa2") elsewhere; every row names the kernel that ran.
 
 Timing: CUDA events around each run() (the attention kernel plus the split-KV merge when the plan
 splits), 256 MB L2 read-flush before every timed call (bench_decode.l2_flush), 5 warm-up + N timed
@@ -14,7 +15,8 @@ calls (default 30), median reported. Ceilings measured in the same run: read-onl
 below; TFLOP/s over the FLOPs below.
 
     python benchmarks/bench_mla.py [--quick] [--batch 1 16 64 128] [--kv-len 1024 4096 16384 32768]
-        [--heads 16 128] [--dtype bfloat16|float16] [--reps 30] [--check] [--out results.json]
+        [--heads 16 128] [--dtype bfloat16|float16] [--backend auto|fa2|fa3] [--reps 30] [--check]
+        [--out results.json]
 """
 from __future__ import annotations
 
@@ -116,6 +118,8 @@ def main():
     ap.add_argument("--kv-len", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "fa2", "fa3"],
+                    help="cuattn's MLA kernel: auto = fa3 (mla_sm90.cu) on sm_90, else fa2 (mla.cu)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--check", action="store_true", help="check 2 requests per shape against float64")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mla_<gpu>_<date>.json)")
@@ -143,7 +147,7 @@ def main():
     itemsize = 2
     scale = 1 / math.sqrt(CKV + KPE)
     hdr = (f"{'heads':>5} {'batch':>5} {'kv_len':>6} {'us':>9} {'TB/s':>6} {'%read':>6} {'TFLOP/s':>8} {'%mma':>5} "
-           f"{'FI us':>9} {'FI/ours':>7}  plan")
+           f"{'FI us':>9} {'FI/ours':>7}  kernel  plan")
     print(hdr, flush=True)
     rows = []
     for heads in args.heads:
@@ -151,7 +155,7 @@ def main():
             for kv_len in args.kv_len:
                 qo_indptr, kv_indptr, kv_indices, kv_lens, arrs = setup(batch, kv_len, heads, args.dtype, 1)
                 ckv, kpe, qn, qp = arrs
-                w = cuattn.BatchMLAPagedAttentionWrapper()
+                w = cuattn.BatchMLAPagedAttentionWrapper(backend=args.backend)
                 w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, CKV, KPE, PAGE, False, scale,
                        args.dtype, args.dtype)
                 out = cp.empty(qn.shape, qn.dtype)
@@ -159,9 +163,11 @@ def main():
                 nbytes, flops = mla_bytes(batch, kv_len, heads, itemsize), mla_flops(batch, kv_len, heads)
                 tbs, tflops = nbytes / (us * 1e-6) / 1e12, flops / (us * 1e-6) / 1e12
                 desc = w.describe().splitlines()
+                kernel = next(d for d in desc if d.startswith("kernel: ")).split()[1]    # the spec's name
                 row = dict(heads=heads, batch=batch, kv_len=kv_len, us=round(us, 2), tbs=round(tbs, 3),
                            pct_read=round(100 * tbs / read_tbs, 1), tflops=round(tflops, 1),
-                           pct_mma=round(100 * tflops / mma, 1), bytes=nbytes, flops=flops, plan=desc[1:])
+                           pct_mma=round(100 * tflops / mma, 1), bytes=nbytes, flops=flops, kernel=kernel,
+                           plan=desc[1:])
                 fi = flashinfer_us(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, args.dtype, scale, arrs, reps,
                                    flush)
                 if fi is not None:
@@ -176,14 +182,14 @@ def main():
                 split = next((d for d in desc if d.startswith("split-KV")), "")
                 print(f"{heads:>5} {batch:>5} {kv_len:>6} {us:>9.1f} {tbs:>6.3f} {row['pct_read']:>6.1f} "
                       f"{tflops:>8.1f} {row['pct_mma']:>5.1f} {row.get('flashinfer_us', '-'):>9} "
-                      f"{row.get('flashinfer_over_ours', '-'):>7}  {split[:70]}"
+                      f"{row.get('flashinfer_over_ours', '-'):>7}  {kernel}  {split[:70]}"
                       + (f"  err {row['rel_err_2_requests']:.1e}" if args.check else "")
                       + (f"  |ours-FI|/|FI| {row['rel_diff_vs_flashinfer']:.1e}" if fi is not None else ""),
                       flush=True)
                 arrs = ckv = kpe = qn = qp = out = w = fi = None      # free this shape's cache before the next
                 cp.get_default_memory_pool().free_all_blocks()
     result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, matmul_tflops=mma), dtype=args.dtype,
-                  page_size=PAGE, reps=reps, timing=__doc__.split("\n\n")[2], rows=rows)
+                  page_size=PAGE, backend=args.backend, reps=reps, timing=__doc__.split("\n\n")[2], rows=rows)
     path = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                             f"mla_{gpu.replace(' ', '_')}_{env['date'][:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

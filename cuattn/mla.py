@@ -7,7 +7,8 @@ head scores against the same (ckv, kpe) of a token, ``s = (q_nope . ckv + q_pe .
 and reads the same ckv as its value: ``out = softmax(s) . ckv``.
 
 NumPy inputs run the reference path (float32 accumulation). GPU inputs run ``kernels_cu/mla.cu``
-(mma.sync tensor cores, sm_80+; fp16 / bf16 with q and the caches of one dtype): plan() builds
+(backend "fa2": mma.sync tensor cores, sm_80+; fp16 / bf16 with q and the caches of one dtype) or, on
+sm_90, ``kernels_cu/mla_sm90.cu`` (backend "fa3", ``mla_sm90.py``: wgmma, warp-specialised): plan() builds
 plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
 splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
 with the page table into ``plan.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, plan as _plan
+from . import arrays, jit, mla_sm90, plan as _plan
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
 from .params import Params
@@ -41,6 +42,7 @@ class MLASpec:
     dtype: str          # "f16" | "bf16": q, ckv / kpe caches and out
     stages: int = 2     # key tiles in the cp.async ring: 2 fit sm_80's 163 KiB of shared memory, 3 sm_90's 227
     source = _SOURCE
+    entry, threads, block_n, backend = _ENTRY, _THREADS, BLOCK_N, "fa2"   # as mla_sm90.Sm90MLASpec's
 
     @property
     def name(self) -> str:   # "mla_ckv512_kpe64_qf16_bm64_bn32_s2"
@@ -62,12 +64,12 @@ class MLASpec:
 MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its partial rows (<= 64 x 2 KiB) cost less
 
 
-def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None) -> int:
+def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None, block_n: int = BLOCK_N) -> int:
     """Keys per piece (0: none split): plan.choose_chunk over the (request, query tile) items with one
     resident CTA per SM (the kernel takes 156-193 KiB of shared memory) and pieces of >= MIN_PIECE
     keys (a batch of one 32k request: 128 pieces; plan.choose_prefill_chunk's 512 would leave half of
     132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace)."""
-    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, BLOCK_N, min_chunk=MIN_PIECE)
+    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, block_n, min_chunk=MIN_PIECE)
     if chunk and max_slots is not None:
         while int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
@@ -132,8 +134,12 @@ class BatchMLAPagedAttentionWrapper:
     use_cuda_graph : bool
         The first GPU ``plan()`` fixes the plan buffers' addresses and capacities, the grid and the
         kernel, so a captured ``run()`` replays correctly after later plans that fit them.
-    qo_indptr, kv_indptr, kv_indices, kv_len_arr, backend : accepted as FlashInfer's (cuattn keeps its
-        own plan buffers)
+    qo_indptr, kv_indptr, kv_indices, kv_len_arr : accepted as FlashInfer's (cuattn keeps its own plan
+        buffers)
+    backend : "auto" | "fa2" | "fa3"
+        The GPU kernel: "fa2" mla.cu (sm_80+); "fa3" the Hopper kernel mla_sm90.cu (UnsupportedError at a
+        GPU plan() where it has none: ``mla_sm90.unsupported_reason``); "auto" fa3 where it has a kernel,
+        else fa2. ``describe()`` names the kernel a plan runs.
     """
 
     _fn = "BatchMLAPagedAttentionWrapper"
@@ -143,6 +149,7 @@ class BatchMLAPagedAttentionWrapper:
         if backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"{self._fn}: backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
         self._plan = None
+        self._backend = backend
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads: int, head_dim_ckv: int,
@@ -155,7 +162,7 @@ class BatchMLAPagedAttentionWrapper:
 
         With a GPU (the device of ``kv_indices``, else the current one) the work list is built and
         uploaded here, on the current stream of ``kv_indices``' framework. ``fixed_split_size`` cuts
-        every (request, query tile) into pieces of that many keys (whole 32-key tiles);
+        every (request, query tile) into pieces of that many keys (whole key tiles: 32 keys fa2, 64 fa3);
         ``disable_split_kv=True`` never splits; by default plan.choose_prefill_chunk decides."""
         fn = f"{self._fn}.plan"
         _plan.check_fixed_split(fn, fixed_split_size)
@@ -205,19 +212,27 @@ class BatchMLAPagedAttentionWrapper:
         device = bufs.device_for(like)
         p.device = device
         short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
-        if device is None or short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype:
+        if device is None:
             return
-        spec = MLASpec(short, stages_for(jit.device_arch(device)))
+        arch = jit.device_arch(device)
+        backend = mla_sm90.resolve_backend(self._backend, fn, arch, short,
+                                           arrays.SHORT_NAME.get(arrays.logical_dtype(p.kv_dtype)))
+        if backend == "fa2" and (short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype):
+            return
+        # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout) and
+        #    mla.cu's spec, whose merge kernel joins split pieces of either
+        p.spec = MLASpec(short, stages_for(arch))
+        spec = p.spec if backend == "fa2" else mla_sm90.Sm90MLASpec(short)
         h, qo_lens = p.num_qo_heads, np.diff(p.qo_indptr)
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)
 
         def auto():
-            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats))
+            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats), spec.block_n)
             return c, _plan.split_reason(len(items[2]), sms, c)
-        chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, BLOCK_N, auto)
-        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, BLOCK_N, p.causal, chunk, items)
+        chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
+        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         i32 = np.int32
@@ -228,7 +243,7 @@ class BatchMLAPagedAttentionWrapper:
         kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale)
         ptrs = bufs.upload(fn, segments, kernel, like)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))
-        p.run_spec, p.work_list, p.meta, p.split_why = spec, wl, ptrs, why
+        p.run_spec, p.backend, p.work_list, p.meta, p.split_why = spec, backend, wl, ptrs, why
         p.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
         p.grid_merge = bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS)
 
@@ -243,10 +258,11 @@ class BatchMLAPagedAttentionWrapper:
         if p.meta is None:
             return "\n".join(lines + ["NumPy reference path (no GPU kernel planned)"])
         wl = p.work_list
-        lines.append(f"kernel: {p.run_spec.name}, tiles of {BLOCK_M} packed rows (token x head) x {BLOCK_N} keys")
+        lines.append(f"kernel: {p.run_spec.name} (backend {p.backend}), tiles of {BLOCK_M} packed rows (token x "
+                     f"head) x {p.run_spec.block_n} keys")
         lines.append(f"work: {len(wl.work)} CTAs on {_plan.num_sms(p.device)} SMs"
                      + (f"; grid padded to {p.grid_work} (CUDA graph)" if self._bufs.graph else ""))
-        return "\n".join(lines + _plan.describe_split(wl, BLOCK_N, p.split_why))
+        return "\n".join(lines + _plan.describe_split(wl, p.run_spec.block_n, p.split_why))
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
@@ -382,8 +398,8 @@ class BatchMLAPagedAttentionWrapper:
         spec, meta = p.run_spec, p.meta
         qn, qp, ckv, kpe = ts["q_nope"], ts["q_pe"], ts["ckv_cache"], ts["kpe_cache"]
         if p.grid_work:
-            launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds, spec.smem_bytes)
-            launch((p.grid_work,), _THREADS, ctx.stream, *PARAMS.pack(
+            launch = jit.get_launcher(spec, spec.entry, ctx.device, PARAMS.kinds, spec.smem_bytes)
+            launch((p.grid_work,), spec.threads, ctx.stream, *PARAMS.pack(
                 work=meta["work"], kv_chunk=meta["kv_chunk"], qo_indptr=meta["qo_indptr"],
                 kv_indptr=meta["kv_indptr"], kv_indices=meta["kv_indices"], kv_len_arr=meta["kv_len"],
                 q_nope=qn.ptr, q_pe=qp.ptr, ckv_cache=ckv.ptr, kpe_cache=kpe.ptr, out=ot.ptr, lse=lse_ptr,
@@ -395,7 +411,7 @@ class BatchMLAPagedAttentionWrapper:
         # -- split items' pieces (graph mode: always, over the merge rows' capacity, so a replay after a
         #    plan that splits merges too)
         if p.grid_merge and (p.work_list.split or self._bufs.graph):
-            merge = jit.get_launcher(spec, _MERGE_ENTRY, ctx.device, MERGE_PARAMS.kinds)
+            merge = jit.get_launcher(p.spec, _MERGE_ENTRY, ctx.device, MERGE_PARAMS.kinds)   # mla.cu's
             merge((p.grid_merge, BLOCK_M), _MERGE_THREADS, ctx.stream, *MERGE_PARAMS.pack(
                 merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"], part_lse=meta["part_lse"],
                 out=ot.ptr, lse=lse_ptr, num_heads=p.num_qo_heads, o_s_tok=ot.strides[0], o_s_head=ot.strides[1],

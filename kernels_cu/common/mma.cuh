@@ -40,6 +40,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// -- arrive on mbarrier `bar` (a shared::cta address) once every cp.async this thread issued so far has
+//    landed; .noinc: that arrival is one of the barrier's expected count (init it with the arriving threads)
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // -- four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, reg i holds it
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -1,0 +1,79 @@
+"""The Hopper MLA kernel (backend "fa3" of ``BatchMLAPagedAttentionWrapper``): ``kernels_cu/mla_sm90.cu``
+(wgmma, mbarriers, warp specialisation; sm_90a only).
+
+``mla.py`` plans and launches it: the kernel takes mla.cu's parameter list (``mla.PARAMS``, under the entry
+``cuattn_mla_sm90``) and the same work list, page table and split-KV partial layout (64 packed rows a
+tile), so the plan and mla.cu's merge kernel serve both kernels; only the spec, the key tile (64 keys
+instead of 32, which sets the split granularity) and the launch geometry differ.
+
+Cases with a kernel: device sm_90, q and the latent caches float16 or bfloat16 of one dtype (no fp8
+cache), any page size (the producer warpgroup gathers rows through the page table with cp.async),
+causal or not, any number of heads and query tokens. ``unsupported_reason`` names the first limit a call
+hits: backend "fa3" raises UnsupportedError with it, "auto" runs mla.cu.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UnsupportedError
+
+ARCH = "sm_90a"
+ENTRY = "cuattn_mla_sm90"
+BLOCK_M, BLOCK_N, THREADS = 64, 64, 384      # packed query rows, keys per tile, 3 warpgroups
+_D_QK = 512 + 64
+
+
+@dataclass(frozen=True)
+class Sm90MLASpec:
+    dtype: str              # "f16" | "bf16": q, ckv / kpe caches and out
+    source = "mla_sm90.cu"
+    entry = ENTRY
+    threads = THREADS
+    block_n = BLOCK_N
+    backend = "fa3"
+    archs = (ARCH,)         # built for sm_90a alone (cli.shipped_specs(arch))
+
+    @property
+    def name(self) -> str:   # "mla_sm90_ckv512_kpe64_qf16_bm64_bn64"
+        return f"mla_sm90_ckv512_kpe64_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}"
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DDTYPE=cuattn::{self.dtype}",)
+
+    @property
+    def smem_bytes(self) -> int:
+        """mla_sm90.cu SMEM_BYTES + 1024 of alignment slack: Q, 2 key tiles (64 x 576 16-bit each), P
+        (64 x 64 16-bit), two rows of 64 floats, 6 mbarriers."""
+        tile = BLOCK_M * _D_QK * 2
+        return 1024 + 3 * tile + BLOCK_M * BLOCK_N * 2 + 2 * 256 + 6 * 8
+
+
+def shipped_specs() -> list[Sm90MLASpec]:
+    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
+    return [Sm90MLASpec(d) for d in ("f16", "bf16")]
+
+
+def unsupported_reason(arch: str | None, q_dtype: str | None, kv_dtype: str | None) -> str | None:
+    """Why backend "fa3" has no MLA kernel for a case (None: it has one). ``arch`` None: not checked.
+    Dtypes are short names ("f16", "bf16", "e4m3", ...; None: another dtype)."""
+    if arch is not None and arch != ARCH:
+        return f"the fa3 MLA kernel needs an sm_90 GPU (wgmma); this device compiles for {arch}"
+    if q_dtype not in ("f16", "bf16"):
+        return f"the fa3 MLA kernel takes float16 / bfloat16 queries, got q_data_type {q_dtype}"
+    if kv_dtype != q_dtype:
+        return (f"the fa3 MLA kernel reads a latent cache of the queries' dtype ({q_dtype}), got kv_data_type "
+                f"{kv_dtype} (no fp8 cache)")
+    return None
+
+
+def resolve_backend(backend: str, fn: str, arch: str | None, q_dtype: str | None, kv_dtype: str | None) -> str:
+    """"fa2" (mla.cu) or "fa3" (mla_sm90.cu) for a GPU plan: "fa2" as asked; "fa3" where it has a kernel,
+    else UnsupportedError naming the case; "auto": "fa3" where it has a kernel, else "fa2"."""
+    if backend == "fa2":
+        return "fa2"
+    reason = unsupported_reason(arch, q_dtype, kv_dtype)
+    if reason is None:
+        return "fa3"
+    if backend == "fa3":
+        raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
+    return "fa2"

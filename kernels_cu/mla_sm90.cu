@@ -1,0 +1,397 @@
+// mla_sm90.cu — launched by cuattn/mla_sm90.py (Sm90MLASpec, PARAMS: mla.cu's parameter list under another
+// entry name; tests/test_mla_sm90.py checks the two agree). The Hopper MLA kernel (backend "fa3"; sm_90a only:
+// wgmma, mbarriers, setmaxnreg). Split pieces are merged by mla.cu's cuattn_mla_merge (same partial layout).
+// Compile-time: DTYPE (cuattn::f16 | cuattn::bf16: q, caches and out).
+// Fixed: head_dim_ckv 512, head_dim_kpe 64, BLOCK_M 64 packed query rows, BLOCK_N 64 keys, 2 key-tile stages.
+// Grid (num_work); block 384 (3 warpgroups); dynamic smem 1024 (alignment) + SMEM_BYTES (mla_sm90.py mirrors it).
+//
+// One CTA = one work item of plan.prefill_work_list (request, query tile, kv piece, partial slot), as mla.cu:
+// 64 packed rows (row = token * num_heads + head of the request's queries), keys [kv_lo, kv_end) of the piece.
+// FlashMLA's design (deepseek-ai/FlashMLA, sm90 decode), written from its description:
+//   - warpgroup 0, the producer: 128 threads gather Q (64 x 576, once) and key tiles (64 tokens x 576 =
+//     [ckv 512 | kpe 64]) with 16-byte cp.async through the page table (any page size: a row's page id and
+//     slot come from kv_indices), into the 128-byte-swizzled layout wgmma reads: a tile is 9 column blocks
+//     of [64 rows][64 elements], chunk c of row r at (c / 8) * 8192 + r * 128 + ((c % 8) ^ (r % 8)) * 16.
+//     Keys past the piece are zero-filled (K and V rows 0: masked in S, and 0 x 0 in P V). Each thread's
+//     copies of a tile complete on the stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc, 128
+//     arrivals); it waits on the stage's "empty" mbarrier (8 consumer warps) before refilling it.
+//   - warpgroup 1 (consumer A): S = Q K^T (wgmma m64n64k16, Q and K from smem, 36 k-steps over 576 dims),
+//     masks, online softmax (base 2, log2 e folded into the scale), P to 16 bits; P and the rows' rescale
+//     factors go to shared memory for warpgroup 2; O[:, 0:256] += P V[:, 0:256] (wgmma m64n256k16, P from
+//     registers, V = the ckv columns of the same smem tile read N-major). As prefill_sm90.cu: S(t) is issued
+//     together with P(t-1) V(t-1), and the softmax of S(t) runs while that product is in flight; P(t) is
+//     shared once it has landed (shared-memory stores while a wgmma reading registers is in flight make
+//     ptxas serialize every wgmma: warning C7513, which tests/test_mla_sm90.py checks is absent).
+//   - warpgroup 2 (consumer B): per tile, waits for P(t) (mbarrier "p_full"), rescales its accumulator by
+//     the shared factors, O[:, 256:512] += P V[:, 256:512] (wgmma m64n256k16, P and V from smem), then
+//     frees P (mbarrier "p_empty") and the stage.
+//   Why P through shared memory and not S computed twice: S is 576 / 1088 of a tile's tensor work; both
+//   warpgroups computing it would cost 53% more tensor time at 128 heads (compute bound), while P is 8 KiB
+//   written once per tile. The price is one handshake per tile (consumer A waits p_empty before writing
+//   P(t), i.e. for consumer B's P(t-1) V product, which runs beside A's S(t) and softmax).
+//   Shared memory (227 KiB max): Q 72 KiB + 2 key stages 144 KiB + P 8 KiB + row factors: two stages only.
+//   Registers: producer 56, consumers 224 (setmaxnreg; 128 accumulators of O per thread + S and P in A).
+// Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
+//   qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
+// Output: final rows (DTYPE) and LSE (base 2 times lse_scale), or for a split item fp32 normalized rows in
+//   part_o rows slot * 64 + r (512 floats each) and base-2 LSEs in part_lse[slot * 64 + r] (mla.cu's layout).
+// Work rows of -1 pad a CUDA-graph plan's fixed grid: those CTAs return at once.
+#include "common/dtypes.cuh"
+#include "common/mma.cuh"
+#include "common/softmax.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+
+using namespace cuattn;
+using T = DTYPE;
+
+namespace {
+constexpr int D_CKV = 512, D_KPE = 64, D_QK = D_CKV + D_KPE;
+constexpr int BLOCK_M = 64, BLOCK_N = 64, STAGES = 2;
+constexpr int CHUNKS = D_QK / 8;                      // 16-byte chunks per row: 64 of ckv, 8 of kpe
+constexpr uint32_t COL_BLOCK = 64 * 128;              // one [64 rows][64 elements] swizzled column block
+constexpr uint32_t TILE_BYTES = (D_QK / 64) * COL_BLOCK;   // Q or a key tile: 9 column blocks
+constexpr uint32_t OFF_K = TILE_BYTES, OFF_P = OFF_K + STAGES * TILE_BYTES;
+constexpr uint32_t OFF_SCALE = OFF_P + COL_BLOCK;     // 64 floats: the rows' rescale factors of the current P
+constexpr uint32_t OFF_L = OFF_SCALE + 256;           // 64 floats: the rows' final sums (epilogue)
+constexpr uint32_t OFF_BAR = OFF_L + 256;             // full[2], empty[2], p_full, p_empty
+constexpr uint32_t SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 2);
+constexpr int V_HALF = D_CKV / 2;                     // output columns per consumer warpgroup
+constexpr int WORK_COLS = 4;                          // plan.PREFILL_COLS
+#ifndef PRODUCER_REGS
+#define PRODUCER_REGS 56    // 128 x 56 + 256 x 224 <= 64 Ki registers
+#define CONSUMER_REGS 224
+#endif
+static_assert(CHUNKS == 72 && D_CKV % 64 == 0, "Q / key rows are 9 column blocks: 8 of ckv, 1 of kpe");
+static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory of one CTA");
+
+// -- byte offset of 16-byte chunk c of row r (0..63) in a swizzled 64-row tile
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return uint32_t((c >> 3) * COL_BLOCK + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+// -- a value the compiler cannot see through: descriptors are built where a tile is issued, from it,
+//    instead of all 36 k-steps' being hoisted out of the tile loop into registers
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
+    const int32_t* __restrict__ work,        // [num_work, 4] (request, query tile, kv piece, partial slot)
+    const int32_t* __restrict__ kv_chunk,    // [1]: keys per piece (0: nothing split)
+    const int32_t* __restrict__ qo_indptr,   // [batch + 1]
+    const int32_t* __restrict__ kv_indptr,   // [batch + 1]: first page slot of each request
+    const int32_t* __restrict__ kv_indices,  // page ids
+    const int32_t* __restrict__ kv_len_arr,  // [batch]
+    const T* __restrict__ q_nope,            // [nnz_qo, num_heads, 512]
+    const T* __restrict__ q_pe,              // [nnz_qo, num_heads, 64]
+    const T* __restrict__ ckv_cache,         // [num_pages, page_size, 512]
+    const T* __restrict__ kpe_cache,         // [num_pages, page_size, 64]
+    T* __restrict__ out,                     // [nnz_qo, num_heads, 512]
+    float* __restrict__ lse,                 // [nnz_qo, num_heads] contiguous, or null
+    float* __restrict__ part_o,              // [slots * 64, 512]
+    float* __restrict__ part_lse,            // [slots * 64]
+    int num_heads, int page_size, int causal,
+    int64_t qn_s_tok, int64_t qn_s_head, int64_t qp_s_tok, int64_t qp_s_head,
+    int64_t ckv_s_page, int64_t ckv_s_tok, int64_t kpe_s_page, int64_t kpe_s_tok,
+    int64_t o_s_tok, int64_t o_s_head, float scale_log2, float lse_scale) {
+  extern __shared__ uint8_t smem_raw[];
+  const int32_t* item = work + WORK_COLS * blockIdx.x;
+  const int req = item[0];
+  if (req < 0) return;                 // padding of a CUDA-graph plan
+  const int tile = item[1], piece = item[2], slot_out = item[3];
+  const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - smem_u32(smem_raw));        // the same bytes, generic address
+  const uint32_t sQ = base, sK = base + OFF_K, sP = base + OFF_P;
+  float* s_scale = reinterpret_cast<float*>(smem + OFF_SCALE);
+  float* s_l = reinterpret_cast<float*>(smem + OFF_L);
+  const uint32_t bars = base + OFF_BAR;
+#define FULL(s) (bars + 8 * (s))
+#define EMPTY(s) (bars + 8 * (STAGES + (s)))
+#define P_FULL (bars + 8 * (2 * STAGES))
+#define P_EMPTY (bars + 8 * (2 * STAGES + 1))
+  const int tid = int(threadIdx.x);
+
+  const int64_t q_base = qo_indptr[req];
+  const int qo_len = qo_indptr[req + 1] - int(q_base);
+  const int kv_len = kv_len_arr[req];
+  const int rows = qo_len * num_heads;           // packed rows of the request
+  const int row0 = tile * BLOCK_M;
+  const int shift = kv_len - qo_len;             // causal: token t sees keys <= t + shift
+  // -- the piece's keys [kv_lo, kv_end): causal-trimmed to the tile's last row, cut to the piece (mla.cu's)
+  int kv_end = kv_len;
+  if (causal) kv_end = min(kv_len, max(0, (min(rows, row0 + BLOCK_M) - 1) / num_heads + shift + 1));
+  int kv_lo = 0;
+  const int chunk = *kv_chunk;
+  if (chunk > 0) {
+    kv_lo = piece * chunk;
+    kv_end = min(kv_end, kv_lo + chunk);
+  }
+  const int num_tiles = kv_end > kv_lo ? (kv_end - kv_lo + BLOCK_N - 1) / BLOCK_N : 0;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(FULL(s), 128);          // every producer thread's cp.async arrival
+      mbar_init(EMPTY(s), 8);           // lane 0 of every consumer warp
+    }
+    mbar_init(P_FULL, 128);             // every thread of consumer A
+    mbar_init(P_EMPTY, 128);            // every thread of consumer B
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<PRODUCER_REGS>();
+    // thread: rows r16 + 16 j (j < 4), chunk sub of column block i (i < 9: 8 of ckv, then kpe); a warp's
+    // instruction covers 4 rows x 128 contiguous bytes
+    const int sub = tid & 7, r16 = tid >> 3;
+    if (num_tiles > 0) {
+#pragma unroll 1
+      for (int j = 0; j < 4; ++j) {     // -- Q rows past the request: zeros
+        const int r = r16 + 16 * j, pr = row0 + r;
+        const bool ok = pr < rows;
+        const int64_t tok = q_base + (ok ? pr / num_heads : 0);
+        const int head = ok ? pr % num_heads : 0;
+        const T* qn = q_nope + tok * qn_s_tok + head * qn_s_head + sub * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) cp_async_16(sQ + swz(r, sub + 8 * i), qn + i * 64, ok ? 16 : 0);
+        cp_async_16(sQ + swz(r, 64 + sub), q_pe + tok * qp_s_tok + head * qp_s_head + sub * 8, ok ? 16 : 0);
+      }
+    }
+    const int page_base = kv_indptr[req];
+    int page[4];                        // the page ids of this thread's rows of the next tile
+    auto page_ids = [&](int t) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = kv_lo + t * BLOCK_N + r16 + 16 * j;
+        page[j] = key < kv_end ? kv_indices[page_base + key / page_size] : 0;
+      }
+    };
+    if (num_tiles > 0) page_ids(0);
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % STAGES;
+      mbar_wait(EMPTY(s), ((t / STAGES) & 1) ^ 1);    // the consumers are done with tile t - STAGES
+      const uint32_t dst = sK + s * TILE_BYTES;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {        // (unrolled: page[] stays in registers)
+        const int r = r16 + 16 * j, key = kv_lo + t * BLOCK_N + r;
+        const bool ok = key < kv_end;
+        const int slot = ok ? key % page_size : 0;
+        const T* ckv = ckv_cache + int64_t(page[j]) * ckv_s_page + slot * ckv_s_tok + sub * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) cp_async_16(dst + swz(r, sub + 8 * i), ckv + i * 64, ok ? 16 : 0);
+        cp_async_16(dst + swz(r, 64 + sub), kpe_cache + int64_t(page[j]) * kpe_s_page + slot * kpe_s_tok + sub * 8,
+                    ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive_noinc(FULL(s));            // (tile 0's arrival covers the Q copies too)
+      if (t + 1 < num_tiles) page_ids(t + 1);
+    }
+    cp_async_wait<0>();                 // no copy lands after this thread has left
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<CONSUMER_REGS>();
+  const int wg = tid / 128 - 1;            // 0: consumer A (S, softmax, O columns 0..255); 1: consumer B (256..511)
+  const int wt = tid % 128;
+  const int warp = wt / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+  const int r_lo = warp * 16 + g;          // this thread's rows r_lo and r_lo + 8 (wgmma accumulator layout)
+  const float neg_inf = __int_as_float(0xff800000);
+  float acc[128];                          // O[rows, wg * 256 + 8 n + 2 t4 + e]: acc[4 n + 2 h + e], row r_lo + 8 h
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  float m_i[2] = {neg_inf, neg_inf}, l_i[2] = {0.f, 0.f};
+  auto release = [&](int s) {              // this warp is done reading key stage s
+    __syncwarp();
+    if (lane == 0) mbar_arrive(EMPTY(s));
+  };
+  auto rescale = [&](float c0, float c1) {
+#pragma unroll
+    for (int n = 0; n < V_HALF / 8; ++n) {
+      acc[4 * n + 0] *= c0;
+      acc[4 * n + 1] *= c0;
+      acc[4 * n + 2] *= c1;
+      acc[4 * n + 3] *= c1;
+    }
+  };
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- consumer A
+    int lim[2];                            // first key a row may not see
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int pr = row0 + r_lo + 8 * h;
+      lim[h] = causal ? min(kv_end, pr / num_heads + shift + 1) : kv_end;
+    }
+    uint32_t p[BLOCK_N / 16][4];           // P(t) as the A fragments of 4 k-steps of 16 keys
+    auto issue_qk = [&](float (&s)[32], int t) {
+      const uint64_t dq = wgmma_desc(opaque(sQ), 16, 1024);
+      const uint64_t dk = wgmma_desc(opaque(sK + (t % STAGES) * TILE_BYTES), 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D_QK / 16; ++kk) {
+        const uint32_t off = ((kk / 4) * COL_BLOCK + (kk % 4) * 32) >> 4;
+        wgmma_m64n64k16_ss<T>(s, dq + off, dk + off, kk > 0);
+      }
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int t) {           // V columns 0..255: column blocks 0..3, LBO = one block
+      const uint64_t dv = wgmma_desc(opaque(sK + (t % STAGES) * TILE_BYTES), COL_BLOCK, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_m64n256k16_rs_tb<T>(acc, p[kk], dv + ((kk * 16 * 128) >> 4));
+      wgmma_commit();
+    };
+    // -- masks, then online softmax: s becomes P (fp32), corr the rows' rescale factors
+    auto softmax = [&](float (&s)[32], int t, float (&corr)[2]) {
+      const int key0 = kv_lo + t * BLOCK_N;
+#pragma unroll
+      for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (key0 + 8 * n + 2 * t4 + e >= lim[h]) s[4 * n + 2 * h + e] = neg_inf;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        corr[h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
+                                                  [&](int k, float v) { s[4 * (k >> 1) + 2 * h + (k & 1)] = v; },
+                                                  m_i[h], l_i[h], scale_log2);
+    };
+    // -- P(t) (the packed fragments p: 16-bit, stored in the swizzled K-major layout of a [64 rows][64 keys]
+    //    A operand) and the factors to consumer B. Called with no wgmma in flight: stores while a product
+    //    reading p is in flight make ptxas serialize every wgmma of the kernel (warning C7513)
+    auto share_p = [&](const float (&corr)[2], int t) {
+      mbar_wait(P_EMPTY, (t & 1) ^ 1);     // consumer B is done with P(t - 1)
+      uint8_t* sp = smem + OFF_P;
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {      // keys 16 kk + 8 i + 2 t4, + 1: 16-byte chunk 2 kk + i of the row
+          const int col = (((2 * kk + i) ^ g) << 4) + 4 * t4;   // (r_lo + 8) % 8 == r_lo % 8 == g
+          *reinterpret_cast<uint32_t*>(sp + r_lo * 128 + col) = p[kk][2 * i];
+          *reinterpret_cast<uint32_t*>(sp + (r_lo + 8) * 128 + col) = p[kk][2 * i + 1];
+        }
+      if (t4 == 0) {
+        s_scale[r_lo] = corr[0];
+        s_scale[r_lo + 8] = corr[1];
+      }
+      fence_proxy_async();                 // generic stores -> consumer B's wgmma reads
+      mbar_arrive(P_FULL);
+    };
+    auto pack_p = [&](const float (&s)[32]) {
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        p[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    };
+
+    if (num_tiles > 0) {
+      {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
+        float s[32], corr[2];
+        mbar_wait(FULL(0), 0);
+        fence_proxy_async();               // cp.async writes (seen through the mbarrier) -> wgmma reads
+        issue_qk(s, 0);
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+        softmax(s, 0, corr);
+        pack_p(s);
+        share_p(corr, 0);
+      }
+#pragma unroll 1
+      for (int t = 1; t < num_tiles; ++t) {
+        float s[32], corr[2];
+        mbar_wait(FULL(t % STAGES), (t / STAGES) & 1);
+        fence_proxy_async();
+        issue_qk(s, t);
+        issue_pv(t - 1);
+        wgmma_wait<1>();                   // S(t) has landed; P(t-1) V(t-1) may still run
+        wgmma_fence_regs(s);
+        softmax(s, t, corr);
+        wgmma_wait<0>();
+        wgmma_fence_regs(acc);
+        release((t - 1) % STAGES);
+        rescale(corr[0], corr[1]);
+        pack_p(s);
+        share_p(corr, t);
+      }
+      issue_pv(num_tiles - 1);
+      wgmma_wait<0>();
+      wgmma_fence_regs(acc);
+      release((num_tiles - 1) % STAGES);
+    }
+    // -- the rows' sums for consumer B (quad-reduced: every thread of a quad holds a quarter)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+      l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+    }
+    if (t4 == 0) {
+      s_l[r_lo] = l_i[0];
+      s_l[r_lo + 8] = l_i[1];
+    }
+  } else {
+    // ---------------------------------------------------------------- consumer B
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % STAGES;
+      mbar_wait(P_FULL, t & 1);
+      const float c0 = s_scale[r_lo], c1 = s_scale[r_lo + 8];
+      mbar_wait(FULL(s), (t / STAGES) & 1);    // complete already (consumer A saw it): V visible to this thread
+      fence_proxy_async();
+      rescale(c0, c1);
+      // V columns 256..511: column blocks 4..7 of the stage
+      const uint64_t dv = wgmma_desc(opaque(sK + s * TILE_BYTES + 4 * COL_BLOCK), COL_BLOCK, 1024);
+      const uint64_t dp = wgmma_desc(opaque(sP), 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_m64n256k16_ss_tb<T>(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_regs(acc);
+      mbar_arrive(P_EMPTY);                // P(t) and its factors are read
+      release(s);
+    }
+  }
+  named_barrier(1, 256);                   // consumer A's row sums are in s_l
+
+  // -- epilogue: O / l; consumer A also writes the LSE. Final rows (DTYPE) or, for a split item, fp32 partials
+  const int col0 = wg * V_HALF + 2 * t4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h, pr = row0 + r;
+    if (pr >= rows) continue;
+    const float l = s_l[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse2 = l > 0.f ? m_i[h] + __log2f(l) : neg_inf;     // (m_i: consumer A's alone)
+    if (slot_out < 0) {
+      const int64_t tok = q_base + pr / num_heads;
+      const int head = pr % num_heads;
+      T* orow = out + tok * o_s_tok + head * o_s_head + col0;
+#pragma unroll
+      for (int n = 0; n < V_HALF / 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
+      if (lse != nullptr && wg == 0 && t4 == 0) lse[tok * num_heads + head] = lse2 * lse_scale;
+    } else {
+      const int64_t prow = int64_t(slot_out) * BLOCK_M + r;
+      float* orow = part_o + prow * D_CKV + col0;
+#pragma unroll
+      for (int n = 0; n < V_HALF / 8; ++n)
+        *reinterpret_cast<float2*>(orow + n * 8) = make_float2(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
+      if (wg == 0 && t4 == 0) part_lse[prow] = lse2;
+    }
+  }
+#undef FULL
+#undef EMPTY
+#undef P_FULL
+#undef P_EMPTY
+}

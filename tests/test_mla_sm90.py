@@ -1,0 +1,216 @@
+"""The Hopper MLA kernel (backend "fa3", kernels_cu/mla_sm90.cu): its compile (sm_90a, no spills, no
+serialized wgmma), parameter list and backend choice on the CPU; on an sm_90 GPU (gpu marker) the kernel
+against tests/test_mla.py's float64 oracle (decode at 16 and 128 heads, multi-token causal, page sizes 1 /
+16 / 64, fp16 / bf16, split-KV, CUDA-graph replay), each asserting that the fa3 kernel ran."""
+import numpy as np
+import pytest
+
+import cuattn
+from cuattn import UnsupportedError, cli, jit, mla, mla_sm90
+
+from .conftest import gpu_cc
+from .oracle import rel_err
+from .test_mla import BF16, CKV, KPE, SCALE, _cp, _dev, _nan, check_gpu, mla_case, planned
+from .test_params import c_signature
+
+# ============================================================================ CPU (CI)
+
+
+@pytest.mark.parametrize("spec", mla_sm90.shipped_specs(), ids=lambda s: s.name)
+def test_sm90_mla_compiles_without_spills_or_serialized_wgmma(spec):
+    res = jit.compile_kernel(spec, "sm_90a").resources[mla_sm90.ENTRY]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack_frame"] == 0, (spec.name, res)
+    # ptxas serializes every wgmma of a kernel (warning C7513) when registers a wgmma reads are written while
+    # one is in flight: correct, but several times slower
+    status, _, log = jit._nvrtc().compile(jit.source_text(spec), f"{spec.name}.cu", jit.compile_options(spec, "sm_90a"))
+    assert status == 0 and "C7513" not in log and "erializ" not in log, log
+    assert spec.smem_bytes <= 227 * 1024
+
+
+def test_sm90_mla_specs_are_shipped_for_sm90a_only():
+    names = {s.name for s in mla_sm90.shipped_specs()}
+    assert len(names) == 2
+    assert names <= {s.name for s in cli.shipped_specs("sm_90a")}
+    assert not names & {s.name for s in cli.shipped_specs("sm_80")}
+
+
+def test_sm90_mla_takes_mla_cu_parameter_list():
+    assert c_signature("mla_sm90.cu", mla_sm90.ENTRY, {}) == list(zip(mla.PARAMS.names, mla.PARAMS.kinds))
+
+
+def test_mla_backend_choice_is_made_in_one_place():
+    res = mla_sm90.resolve_backend
+    assert res("auto", "f", "sm_90a", "f16", "f16") == "fa3"
+    assert res("auto", "f", "sm_90a", "bf16", "bf16") == "fa3"
+    assert res("fa3", "f", "sm_90a", "bf16", "bf16") == "fa3"
+    for args in (("sm_80", "f16", "f16"), ("sm_90a", "f16", "e4m3"), ("sm_90a", None, None)):
+        assert res("auto", "f", *args) == "fa2"
+        assert res("fa2", "f", *args) == "fa2"
+    with pytest.raises(UnsupportedError, match="f: backend='fa3': .*needs an sm_90 GPU"):
+        res("fa3", "f", "sm_80", "f16", "f16")
+    with pytest.raises(UnsupportedError, match="kv_data_type e4m3 .no fp8 cache"):
+        res("fa3", "f", "sm_90a", "f16", "e4m3")
+    with pytest.raises(ValueError, match="backend must be"):
+        cuattn.BatchMLAPagedAttentionWrapper(backend="fa4")
+
+
+def test_mla_fa3_numpy_inputs_run_the_reference():
+    c = mla_case(21, [4, 1], [90, 33], 16)
+    w = cuattn.BatchMLAPagedAttentionWrapper(backend="fa3")
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, True, SCALE,
+           "float16", "float16")
+    a = w.run(c["qn"], c["qp"], c["ckv"], c["kpe"])
+    b = planned(c, True, sm_scale=SCALE).run(c["qn"], c["qp"], c["ckv"], c["kpe"])
+    np.testing.assert_array_equal(a, b)
+
+
+def test_mla_fa3_pieces_are_whole_64_key_tiles():
+    ext = np.array([20000, 64, 5000])
+    for slots in (None, 40):
+        chunk = mla._choose_chunk(ext, 132, slots, mla_sm90.BLOCK_N)
+        assert chunk > 0 and chunk % 64 == 0
+    assert cuattn.mla._plan.split_choice(False, 1000, mla_sm90.BLOCK_N, None)[0] == 1024
+
+
+# ============================================================================ GPU (sm_90)
+
+sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 MLA kernel needs an sm_90 GPU")
+
+
+@pytest.fixture
+def entries(monkeypatch):
+    """The kernel entries launched (so a test knows which kernel ran)."""
+    seen = []
+    orig = jit.get_launcher
+
+    def spy(spec, entry, *a, **kw):
+        seen.append(entry)
+        return orig(spec, entry, *a, **kw)
+    monkeypatch.setattr(jit, "get_launcher", spy)
+    return seen
+
+
+def run_fa3(c, causal, dtype, backend="fa3", lse_base_e=False, **plan_kw):
+    w = cuattn.BatchMLAPagedAttentionWrapper(backend=backend)
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["heads"], CKV, KPE, c["page_size"],
+           causal, SCALE, np.dtype(dtype), np.dtype(dtype), **plan_kw)
+    out = _nan(c["qn"].shape, dtype)
+    lse = _cp().full(c["qn"].shape[:2], np.nan, np.float32)
+    res = w.run(_dev(c["qn"]), _dev(c["qp"]), _dev(c["ckv"]), _dev(c["kpe"]), out=out, lse=lse, return_lse=True,
+                return_lse_base_on_e=lse_base_e)
+    assert res[0] is out and res[1] is lse
+    return w, out, lse
+
+
+FA3_CASES = [   # (qo_lens, kv_lens, page_size, heads, causal)
+    ([1, 1, 1], [1, 63, 1000], 1, 16, False),               # decode, page size 1, partial last tiles
+    ([1] * 5, [5, 130, 777, 64, 2049], 16, 128, False),     # decode, 128 heads: two query tiles a request
+    ([1, 1], [4097, 77], 64, 128, False),
+    ([1], [16384], 64, 16, False),                          # one request: split into pieces by default
+    ([4, 4, 1], [100, 33, 4], 16, 16, True),                # 4-token speculative steps, causal bottom-right
+    ([4, 4], [300, 1000], 64, 128, True),                   # 512 rows a request: 8 query tiles
+    ([4, 3], [77, 5], 1, 16, True),
+]
+FA3_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'full'}" for q, k, p, h, c in FA3_CASES]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal", FA3_CASES, ids=FA3_IDS)
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, entries):
+    c = mla_case(31, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
+    w, out, lse = run_fa3(c, causal, dtype, lse_base_e=dtype == BF16)
+    assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
+    assert "mla_sm90" in w.describe() and "(backend fa3)" in w.describe()
+    check_gpu(c, causal, dtype, out, lse, lse_base_e=dtype == BF16)
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_auto_runs_fa3_on_sm90_and_fa2_when_asked(entries):
+    c = mla_case(32, [1, 2], [700, 90], 16, heads=16)
+    _, out3, lse3 = run_fa3(c, False, np.float16, backend="auto")
+    assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
+    entries.clear()
+    _, out2, lse2 = run_fa3(c, False, np.float16, backend="fa2")
+    assert mla._ENTRY in entries and mla_sm90.ENTRY not in entries
+    for out, lse in ((out3, lse3), (out2, lse2)):
+        check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
+    a, b = (_cp().asnumpy(x).astype(np.float64) for x in (out3, out2))
+    assert rel_err(a, b) < 2e-3
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(entries):
+    c = mla_case(33, [1, 1, 4], [9000, 3000, 2000], 16, heads=128)
+    w, out_split, lse_split = run_fa3(c, True, np.float16, fixed_split_size=1000)
+    assert "pieces of 1024 keys" in w.describe() and mla._MERGE_ENTRY in entries
+    w2, out_one, lse_one = run_fa3(c, True, np.float16, disable_split_kv=True)
+    assert "split-KV: none" in w2.describe()
+    for out, lse in ((out_split, lse_split), (out_one, lse_one)):
+        check_gpu(c, True, np.float16, out, lse, lse_base_e=False)
+    a, b = (_cp().asnumpy(x).astype(np.float64) for x in (out_split, out_one))
+    assert rel_err(a, b) < 2e-3
+    assert entries.count(mla_sm90.ENTRY) == 2
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(entries):
+    c = mla_case(34, [1, 1, 2], [0, 50, 0], 16)
+    _, out, lse = run_fa3(c, False, np.float16)
+    o, s = _cp().asnumpy(out), _cp().asnumpy(lse)
+    assert np.all(o[0] == 0) and np.all(o[2:] == 0) and np.all(s[0] == -np.inf) and np.all(s[2:] == -np.inf)
+    check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
+    assert mla_sm90.ENTRY in entries
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_fa3_cuda_graph_replays_after_replan(entries):
+    cp = _cp()
+    heads, ps = 128, 16
+    c0 = mla_case(35, [1, 1], [3000, 40], ps, heads=heads)      # splits (4 items on 132 SMs)
+    c1 = mla_case(36, [1, 1], [41, 5000], ps, heads=heads)      # other lengths, other pieces
+    pages = max(len(c0["ckv"]), len(c1["ckv"]))
+    ckv, kpe = cp.zeros((pages, ps, CKV), np.float16), cp.zeros((pages, ps, KPE), np.float16)
+    qn, qp = cp.zeros(c0["qn"].shape, np.float16), cp.zeros(c0["qp"].shape, np.float16)
+    out = _nan(c0["qn"].shape, np.float16)
+    lse = cp.full(c0["qn"].shape[:2], np.nan, np.float32)
+    w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True, backend="fa3")
+
+    def load(c):
+        ckv[:len(c["ckv"])] = cp.asarray(c["ckv"])
+        kpe[:len(c["kpe"])] = cp.asarray(c["kpe"])
+        qn[...] = cp.asarray(c["qn"])
+        qp[...] = cp.asarray(c["qp"])
+        out.fill(np.nan)
+        lse.fill(np.nan)
+
+    def plan(c):
+        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, CKV, KPE, ps, False, SCALE,
+               "float16", "float16")
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with stream:
+        load(c0)
+        plan(c0)
+        assert "pieces of" in w.describe()
+        w.run(qn, qp, ckv, kpe, out=out, lse=lse)      # warm-up: compiles, sets the shared-memory limit
+        stream.begin_capture()
+        w.run(qn, qp, ckv, kpe, out=out, lse=lse)
+        graph = stream.end_capture()
+        load(c0)
+        graph.launch()
+    stream.synchronize()
+    check_gpu(c0, False, np.float16, out, lse, lse_base_e=False)
+    with stream:
+        plan(c1)
+        load(c1)
+        graph.launch()
+    stream.synchronize()
+    check_gpu(c1, False, np.float16, out, lse, lse_base_e=False)
+    assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
