@@ -7,8 +7,9 @@ head scores against the same (ckv, kpe) of a token, ``s = (q_nope . ckv + q_pe .
 and reads the same ckv as its value: ``out = softmax(s) . ckv``.
 
 NumPy inputs run the reference path (float32 accumulation). GPU inputs run ``kernels_cu/mla.cu``
-(backend "fa2": mma.sync tensor cores, sm_80+; fp16 / bf16 with q and the caches of one dtype) or, on
-sm_90, ``kernels_cu/mla_sm90.cu`` (backend "fa3", ``mla_sm90.py``: wgmma, warp-specialised): plan() builds
+(backend "fa2": mma.sync tensor cores, sm_80+; q fp16 / bf16, the caches of q's dtype or fp8 e4m3 / e5m2
+with run()'s ``k_scale`` / ``v_scale``, converted to q's dtype in shared memory) or, on sm_90,
+``kernels_cu/mla_sm90.cu`` (backend "fa3", ``mla_sm90.py``: wgmma, warp-specialised; 16-bit caches): plan() builds
 plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
 splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
 with the page table into ``plan.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
@@ -23,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, mla_sm90, plan as _plan
+from . import arrays, fp8, jit, mla_sm90, plan as _plan
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
 from .params import Params
+from .prefill_checks import _host_kv
 
 HEAD_DIM_CKV, HEAD_DIM_KPE = 512, 64
 _SOURCE = "mla.cu"
@@ -37,28 +39,37 @@ _MERGE_THREADS = 128
 _LN2 = math.log(2)
 
 
+_KV_FP8 = {"": 0, "e4m3": 1, "e5m2": 2}     # mla.cu KV_FP8
+
+
 @dataclass(frozen=True)
 class MLASpec:
-    dtype: str          # "f16" | "bf16": q, ckv / kpe caches and out
-    stages: int = 2     # key tiles in the cp.async ring: 2 fit sm_80's 163 KiB of shared memory, 3 sm_90's 227
+    dtype: str          # "f16" | "bf16": q and out (and the ckv / kpe caches unless kv)
+    stages: int = 2     # key tiles in the cp.async ring (stages_for: what fits the arch's shared memory)
+    kv: str = ""        # "": caches of dtype; "e4m3" | "e5m2": fp8 caches, converted to dtype in shared memory
     source = _SOURCE
     entry, threads, block_n, backend = _ENTRY, _THREADS, BLOCK_N, "fa2"   # as mla_sm90.Sm90MLASpec's
 
     @property
-    def name(self) -> str:   # "mla_ckv512_kpe64_qf16_bm64_bn32_s2"
-        return f"mla_ckv{HEAD_DIM_CKV}_kpe{HEAD_DIM_KPE}_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_s{self.stages}"
+    def name(self) -> str:   # "mla_ckv512_kpe64_qf16_bm64_bn32_s2", fp8: "mla_ckv512_kpe64_qbf16_kve4m3_bm64_bn32_s4"
+        kv = f"_kv{self.kv}" if self.kv else ""
+        return f"mla_ckv{HEAD_DIM_CKV}_kpe{HEAD_DIM_KPE}_q{self.dtype}{kv}_bm{BLOCK_M}_bn{BLOCK_N}_s{self.stages}"
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DSTAGES={self.stages}")
+        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DSTAGES={self.stages}", f"-DKV_FP8={_KV_FP8[self.kv]}")
 
     @property
-    def archs(self) -> tuple[str, ...] | None:    # cli.shipped_specs: 3 stages need Hopper's shared memory
+    def archs(self) -> tuple[str, ...] | None:    # cli.shipped_specs: more than 2 stages need Hopper's shared memory
         return ("sm_90a",) if self.stages > 2 else None
 
     @property
-    def smem_bytes(self) -> int:    # mla.cu SMEM_BYTES: Q tile + STAGES key tiles (rows padded by 8) + scores
-        pitch = HEAD_DIM_CKV + HEAD_DIM_KPE + 8
-        return (BLOCK_M + self.stages * BLOCK_N) * pitch * 2 + BLOCK_M * (BLOCK_N + 8) * 4
+    def smem_bytes(self) -> int:
+        """mla.cu SMEM_BYTES: Q tile + the copy ring (16-bit: STAGES tiles, rows padded by 8; fp8: STAGES plain
+        byte tiles and one converted 16-bit tile) + scores."""
+        d = HEAD_DIM_CKV + HEAD_DIM_KPE
+        tile = BLOCK_N * (d + 8) * 2
+        ring = self.stages * BLOCK_N * d + tile if self.kv else self.stages * tile
+        return BLOCK_M * (d + 8) * 2 + ring + BLOCK_M * (BLOCK_N + 8) * 4
 
 
 MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its partial rows (<= 64 x 2 KiB) cost less
@@ -77,35 +88,51 @@ def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None, bloc
 
 
 def shipped_specs() -> list[MLASpec]:
-    return [MLASpec(d, s) for d in ("f16", "bf16") for s in (2, 3)]
+    return [MLASpec(d, stages_for(a, kv), kv) for d in ("f16", "bf16") for kv in _KV_FP8 for a in ("sm_80", "sm_90a")]
 
 
-def stages_for(arch: str) -> int:
-    """Key-tile stages of the kernel a device runs: 3 on sm_90 (227 KiB of shared memory), else 2."""
-    return 3 if arch.startswith("sm_90") else 2
+def stages_for(arch: str, kv: str = "") -> int:
+    """Key-tile stages of the kernel a device runs: on sm_90 (227 KiB of shared memory) 3, or 4 of an fp8
+    cache (tiles of half the bytes); else 2 (sm_80's 163 KiB)."""
+    return (4 if kv else 3) if arch.startswith("sm_90") else 2
 
 
 PARAMS = Params.define(_ENTRY, "work:p kv_chunk:p qo_indptr:p kv_indptr:p kv_indices:p kv_len_arr:p q_nope:p q_pe:p "
                                "ckv_cache:p kpe_cache:p out:p lse:p part_o:p part_lse:p num_heads:i page_size:i "
                                "causal:i qn_s_tok:q qn_s_head:q qp_s_tok:q qp_s_head:q ckv_s_page:q ckv_s_tok:q "
-                               "kpe_s_page:q kpe_s_tok:q o_s_tok:q o_s_head:q scale_log2:f lse_scale:f")
+                               "kpe_s_page:q kpe_s_tok:q o_s_tok:q o_s_head:q scale_log2:f lse_scale:f k_scale:f "
+                               "v_scale:f k_scales:p v_scales:p")
 MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p qo_indptr:p part_o:p part_lse:p out:p lse:p num_heads:i "
                                            "o_s_tok:q o_s_head:q lse_scale:f")
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache, kpe_cache, kv_indices,
-                              kv_indptr, kv_last_page_len, *, stream: Any = None) -> None:
+                              kv_indptr, kv_last_page_len, *, kv_scale=None, kv_data_type=None,
+                              stream: Any = None) -> None:
     """Write appended tokens' latent vectors into their page slots (in place; FlashInfer's signature).
 
     Parameters
     ----------
     append_ckv : array, shape (nnz, head_dim_ckv); append_kpe : array, shape (nnz, head_dim_kpe)
+        dtype of the caches, or float16 / bfloat16 for an fp8 cache: stored as round(x / kv_scale)
+        (nearest even), saturating at +-(max finite) (448 e4m3, 57344 e5m2).
     batch_indices, positions : int32 arrays, shape (nnz,) (``get_batch_indices_positions``)
     ckv_cache : array, shape (num_pages, page_size, head_dim_ckv); kpe_cache : (num_pages, page_size,
-        head_dim_kpe); dtype of the appended rows
+        head_dim_kpe); float16, bfloat16, float8_e4m3fn / float8_e5m2 (or a uint8 view of those)
     kv_indices, kv_indptr, kv_last_page_len : the page table, already covering the appended positions
+    kv_scale : float or float32 array of shape (1,), optional
+        Beyond FlashInfer (whose MLA append has no fp8 scale; vLLM's ``concat_and_cache_mla`` takes one):
+        the fp8 latent cache's scale, stored value x kv_scale = real value, for ckv and kpe alike; read
+        it back with ``run(k_scale=kv_scale, v_scale=kv_scale)``. None: 1.
+    kv_data_type : dtype, optional
+        The fp8 type of a uint8 cache ("float8_e4m3fn" or "float8_e5m2").
     """
     fn = "append_paged_mla_kv_cache"
+    if kv_scale is not None:
+        cdt = (arrays.device_tensor(ckv_cache, "ckv_cache", fn).dtype if arrays.is_device_array(ckv_cache, "ckv_cache", fn)
+               else arrays.host_array(ckv_cache, "ckv_cache", fn).dtype)
+        if not (fp8.is_fp8(cdt) or cdt == np.uint8):
+            raise ValueError(f"{fn}: kv_scale must be None unless the latent cache is fp8, got a {cdt} cache")
     for x, name, cache, cname in ((append_ckv, "append_ckv", ckv_cache, "ckv_cache"),
                                   (append_kpe, "append_kpe", kpe_cache, "kpe_cache")):
         xs, cs = tuple(getattr(x, "shape", ())), tuple(getattr(cache, "shape", ()))
@@ -119,7 +146,7 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
         c = cache.reshape(cache.shape[0], cache.shape[1], 1, d)
         r = rows.reshape(n, 1, d)
         append_paged_kv_cache(r, r, batch_indices, positions, (c, c), kv_indices, kv_indptr, kv_last_page_len,
-                              stream=stream)
+                              k_scale=kv_scale, v_scale=kv_scale, kv_data_type=kv_data_type, stream=stream)
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -158,7 +185,8 @@ class BatchMLAPagedAttentionWrapper:
              disable_split_kv: bool = False) -> None:
         """Plan a batch: request i's queries are ``q[qo_indptr[i]:qo_indptr[i+1]]`` and its keys the
         first ``kv_len_arr[i]`` slots of pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; ``causal``
-        aligns bottom-right (query t sees keys <= t + kv_len - qo_len).
+        aligns bottom-right (query t sees keys <= t + kv_len - qo_len). ``kv_data_type``: q_data_type's, or
+        float8_e4m3fn / float8_e5m2 (a uint8 cache is read as that type; run()'s k_scale / v_scale apply).
 
         With a GPU (the device of ``kv_indices``, else the current one) the work list is built and
         uploaded here, on the current stream of ``kv_indices``' framework. ``fixed_split_size`` cuts
@@ -195,8 +223,11 @@ class BatchMLAPagedAttentionWrapper:
         if causal and np.any(np.diff(qo) > kvl):
             raise ValueError(f"{fn}: with causal=True every request needs qo_len <= kv_len")
         n_idx = int(kp[-1])
-        p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe,
-                       arrays.as_dtype(q_data_type, "q_data_type", fn), arrays.as_dtype(kv_data_type, "kv_data_type", fn),
+        q_dt, kv_dt = arrays.as_dtype(q_data_type, "q_data_type", fn), arrays.as_dtype(kv_data_type, "kv_data_type", fn)
+        if fp8.is_fp8(q_dt):
+            raise UnsupportedError(f"{fn}: q_data_type must be a 16-bit (or, NumPy, 32-bit) float: q and out stay "
+                                   f"float16 / bfloat16 over an fp8 cache, got {q_dt}")
+        p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe, q_dt, kv_dt,
                        float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
                        None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, kv_indptr=kp, kv_indices=idx,
                        max_page=int(idx[:n_idx].max()) if n_idx else -1)
@@ -214,14 +245,14 @@ class BatchMLAPagedAttentionWrapper:
         short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
         if device is None:
             return
-        arch = jit.device_arch(device)
+        arch, kv = jit.device_arch(device), _kv_short(p)
         backend = mla_sm90.resolve_backend(self._backend, fn, arch, short,
                                            arrays.SHORT_NAME.get(arrays.logical_dtype(p.kv_dtype)))
-        if backend == "fa2" and (short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype):
+        if backend == "fa2" and (short not in ("f16", "bf16") or kv is None):
             return
         # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout) and
         #    mla.cu's spec, whose merge kernel joins split pieces of either
-        p.spec = MLASpec(short, stages_for(arch))
+        p.spec = MLASpec(short, stages_for(arch, kv), kv)
         spec = p.spec if backend == "fa2" else mla_sm90.Sm90MLASpec(short)
         h, qo_lens = p.num_qo_heads, np.diff(p.qo_indptr)
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
@@ -265,22 +296,36 @@ class BatchMLAPagedAttentionWrapper:
         return "\n".join(lines + _plan.describe_split(wl, p.run_spec.block_n, p.split_why))
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse: bool = False,
-            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False):
+            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e: bool = False, *,
+            k_scale=None, v_scale=None):
         """MLA attention for the planned batch.
 
         Parameters
         ----------
         q_nope : array, shape (nnz_qo, num_heads, 512); q_pe : array, shape (nnz_qo, num_heads, 64)
             dtype q_data_type; last dimension contiguous. NumPy runs the reference path; CuPy or any CUDA
-            array exporting ``__dlpack__`` runs the kernel (float16 / bfloat16, q and caches of one
-            dtype; base addresses and strides 16-byte aligned).
+            array exporting ``__dlpack__`` runs the kernel (q float16 / bfloat16; base addresses and
+            strides 16-byte aligned).
         ckv_cache : array, shape (num_pages, page_size, 512); kpe_cache : (num_pages, page_size, 64)
-            dtype kv_data_type.
+            dtype kv_data_type (q's, or fp8: float8_e4m3fn / float8_e5m2 arrays, or uint8 read as
+            kv_data_type).
         out : array, optional, shape (nnz_qo, num_heads, 512), dtype of q: written in place.
         lse : float32 array, optional, shape (nnz_qo, num_heads), contiguous: written in place.
+        kv_len : int array, optional, shape (batch,); page_table : int array, optional, shape (batch,
+            max_num_pages)
+            FlashInfer's cutlass backend reads the batch here; cuattn's kernel reads the batch planned in
+            plan(), so given ones must restate it (kv_len == kv_len_arr, row b of page_table starting with
+            request b's pages) or ValueError is raised. Checking them costs a host copy (a sync for GPU
+            arrays; refused during a CUDA-graph capture): leave them None in a serving loop.
         return_lse_base_on_e : bool
             The LSE is base 2 (FlashInfer's MLA default) unless this is True (cuattn's other LSEs
             are base e).
+        k_scale, v_scale : float, or float32 array of shape (1,), optional
+            Beyond FlashInfer (its MLA wrapper takes no scales): stored value x scale = real value, as in
+            cuattn's decode / prefill ``run``. ``k_scale`` scales the key [ckv | kpe] (the logits),
+            ``v_scale`` the value ckv (the output); a latent cache stored with one scale passes it as both.
+            A CUDA array is read by the kernel (no sync; values unchecked); host values must be positive and
+            finite. Any cache dtype; None: 1.
 
         Returns
         -------
@@ -295,9 +340,13 @@ class BatchMLAPagedAttentionWrapper:
         ctx = arrays.context_of(fn, {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache})
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
+        if kv_len is not None or page_table is not None:
+            _check_batch_args(fn, p, kv_len, page_table, ctx)
+        scales = (fp8.parse_scale(k_scale, "k_scale", 1, fn, on_gpu=ctx.on_gpu),
+                  fp8.parse_scale(v_scale, "v_scale", 1, fn, on_gpu=ctx.on_gpu))
         if ctx.on_gpu:
             return self._run_gpu(ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
-                                 return_lse_base_on_e)
+                                 return_lse_base_on_e, scales)
         qn, qp = arrays.host_array(q_nope, "q_nope", fn), arrays.host_array(q_pe, "q_pe", fn)
         ckv, kpe = arrays.host_array(ckv_cache, "ckv_cache", fn), arrays.host_array(kpe_cache, "kpe_cache", fn)
         rows, h = int(p.qo_indptr[-1]), p.num_qo_heads
@@ -310,10 +359,12 @@ class BatchMLAPagedAttentionWrapper:
             if x.ndim != 3 or x.shape[1:] != (p.page_size, d):
                 raise ValueError(f"{fn}: {name} must have shape (num_pages, page_size={p.page_size}, {d}), "
                                  f"got {x.shape}")
-            if x.dtype != p.kv_dtype:
-                raise ValueError(f"{fn}: {name} must have dtype {p.kv_dtype} (kv_data_type of plan), got {x.dtype}")
+            if x.dtype != p.kv_dtype and not (x.dtype == np.uint8 and fp8.is_fp8(p.kv_dtype)):
+                raise ValueError(f"{fn}: {name} must have dtype {p.kv_dtype} (kv_data_type of plan)"
+                                 + (" or uint8" if fp8.is_fp8(p.kv_dtype) else "") + f", got {x.dtype}")
         if p.max_page >= min(len(ckv), len(kpe)):
             raise ValueError(f"{fn}: kv_indices must be < num_pages of the caches ({min(len(ckv), len(kpe))})")
+        ks, vs = scales
         o = np.zeros((rows, h, HEAD_DIM_CKV), np.float32)
         s_out = np.full((rows, h), -np.inf, np.float32)
         for b in range(len(p.qo_indptr) - 1):
@@ -322,8 +373,11 @@ class BatchMLAPagedAttentionWrapper:
             if q1 == q0 or n == 0:
                 continue
             ids = p.kv_indices[p.kv_indptr[b]:p.kv_indptr[b + 1]]
-            c = ckv[ids].reshape(-1, HEAD_DIM_CKV)[:n].astype(np.float32)
-            k = kpe[ids].reshape(-1, HEAD_DIM_KPE)[:n].astype(np.float32)
+            c_raw, k_raw = ckv[ids].reshape(-1, HEAD_DIM_CKV)[:n], kpe[ids].reshape(-1, HEAD_DIM_KPE)[:n]
+            # -- real values (fp8 bits viewed as kv_data_type, times the scales): key [ckv | kpe] x k_scale, value ckv x v_scale
+            c = _host_kv(c_raw, p, ks, 0).astype(np.float32)
+            k = _host_kv(k_raw, p, ks, 0).astype(np.float32)
+            v = _host_kv(c_raw, p, vs, 0).astype(np.float32)
             s = (np.einsum("ihd,jd->hij", qn[q0:q1].astype(np.float32), c)
                  + np.einsum("ihd,jd->hij", qp[q0:q1].astype(np.float32), k)) * p.sm_scale
             if p.causal:
@@ -332,7 +386,7 @@ class BatchMLAPagedAttentionWrapper:
             m = s.max(-1, keepdims=True)
             e = np.exp(s - m)
             z = e.sum(-1, keepdims=True)
-            o[q0:q1] = np.einsum("hij,jd->ihd", e / z, c)
+            o[q0:q1] = np.einsum("hij,jd->ihd", e / z, v)
             s_out[q0:q1] = (m[..., 0] + np.log(z[..., 0])).T
         if not return_lse_base_on_e:
             s_out = s_out / np.float32(math.log(2))
@@ -340,12 +394,12 @@ class BatchMLAPagedAttentionWrapper:
 
     forward = run
 
-    def _run_gpu(self, ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, base_e):
+    def _run_gpu(self, ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, base_e, scales):
         if p.device is None or p.meta is None:
             short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
-            if short not in ("f16", "bf16") or p.kv_dtype != p.q_dtype:
-                raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type == kv_data_type, float16 or bfloat16, "
-                                       f"got {p.q_dtype} and {p.kv_dtype}")
+            if short not in ("f16", "bf16") or _kv_short(p) is None:
+                raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type float16 or bfloat16 and kv_data_type "
+                                       f"q_data_type's or float8_e4m3fn / float8_e5m2, got {p.q_dtype} and {p.kv_dtype}")
             raise ValueError(f"{fn}: the plan was made without a GPU; plan() again with a GPU present")
         if p.device != ctx.device:
             raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p.device}), "
@@ -390,12 +444,13 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"{fn}: lse must be a contiguous ({rows}, {h}) float32 array on GPU {ctx.device}, "
                                  f"got {lt.shape} {lt.dtype}")
             lse_ptr = lt.ptr
-        self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0)
+        self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0, scales)
         o = arrays.export(ctx, out, p.q_dtype)
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
-    def _launch(self, ctx, p, ts, ot, lse_ptr: int, lse_scale: float) -> None:
+    def _launch(self, ctx, p, ts, ot, lse_ptr: int, lse_scale: float, scales) -> None:
         spec, meta = p.run_spec, p.meta
+        ks, vs = scales
         qn, qp, ckv, kpe = ts["q_nope"], ts["q_pe"], ts["ckv_cache"], ts["kpe_cache"]
         if p.grid_work:
             launch = jit.get_launcher(spec, spec.entry, ctx.device, PARAMS.kinds, spec.smem_bytes)
@@ -407,7 +462,8 @@ class BatchMLAPagedAttentionWrapper:
                 page_size=p.page_size, causal=int(p.causal), qn_s_tok=qn.strides[0], qn_s_head=qn.strides[1],
                 qp_s_tok=qp.strides[0], qp_s_head=qp.strides[1], ckv_s_page=ckv.strides[0], ckv_s_tok=ckv.strides[1],
                 kpe_s_page=kpe.strides[0], kpe_s_tok=kpe.strides[1], o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
-                scale_log2=p.sm_scale / _LN2, lse_scale=lse_scale))
+                scale_log2=p.sm_scale / _LN2, lse_scale=lse_scale, k_scale=ks.value, v_scale=vs.value,
+                k_scales=ks.ptr, v_scales=vs.ptr))
         # -- split items' pieces (graph mode: always, over the merge rows' capacity, so a replay after a
         #    plan that splits merges too)
         if p.grid_merge and (p.work_list.split or self._bufs.graph):
@@ -416,6 +472,39 @@ class BatchMLAPagedAttentionWrapper:
                 merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"], part_lse=meta["part_lse"],
                 out=ot.ptr, lse=lse_ptr, num_heads=p.num_qo_heads, o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
                 lse_scale=lse_scale))
+
+
+def _kv_short(p) -> str | None:
+    """The spec's kv of a plan: "" for caches of q's dtype, "e4m3" / "e5m2" for fp8, None: no kernel."""
+    if p.kv_dtype == p.q_dtype:
+        return ""
+    return arrays.SHORT_NAME[p.kv_dtype] if fp8.is_fp8(p.kv_dtype) else None
+
+
+def _check_batch_args(fn: str, p, kv_len, page_table, ctx) -> None:
+    """run()'s kv_len / page_table (FlashInfer's cutlass backend takes the batch there) must restate the
+    planned batch: the kernel reads plan()'s. A host copy of each (refused while capturing a graph)."""
+    if ctx.on_gpu and arrays.is_capturing(ctx.stream):
+        raise ValueError(f"{fn}: kv_len / page_table are checked against the plan on the host, which a CUDA-graph "
+                         f"capture cannot do; pass None (plan() holds the batch)")
+    again = "cuattn reads the batch from plan(): plan() again for another batch"
+    if kv_len is not None:
+        a = np.asarray(arrays.to_host(kv_len, "kv_len", fn))
+        if a.shape != (p.batch,) or a.dtype.kind not in "iu" or np.any(a != p.kv_lens):
+            raise ValueError(f"{fn}: kv_len must be an integer array equal to plan()'s kv_len_arr "
+                             f"{p.kv_lens[:8].tolist()}{'...' if p.batch > 8 else ''}, got {a.dtype} {a.ravel()[:8].tolist()} "
+                             f"of shape {a.shape}; {again}")
+    if page_table is not None:
+        t = np.asarray(arrays.to_host(page_table, "page_table", fn))
+        pages = np.diff(p.kv_indptr)
+        need = int(pages.max()) if len(pages) else 0
+        if t.ndim != 2 or t.dtype.kind not in "iu" or t.shape[0] != p.batch or t.shape[1] < need:
+            raise ValueError(f"{fn}: page_table must be an integer array of shape (batch={p.batch}, >= {need} pages), "
+                             f"got {t.dtype} {t.shape}")
+        used = np.arange(t.shape[1])[None, :] < pages[:, None]       # row b: its first pages[b] entries
+        if not np.array_equal(t[used], p.kv_indices[:int(p.kv_indptr[-1])]):
+            raise ValueError(f"{fn}: page_table row b must start with plan()'s pages of request b "
+                             f"(kv_indices[kv_indptr[b]:kv_indptr[b + 1]]); {again}")
 
 
 def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:

@@ -1,5 +1,6 @@
 // mla.cu — launched by cuattn/mla.py (MLASpec, PARAMS / MERGE_PARAMS; tests/test_mla.py checks the two agree).
-// Compile-time: DTYPE (cuattn::f16 | cuattn::bf16: q, caches and out), STAGES (cp.async depth of key tiles).
+// Compile-time: DTYPE (cuattn::f16 | cuattn::bf16: q and out; the caches too unless KV_FP8), KV_FP8 (0: caches
+// of DTYPE, 1: fp8 e4m3 caches, 2: fp8 e5m2), STAGES (cp.async depth of key tiles).
 // Fixed: head_dim_ckv 512, head_dim_kpe 64 (DeepSeek V2/V3), BLOCK_M 64 query rows, BLOCK_N 32 keys, 8 warps.
 //
 // Absorbed MLA: every query head scores against the same 576-wide key [ckv | kpe] of a token,
@@ -20,6 +21,13 @@
 //     are padded by 16 bytes (pitch 1168 bytes), so the 8 rows of an ldmatrix hit 8 distinct bank groups.
 //   - Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
 //     qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
+//   - KV_FP8: key tiles land as fp8 bytes (plain rows of 576 bytes) in the STAGES-deep ring and are converted
+//     by the whole CTA into one DTYPE tile (the layout above) after the tile's barrier, then a second barrier;
+//     fp8 -> f16 by common/dtypes.cuh fp8x2_to_f16x2 (e4m3 exact times 2^-8: the 2^8 joins the scales), then
+//     to bf16 through fp32 for a bf16 q (exact: e4m3 / e5m2 values are bf16 values).
+//   Scales (every cache dtype; FlashInfer's meaning, stored value x scale = real value): the key [ckv | kpe]
+//   is k_scale (times k_scales[0] when given), folded into the softmax scale; the value ckv is v_scale (times
+//   v_scales[0]), multiplied into the normalized rows (final or partial) at the end.
 //   Output: the final rows (DTYPE) and LSE, or for a split item fp32 normalized rows and their LSE in
 //   workspace rows slot * 64 + r (prefill_tile.cuh's partial-row layout with one kv head), merged by
 //   cuattn_mla_merge. LSEs are computed in base 2 and written times lse_scale (1: base 2, FlashInfer's
@@ -33,6 +41,9 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
 
 namespace cuattn {
 namespace mla {
@@ -40,16 +51,20 @@ namespace mla {
 constexpr int D_CKV = 512, D_KPE = 64, D_QK = D_CKV + D_KPE;
 constexpr int BLOCK_M = 64, BLOCK_N = 32, NUM_WARPS = 8, THREADS = 32 * NUM_WARPS;
 constexpr int PITCH = D_QK + 8;                 // elements per shared row (1168 bytes: +16 against conflicts)
-constexpr int CHUNKS = D_QK / 8;                // 16-byte chunks per row (64 ckv + 8 kpe)
+constexpr int CHUNKS = D_QK / 8;                // 16-byte chunks per DTYPE row (64 ckv + 8 kpe)
+constexpr int KV_BYTES = KV_FP8 ? 1 : 2;        // bytes per cache element
+constexpr int CKV_CH = D_CKV * KV_BYTES / 16, KPE_CH = D_KPE * KV_BYTES / 16;   // 16-byte chunks of a cache row
+constexpr int STG_ROW = KV_FP8 ? D_QK : PITCH * 2;   // bytes per row of the copy ring (fp8: plain rows)
+constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;   // 256 for e4m3 (fp8x2_to_f16x2's 2^-8), else 1
 constexpr int K_HALF = D_QK / 2;                // 288 dims of the score per warp of a pair
 constexpr int V_HALF = D_CKV / 2;               // 256 value columns per warp of a pair
 constexpr int S_PITCH = BLOCK_N + 8;            // floats per row of the score exchange (conflict-free float2)
 constexpr int WORK_COLS = 4, MERGE_COLS = 4;    // plan.PREFILL_COLS
 static_assert(STAGES >= 2, "the key ring needs two stages at least");
-static_assert(THREADS % BLOCK_N == 0 && CHUNKS % (THREADS / BLOCK_N) == 0, "key tile copy layout");
+static_assert(THREADS % BLOCK_N == 0 && CKV_CH % (THREADS / BLOCK_N) == 0, "key tile copy layout");
 
 constexpr int SMEM_Q = BLOCK_M * PITCH * 2;
-constexpr int SMEM_K = STAGES * BLOCK_N * PITCH * 2;
+constexpr int SMEM_K = STAGES * BLOCK_N * STG_ROW + (KV_FP8 ? BLOCK_N * PITCH * 2 : 0);   // ring (+ fp8: converted)
 constexpr int SMEM_S = BLOCK_M * S_PITCH * 4;
 constexpr int SMEM_BYTES = SMEM_Q + SMEM_K + SMEM_S;   // mla.py MLASpec.smem_bytes mirrors it
 
@@ -63,6 +78,34 @@ __device__ __forceinline__ void pair_barrier(int rg) {   // the two warps of row
 using namespace cuattn;
 using namespace cuattn::mla;
 using T = DTYPE;
+#if KV_FP8
+typedef uint8_t kv_t;     // the caches' element: e4m3 or e5m2 bits
+#else
+typedef T kv_t;
+#endif
+
+#if KV_FP8
+// -- two fp8 values (bytes picked by prmt selector SEL) -> two T in one register, element 0 low
+__device__ __forceinline__ uint32_t f16x2_as(uint32_t h, f16) { return h; }
+__device__ __forceinline__ uint32_t f16x2_as(uint32_t h, bf16) {   // exact for fp8-born values
+  const float2 f = unpack2<f16>(h);
+  return pack2<bf16>(f.x, f.y);
+}
+template <int SEL>
+__device__ __forceinline__ uint32_t fp8x2_to_t(uint32_t x) { return f16x2_as(fp8x2_to_f16x2<KV_FP8, SEL>(x), T{}); }
+
+// -- the staged fp8 tile (BLOCK_N plain rows of D_QK bytes) -> the DTYPE tile (rows of PITCH): each step
+//    converts 8 values (8 bytes in, 16 bytes out), so a warp's loads and stores cover contiguous bytes
+__device__ __forceinline__ void convert_tile(const uint8_t* stg, T* dst) {
+#pragma unroll 3
+  for (int i = int(threadIdx.x); i < BLOCK_N * CHUNKS; i += THREADS) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    const uint2 x = *reinterpret_cast<const uint2*>(stg + r * D_QK + c * 8);
+    *reinterpret_cast<uint4*>(dst + r * PITCH + c * 8) =
+        make_uint4(fp8x2_to_t<0x1404>(x.x), fp8x2_to_t<0x3424>(x.x), fp8x2_to_t<0x1404>(x.y), fp8x2_to_t<0x3424>(x.y));
+  }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     const int32_t* __restrict__ work,        // [num_work, 4] (request, query tile, kv piece, partial slot)
@@ -73,8 +116,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     const int32_t* __restrict__ kv_len_arr,  // [batch]
     const T* __restrict__ q_nope,            // [nnz_qo, num_heads, 512]
     const T* __restrict__ q_pe,              // [nnz_qo, num_heads, 64]
-    const T* __restrict__ ckv_cache,         // [num_pages, page_size, 512]
-    const T* __restrict__ kpe_cache,         // [num_pages, page_size, 64]
+    const kv_t* __restrict__ ckv_cache,      // [num_pages, page_size, 512]
+    const kv_t* __restrict__ kpe_cache,      // [num_pages, page_size, 64]
     T* __restrict__ out,                     // [nnz_qo, num_heads, 512]
     float* __restrict__ lse,                 // [nnz_qo, num_heads] contiguous, or null
     float* __restrict__ part_o,              // [slots * 64, 512]
@@ -82,10 +125,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     int num_heads, int page_size, int causal,
     int64_t qn_s_tok, int64_t qn_s_head, int64_t qp_s_tok, int64_t qp_s_head,
     int64_t ckv_s_page, int64_t ckv_s_tok, int64_t kpe_s_page, int64_t kpe_s_tok,
-    int64_t o_s_tok, int64_t o_s_head, float scale_log2, float lse_scale) {
+    int64_t o_s_tok, int64_t o_s_head, float scale_log2, float lse_scale,
+    float k_scale, float v_scale,            // times k_scales[0] / v_scales[0] when given (device scalars)
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
   extern __shared__ __align__(128) unsigned char smem[];
   T* s_q = reinterpret_cast<T*>(smem);
-  T* s_k = reinterpret_cast<T*>(smem + SMEM_Q);
+  uint8_t* s_stg = smem + SMEM_Q;              // the copy ring: STAGES tiles of BLOCK_N rows of STG_ROW bytes
+#if KV_FP8
+  T* s_k = reinterpret_cast<T*>(smem + SMEM_Q + STAGES * BLOCK_N * STG_ROW);   // the converted tile
+#else
+  T* s_k = reinterpret_cast<T*>(s_stg);        // the ring is the tiles
+#endif
   float* s_x = reinterpret_cast<float*>(smem + SMEM_Q + SMEM_K);   // [BLOCK_M][S_PITCH] score exchange
 
   const int32_t* item = work + WORK_COLS * blockIdx.x;
@@ -128,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
   }
   cp_async_commit();
 
-  // -- one key tile into stage `st`: thread copies row tid / 8, chunks tid % 8 + 8 i. A tile's page id is
+  // -- one key tile into stage `st`: thread copies row tid / 8, ckv chunks tid % 8 + 8 i and kpe chunks
+  //    tid % 8 (+ 8) below KPE_CH (16 bytes each: 8 values, fp8 16). A tile's page id is
   //    read one tile ahead (page_of), so no copy waits on a dependent load of kv_indices
   const int ld_row = tid / (THREADS / BLOCK_N), ld_sub = tid % (THREADS / BLOCK_N);
   auto page_of = [&](int kt) -> int {
@@ -139,15 +190,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     const int key = kv_lo + kt * BLOCK_N + ld_row;
     const bool ok = key < kv_end;
     const int slot = ok ? key % page_size : 0;
-    const T* ckv_row = ckv_cache + int64_t(page) * ckv_s_page + slot * ckv_s_tok;
-    const T* kpe_row = kpe_cache + int64_t(page) * kpe_s_page + slot * kpe_s_tok;
-    T* dst = s_k + (st * BLOCK_N + ld_row) * PITCH;
+    const uint8_t* ckv_row = reinterpret_cast<const uint8_t*>(ckv_cache + int64_t(page) * ckv_s_page + slot * ckv_s_tok);
+    const uint8_t* kpe_row = reinterpret_cast<const uint8_t*>(kpe_cache + int64_t(page) * kpe_s_page + slot * kpe_s_tok);
+    uint8_t* dst = s_stg + (st * BLOCK_N + ld_row) * STG_ROW;
 #pragma unroll
-    for (int i = 0; i < CHUNKS / (THREADS / BLOCK_N); ++i) {
+    for (int i = 0; i < CKV_CH / (THREADS / BLOCK_N); ++i) {
       const int ch = ld_sub + i * (THREADS / BLOCK_N);
-      const T* src = ch < D_CKV / 8 ? ckv_row + ch * 8 : kpe_row + (ch - D_CKV / 8) * 8;
-      cp_async_16(smem_u32(dst + ch * 8), src, ok ? 16 : 0);
+      cp_async_16(smem_u32(dst + ch * 16), ckv_row + ch * 16, ok ? 16 : 0);
     }
+#pragma unroll
+    for (int ch = ld_sub; ch < KPE_CH; ch += THREADS / BLOCK_N)
+      cp_async_16(smem_u32(dst + CKV_CH * 16 + ch * 16), kpe_row + ch * 16, ok ? 16 : 0);
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -155,6 +208,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     cp_async_commit();
   }
   int page_next = STAGES - 1 < num_tiles ? page_of(STAGES - 1) : 0;   // page id of the next tile to copy
+
+  // -- the key scale (and fp8's 2^8) folded into the softmax scale
+  float k_fac = k_scale * FP8_FACTOR;
+  if (k_scales != nullptr) k_fac *= k_scales[0];
+  const float sl2 = scale_log2 * k_fac;
 
   // -- per-thread row state: rows g and g + 8 of the warp's row group
   const float neg_inf = __int_as_float(0xff800000);
@@ -184,7 +242,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     if (kt + STAGES < num_tiles) page_next = page_of(kt + STAGES);     // used one iteration later
     cp_async_wait<STAGES - 1>();
     __syncthreads();
+#if KV_FP8
+    convert_tile(s_stg + (kt % STAGES) * BLOCK_N * STG_ROW, s_k);   // -- fp8 bytes -> the DTYPE tile
+    __syncthreads();
+    const T* kst = s_k;
+#else
     const T* kst = s_k + (kt % STAGES) * BLOCK_N * PITCH;
+#endif
 
     // -- a pair whose 16 rows are all padding (decode with 16 heads: 3 of 4 pairs) only copies
     if (active) {
@@ -247,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
       for (int i = 0; i < 2; ++i) {
         const float corr = online_softmax_row<BLOCK_N / 4>(
             [&](int k) { return s[k >> 1][2 * i + (k & 1)]; },
-            [&](int k, float v) { s[k >> 1][2 * i + (k & 1)] = v; }, m_i[i], l_i[i], scale_log2);
+            [&](int k, float v) { s[k >> 1][2 * i + (k & 1)] = v; }, m_i[i], l_i[i], sl2);
 #pragma unroll
         for (int n = 0; n < V_HALF / 8; ++n) {
           acc[n][2 * i] *= corr;
@@ -277,8 +341,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
   }
   cp_async_wait<0>();     // no copy may land after the CTA exits
 
-  // -- finish: quad-reduce l, normalize, store rows (or partial rows) and the LSE
+  // -- finish: quad-reduce l, normalize (times the value scale), store rows (or partial rows) and the LSE
   const int slot = item[3];
+  float v_fac = v_scale * FP8_FACTOR;
+  if (v_scales != nullptr) v_fac *= v_scales[0];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float l = l_i[i];
@@ -287,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     const int r = rg * 16 + g + 8 * i;
     const int pr = row0 + r;
     if (pr >= rows) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? v_fac / l : 0.f;
     const float lse2 = l > 0.f ? m_i[i] + __log2f(l) : neg_inf;
     if (slot < 0) {
       const int64_t tok = q_base + pr / num_heads;

@@ -95,7 +95,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     int num_heads, int page_size, int causal,
     int64_t qn_s_tok, int64_t qn_s_head, int64_t qp_s_tok, int64_t qp_s_head,
     int64_t ckv_s_page, int64_t ckv_s_tok, int64_t kpe_s_page, int64_t kpe_s_tok,
-    int64_t o_s_tok, int64_t o_s_head, float scale_log2, float lse_scale) {
+    int64_t o_s_tok, int64_t o_s_head, float scale_log2, float lse_scale,
+    float k_scale, float v_scale,            // times k_scales[0] / v_scales[0] when given (mla.cu's meaning)
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
   extern __shared__ uint8_t smem_raw[];
   const int32_t* item = work + WORK_COLS * blockIdx.x;
   const int req = item[0];
@@ -202,6 +204,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   const int g = lane / 4, t4 = lane % 4;
   const int r_lo = warp * 16 + g;          // this thread's rows r_lo and r_lo + 8 (wgmma accumulator layout)
   const float neg_inf = __int_as_float(0xff800000);
+  float k_fac = k_scale;                   // the key's scale joins the softmax scale (mla.cu's meaning)
+  if (k_scales != nullptr) k_fac *= k_scales[0];
+  const float sl2 = scale_log2 * k_fac;
   float acc[128];                          // O[rows, wg * 256 + 8 n + 2 t4 + e]: acc[4 n + 2 h + e], row r_lo + 8 h
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -261,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       for (int h = 0; h < 2; ++h)
         corr[h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
                                                   [&](int k, float v) { s[4 * (k >> 1) + 2 * h + (k & 1)] = v; },
-                                                  m_i[h], l_i[h], scale_log2);
+                                                  m_i[h], l_i[h], sl2);
     };
     // -- P(t) (the packed fragments p: 16-bit, stored in the swizzled K-major layout of a [64 rows][64 keys]
     //    A operand) and the factors to consumer B. Called with no wgmma in flight: stores while a product
@@ -364,6 +369,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   }
   named_barrier(1, 256);                   // consumer A's row sums are in s_l
 
+  float v_fac = v_scale;                   // the value's scale multiplies the normalized rows (final or partial)
+  if (v_scales != nullptr) v_fac *= v_scales[0];
   // -- epilogue: O / l; consumer A also writes the LSE. Final rows (DTYPE) or, for a split item, fp32 partials
   const int col0 = wg * V_HALF + 2 * t4;
 #pragma unroll
@@ -371,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     const int r = r_lo + 8 * h, pr = row0 + r;
     if (pr >= rows) continue;
     const float l = s_l[r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? v_fac / l : 0.f;
     const float lse2 = l > 0.f ? m_i[h] + __log2f(l) : neg_inf;     // (m_i: consumer A's alone)
     if (slot_out < 0) {
       const int64_t tok = q_base + pr / num_heads;

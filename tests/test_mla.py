@@ -2,7 +2,9 @@
 independent float64 formula; the kernels' compile (sm_80, sm_90a, no spills) and parameter lists on
 the CPU; on a GPU (gpu marker) the kernel against a vectorised float64 oracle (decode and multi-token
 causal, heads 16 / 128, page sizes 1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay after a
-re-plan, LSE in both bases) and the GPU append."""
+re-plan, LSE in both bases) and the GPU append. fp8 latent caches (e4m3, e5m2, with k_scale / v_scale):
+the oracle runs on the dequantized cache (stored value x scale), on both paths; the fp8 append against
+an independent saturating quantization (NumPy) and bit for bit against the NumPy append (GPU)."""
 import math
 
 import ml_dtypes
@@ -17,6 +19,8 @@ from .oracle import rel_err
 from .test_params import c_signature
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = {"e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 CKV, KPE = 512, 64
 
 
@@ -123,13 +127,152 @@ def test_mla_rejects_what_it_cannot_run():
         w.run(c["qn"], c["qp"], c["ckv"].astype(np.float32), c["kpe"])
 
 
+# ============================================================================ fp8 latent cache (NumPy path)
+
+
+def fp8_case(c, kv, k_scale, v_scale=None):
+    """c's caches stored as fp8 ``kv`` at scale k_scale (value = stored x scale), with an oracle view
+    holding the stored values (float64) for oracle_fast(..., k_scale, v_scale)."""
+    st = {n: (c[n].astype(np.float64) / k_scale).astype(FP8[kv]) for n in ("ckv", "kpe")}
+    ref = dict(c, ckv=st["ckv"].astype(np.float64), kpe=st["kpe"].astype(np.float64))
+    return st["ckv"], st["kpe"], ref
+
+
+FP8_NUMPY = [   # (kv, q dtype, k_scale, v_scale, case index of CASES)
+    ("e4m3", np.float16, 0.5, 0.5, 2),
+    ("e5m2", BF16, 2.0, 2.0, 0),
+    ("e4m3", BF16, 0.25, 0.125, 1),       # the value scale apart from the key's: v_scale scales the output alone
+]
+
+
+@pytest.mark.parametrize("kv,qdt,ks,vs,case", FP8_NUMPY, ids=[f"{k}-{'bf16' if q == BF16 else 'f16'}-ks{a}-vs{b}"
+                                                             for k, q, a, b, _ in FP8_NUMPY])
+def test_mla_numpy_fp8_cache_matches_float64_on_the_dequantized_cache(kv, qdt, ks, vs, case):
+    qo_lens, kv_lens, page_size, causal = CASES[case]
+    c = mla_case(21, qo_lens, kv_lens, page_size, dtype=qdt)
+    ckv8, kpe8, ref = fp8_case(c, kv, ks)
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["heads"], CKV, KPE, page_size, causal,
+           0.07, np.dtype(qdt), f"float8_{kv}fn" if kv == "e4m3" else "float8_e5m2")
+    out, lse = w.run(c["qn"], c["qp"], ckv8, kpe8, return_lse=True, return_lse_base_on_e=True, k_scale=ks, v_scale=vs)
+    ref_o, ref_s = oracle_fast(ref, causal, 0.07, ks, vs)
+    assert out.dtype == np.dtype(qdt) and rel_err(out.astype(np.float64), ref_o) < (1e-2 if qdt == BF16 else 2e-3)
+    fin = np.isfinite(ref_s)
+    assert np.array_equal(np.isfinite(lse), fin) and np.abs(lse[fin] - ref_s[fin]).max() < 1e-3 * np.abs(ref_s).max()
+    # -- a uint8 cache is read as kv_data_type; a 1-element array scale is the float
+    out2 = w.run(c["qn"], c["qp"], ckv8.view(np.uint8), kpe8.view(np.uint8), k_scale=np.array([ks], np.float32),
+                 v_scale=vs)
+    np.testing.assert_array_equal(out2, out)
+
+
+def test_mla_numpy_scales_apply_to_16_bit_caches_too():
+    c = mla_case(22, [1, 2], [50, 9], 16)
+    w = planned(c, True)
+    out = w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], k_scale=0.5, v_scale=3.0)
+    ref_o, _ = oracle_fast(c, True, 0.07, 0.5, 3.0)
+    assert rel_err(out.astype(np.float64), ref_o) < 2e-3
+
+
+def test_mla_fp8_rejects_bad_dtypes_and_scales_naming_them():
+    c = mla_case(23, [1], [10], 16)
+    ckv8, kpe8, _ = fp8_case(c, "e4m3", 1.0)
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    with pytest.raises(UnsupportedError, match="q_data_type must be a 16-bit"):
+        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
+               "float8_e4m3fn", "float8_e4m3fn")
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
+           "float16", "float8_e4m3fn")
+    with pytest.raises(ValueError, match="ckv_cache must have dtype float8_e4m3fn .*or uint8"):
+        w.run(c["qn"], c["qp"], ckv8.astype(FP8["e5m2"]), kpe8)
+    with pytest.raises(ValueError, match="kpe_cache must have dtype float8_e4m3fn"):
+        w.run(c["qn"], c["qp"], ckv8, c["kpe"])
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="k_scale must be a positive finite number"):
+            w.run(c["qn"], c["qp"], ckv8, kpe8, k_scale=bad)
+    with pytest.raises(ValueError, match="v_scale must be positive and finite"):
+        w.run(c["qn"], c["qp"], ckv8, kpe8, v_scale=np.array([-2.0], np.float32))
+    with pytest.raises(ValueError, match=r"v_scale must be a float or an array of shape \(1,\)"):
+        w.run(c["qn"], c["qp"], ckv8, kpe8, v_scale=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="k_scale must be a float"):
+        w.run(c["qn"], c["qp"], ckv8, kpe8, k_scale=np.ones((1, 1), np.float32))
+    w16 = planned(c, False)
+    with pytest.raises(ValueError, match="ckv_cache must have dtype float16 .*got uint8"):
+        w16.run(c["qn"], c["qp"], ckv8.view(np.uint8), c["kpe"])
+
+
+def test_mla_run_kv_len_and_page_table_must_restate_the_plan():
+    c = mla_case(24, [1, 2], [40, 17], 16)
+    w = planned(c, False)
+    base = w.run(c["qn"], c["qp"], c["ckv"], c["kpe"])
+    pages = np.diff(c["kv_indptr"])
+    table = np.full((2, 5), 999, np.int32)            # padded past each request's pages (never read)
+    for b in range(2):
+        table[b, :pages[b]] = c["kv_indices"][c["kv_indptr"][b]:c["kv_indptr"][b + 1]]
+    out = w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], kv_len=c["kv_len"], page_table=table)
+    np.testing.assert_array_equal(out, base)
+    with pytest.raises(ValueError, match="kv_len must be an integer array equal to plan"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], kv_len=c["kv_len"] + 1)
+    with pytest.raises(ValueError, match="kv_len must be"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], kv_len=c["kv_len"][:1])
+    with pytest.raises(ValueError, match="kv_len must be"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], kv_len=c["kv_len"].astype(np.float32))
+    swapped = table.copy()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    with pytest.raises(ValueError, match="page_table row b must start with"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], page_table=swapped)
+    with pytest.raises(ValueError, match=r"page_table must be an integer array of shape \(batch=2, >= 3 pages\)"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], page_table=table[:, :2])
+    with pytest.raises(ValueError, match="page_table must be"):
+        w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], page_table=table[0])
+
+
+def quantize_oracle(x, kv, scale):
+    """fp8 ``kv`` bits of x / scale: clipped to +-(max finite), then rounded to nearest even (ml_dtypes)."""
+    return np.clip(x.astype(np.float64) / scale, -FP8_MAX[kv], FP8_MAX[kv]).astype(np.float32).astype(FP8[kv])
+
+
+def fp8_append_case(seed, kv):
+    """An append of fp16 rows (some past the fp8 range) into two requests' pages: (args before the caches,
+    page table, rows)."""
+    c = mla_case(seed, [1, 1], [40, 9], 16)
+    rng = np.random.default_rng(seed)
+    rows_c = (rng.standard_normal((49, CKV)) * 4).astype(np.float16)
+    rows_k = (rng.standard_normal((49, KPE)) * 4).astype(np.float16)
+    rows_c[0, :4] = [60000, -60000, 1000, -1000]           # saturate (e4m3 at 448 x scale, e5m2 at 57344 x scale)
+    bi, pos = cuattn.get_batch_indices_positions(np.array([0, 40, 49], np.int32), c["kv_len"], 49)
+    last = np.array([8, 9], np.int32)
+    return c, rows_c, rows_k, bi, pos, last
+
+
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_append_paged_mla_kv_cache_quantizes_to_fp8_saturating_numpy(kv):
+    c, rows_c, rows_k, bi, pos, last = fp8_append_case(25, kv)
+    scale = 0.5
+    ckv = np.zeros(c["ckv"].shape, FP8[kv])
+    kpe = np.zeros(c["kpe"].shape, np.uint8)                # a uint8 view, read as kv_data_type
+    cuattn.append_paged_mla_kv_cache(rows_c, rows_k, bi, pos, ckv, kpe, c["kv_indices"], c["kv_indptr"], last,
+                                     kv_scale=scale, kv_data_type=FP8[kv])
+    want_c, want_k = quantize_oracle(rows_c, kv, scale), quantize_oracle(rows_k, kv, scale)
+    assert np.isfinite(want_c.astype(np.float32)).all()
+    for b, n in enumerate(c["kv_len"]):
+        ids = c["kv_indices"][c["kv_indptr"][b]:c["kv_indptr"][b + 1]]
+        lo = int(np.sum(c["kv_len"][:b]))
+        np.testing.assert_array_equal(ckv[ids].reshape(-1, CKV)[:n].view(np.uint8), want_c[lo:lo + n].view(np.uint8))
+        np.testing.assert_array_equal(kpe[ids].reshape(-1, KPE)[:n], want_k[lo:lo + n].view(np.uint8))
+    assert np.abs(ckv.astype(np.float32)).max() == FP8_MAX[kv]     # rows_c[0, :2] saturated, not inf / NaN
+    with pytest.raises(ValueError, match="kv_scale must be None unless the latent cache is fp8"):
+        cuattn.append_paged_mla_kv_cache(rows_c, rows_k, bi, pos, np.zeros_like(c["ckv"]), np.zeros_like(c["kpe"]),
+                                         c["kv_indices"], c["kv_indptr"], last, kv_scale=0.5)
+
+
 # ============================================================================ kernels (CPU: NVRTC only)
 
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
 def test_shipped_mla_kernels_compile_without_spills(arch):
     specs = [s for s in mla.shipped_specs() if s.archs is None or arch in s.archs]
-    assert {s.dtype for s in specs} == {"f16", "bf16"}
+    assert {(s.dtype, s.kv) for s in specs} == {(d, kv) for d in ("f16", "bf16") for kv in ("", "e4m3", "e5m2")}
+    assert {s.stages for s in specs if s.kv} == ({2, 4} if arch == "sm_90a" else {2})
     for spec in specs:
         res = jit.compile_kernel(spec, arch).resources
         for entry in (mla._ENTRY, mla._MERGE_ENTRY):
@@ -221,8 +364,10 @@ def _nan(shape, dtype):
     return _cp().full(shape, np.nan, dtype)
 
 
-def oracle_fast(c, causal, sm_scale):
-    """float64, vectorised per request (rows = token x head at once); independent of cuattn.reference."""
+def oracle_fast(c, causal, sm_scale, k_scale=1.0, v_scale=1.0):
+    """float64, vectorised per request (rows = token x head at once); independent of cuattn.reference.
+    The caches' stored values (any dtype, fp8 included) times the scales: key [ckv | kpe] x k_scale,
+    value ckv x v_scale."""
     h = c["heads"]
     out = np.zeros(c["qn"].shape, np.float64)
     lse = np.full(c["qn"].shape[:2], -np.inf)
@@ -234,14 +379,14 @@ def oracle_fast(c, causal, sm_scale):
         ckv = c["ckv"][ids].reshape(-1, CKV)[:n].astype(np.float64)
         kpe = c["kpe"][ids].reshape(-1, KPE)[:n].astype(np.float64)
         q = np.concatenate([c["qn"][q0:q1], c["qp"][q0:q1]], axis=-1).astype(np.float64)   # [qo, h, 576]
-        s = (q.reshape(-1, CKV + KPE) @ np.concatenate([ckv, kpe], axis=1).T * sm_scale).reshape(q1 - q0, h, n)
+        s = (q.reshape(-1, CKV + KPE) @ (np.concatenate([ckv, kpe], axis=1) * k_scale).T * sm_scale).reshape(q1 - q0, h, n)
         if causal:
             visible = np.arange(n)[None, :] <= np.arange(q1 - q0)[:, None] + (n - (q1 - q0))   # [qo, n]
             s = np.where(visible[:, None, :], s, -np.inf)
         m = s.max(-1, keepdims=True)
         w = np.exp(s - m)
         z = w.sum(-1, keepdims=True)
-        out[q0:q1] = (w / z) @ ckv
+        out[q0:q1] = (w / z) @ (ckv * v_scale)
         lse[q0:q1] = m[..., 0] + np.log(z[..., 0])
     return out, lse
 
@@ -251,9 +396,9 @@ ELEM_TOL = {"f16": 2e-2, "bf16": 6e-2}    # max |out - ref| / max |ref|, every e
 SCALE = 1 / math.sqrt(CKV + KPE)
 
 
-def check_gpu(c, causal, dtype, out, lse, lse_base_e):
+def check_gpu(c, causal, dtype, out, lse, lse_base_e, scales=(1.0, 1.0)):
     key = "bf16" if dtype == BF16 else "f16"
-    ref_o, ref_s = oracle_fast(c, causal, SCALE)
+    ref_o, ref_s = oracle_fast(c, causal, SCALE, *scales)
     o = _host(out, dtype).astype(np.float64)
     assert np.isfinite(o).all(), "NaN left in out: a row was not written"
     assert rel_err(o, ref_o) < TOL[key]
@@ -297,6 +442,101 @@ def test_mla_gpu_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, caus
     c = mla_case(11, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
     _, out, lse = run_gpu(c, causal, dtype, lse_base_e=dtype == BF16)
     check_gpu(c, causal, dtype, out, lse, lse_base_e=dtype == BF16)
+
+
+FP8_GPU = [   # (qo_lens, kv_lens, page_size, heads, causal, k_scale, v_scale, plan keywords): decode, multi-token
+    ([1, 1, 1], [1, 63, 1000], 1, 16, False, 0.5, 0.5, {}),
+    ([1] * 3, [5, 777, 2049], 64, 128, False, 2.0, 2.0, {}),
+    ([4, 1, 7], [100, 33, 7], 64, 16, True, 0.25, 0.125, {}),        # v_scale apart from k_scale
+    ([2, 3, 9], [300, 1000, 9], 1, 128, True, 1.0, 1.0, {}),
+    ([1], [16384], 64, 16, False, 0.5, 0.5, {}),                     # batch of one: split by default
+    ([1, 1], [9000, 3000], 64, 128, False, 4.0, 4.0, {"fixed_split_size": 1000}),
+]
+FP8_GPU_IDS = [f"qo{sum(q)}-kv{max(k)}-ps{p}-h{h}-{'causal' if c else 'full'}-ks{a}-vs{b}{'-split' if kw else ''}"
+               for q, k, p, h, c, a, b, kw in FP8_GPU]
+
+
+def run_gpu_fp8(c, ckv8, kpe8, causal, dtype, kv, k_scale, v_scale, **plan_kw):
+    """Plan an fp8 ``kv`` cache, run on uint8 CuPy caches into NaN-poisoned out / lse."""
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], c["heads"], CKV, KPE, c["page_size"],
+           causal, SCALE, np.dtype(dtype), FP8[kv], **plan_kw)
+    out = _nan(c["qn"].shape, dtype)
+    lse = _cp().full(c["qn"].shape[:2], np.nan, np.float32)
+    res = w.run(_dev(c["qn"]), _dev(c["qp"]), _cp().asarray(ckv8.view(np.uint8)), _cp().asarray(kpe8.view(np.uint8)),
+                out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    assert res[0] is out and res[1] is lse
+    return w, out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal,ks,vs,plan_kw", FP8_GPU, ids=FP8_GPU_IDS)
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_mla_gpu_fp8_cache_matches_float64_on_the_dequantized_cache(qo_lens, kv_lens, page_size, heads, causal, ks,
+                                                                    vs, plan_kw, kv):
+    dtype = BF16 if (len(kv_lens) + (kv == "e5m2")) % 2 else np.float16     # both q dtypes over the grid
+    c = mla_case(31, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
+    ckv8, kpe8, ref = fp8_case(c, kv, ks)
+    w, out, lse = run_gpu_fp8(c, ckv8, kpe8, causal, dtype, kv, ks, vs, **plan_kw)
+    assert f"_kv{kv}_" in w.describe()
+    if plan_kw or len(kv_lens) == 1:
+        assert "pieces of" in w.describe()
+    check_gpu(ref, causal, dtype, out, lse, lse_base_e=False, scales=(ks, vs))
+
+
+@pytest.mark.gpu
+def test_mla_gpu_fp8_reads_device_scales_and_torch_float8_caches():
+    cp = _cp()
+    c = mla_case(32, [1, 3], [700, 90], 16, heads=16, dtype=BF16)
+    ckv8, kpe8, ref = fp8_case(c, "e4m3", 0.5)
+    # -- 1-element CUDA float32 scales (read by the kernel)
+    _, out, lse = run_gpu_fp8(c, ckv8, kpe8, True, BF16, "e4m3", cp.asarray([0.5], np.float32),
+                              cp.asarray([0.25], np.float32))
+    check_gpu(ref, True, BF16, out, lse, lse_base_e=False, scales=(0.5, 0.25))
+    torch = pytest.importorskip("torch")
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, True, SCALE,
+           torch.bfloat16, torch.float8_e4m3fn)
+    tq = [torch.from_numpy(c[k].view(np.int16)).cuda().view(torch.bfloat16) for k in ("qn", "qp")]
+    tc = [torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn) for x in (ckv8, kpe8)]
+    o, s = w.run(*tq, *tc, return_lse=True, k_scale=0.5, v_scale=0.5)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.is_cuda
+    check_gpu(ref, True, BF16, cp.asarray(o.view(torch.int16)).view(np.uint16), cp.asarray(s), lse_base_e=False,
+              scales=(0.5, 0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["e4m3", "e5m2"])
+def test_mla_gpu_fp8_append_equals_numpy_bitwise(kv):
+    cp = _cp()
+    c, rows_c, rows_k, bi, pos, last = fp8_append_case(33, kv)
+    host = [np.zeros(c["ckv"].shape, FP8[kv]), np.zeros(c["kpe"].shape, FP8[kv])]
+    dev = [cp.zeros(x.shape, np.uint8) for x in host]
+    cuattn.append_paged_mla_kv_cache(rows_c, rows_k, bi, pos, *host, c["kv_indices"], c["kv_indptr"], last,
+                                     kv_scale=0.5)
+    cuattn.append_paged_mla_kv_cache(cp.asarray(rows_c), cp.asarray(rows_k), cp.asarray(bi), cp.asarray(pos), *dev,
+                                     cp.asarray(c["kv_indices"]), cp.asarray(c["kv_indptr"]), cp.asarray(last),
+                                     kv_scale=0.5, kv_data_type=FP8[kv])
+    for h, d in zip(host, dev):
+        np.testing.assert_array_equal(h.view(np.uint8), cp.asnumpy(d))
+    assert np.abs(host[0].astype(np.float32)).max() == FP8_MAX[kv]      # the saturated rows
+
+
+@pytest.mark.gpu
+def test_mla_gpu_run_checks_kv_len_and_page_table():
+    cp = _cp()
+    c = mla_case(34, [1, 1], [40, 9], 16)
+    w = planned(c, False, sm_scale=SCALE)
+    qn, qp, ckv, kpe = (cp.asarray(c[k]) for k in ("qn", "qp", "ckv", "kpe"))
+    table = np.zeros((2, 3), np.int32)
+    table[0, :3], table[1, :1] = c["kv_indices"][:3], c["kv_indices"][3:4]
+    a = w.run(qn, qp, ckv, kpe)
+    b = w.run(qn, qp, ckv, kpe, kv_len=cp.asarray(c["kv_len"]), page_table=cp.asarray(table))
+    np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    with pytest.raises(ValueError, match="kv_len must be"):
+        w.run(qn, qp, ckv, kpe, kv_len=cp.asarray(c["kv_len"][::-1].copy()))
+    with pytest.raises(ValueError, match="page_table row b"):
+        w.run(qn, qp, ckv, kpe, page_table=cp.asarray(table[::-1].copy()))
 
 
 @pytest.mark.gpu
