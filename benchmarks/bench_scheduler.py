@@ -288,6 +288,20 @@ def random_plans(n: int, seed: int = 0):
             qo_lens = rng.integers(1 if kind != "ragged" else 0, int(rng.choice([2, 17, 200])), b)
             if cfg_causal:
                 qo_lens = np.minimum(qo_lens, np.maximum(lens, 1))
+            corrupt = rng.random() < 0.08 and not bad      # a bad array: a negative page id, qo_indptr or
+            if corrupt:                                     # lengths that decrease, a batch mismatch
+                what = int(rng.integers(0, 4))
+                if what == 0 and len(indices):
+                    indices = indices.copy()
+                    indices[int(rng.integers(0, len(indices)))] = -3
+                elif what == 1 and b > 1:
+                    qo_lens = qo_lens.copy()
+                    qo_lens[0] = -1
+                elif what == 2:
+                    lens = lens.copy()
+                    lens[-1] += ps
+                else:
+                    lpl = lpl[:-1]
             qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
             mask = None
             if kind in ("paged", "ragged") and rng.random() < 0.1 and int((qo_lens * lens).sum()) < 200000:
