@@ -228,7 +228,7 @@ class BatchMLAPagedAttentionWrapper:
                     ("kv_indptr", p.kv_indptr.astype(i32), 0), ("kv_len", p.kv_lens.astype(i32), 0),
                     ("kv_indices", p.kv_indices, 0), ("work", wl.work.ravel(), -1),
                     ("merge", wl.merge.ravel(), -1)]
-        kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale)
+        kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale) if bufs.graph else None    # (graph mode's check)
         ptrs = bufs.upload(fn, segments, kernel, like)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))
         p.run_spec, p.work_list, p.meta, p.split_why = spec, wl, ptrs, why

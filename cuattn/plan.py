@@ -537,7 +537,8 @@ class PlanBuffers:
     def upload(self, fn: str, segments: list, kernel, like) -> dict[str, int]:
         """Device pointers by segment name (0 for an empty one) after one asynchronous upload of
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
-        of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode)."""
+        of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
+        otherwise)."""
         if self.graph:
             sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
             if self.caps is None:

@@ -377,7 +377,8 @@ class _BatchPrefillBase:
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan["mask_indptr"], 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
                     ("work", wl.work.ravel(), -1), ("merge", wl.merge.ravel(), -1)]
-        ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size), stream_of)
+        ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
+                           stream_of)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
         plan.backend, plan.run_spec, plan.work_list, plan.meta, plan.split_why = backend, spec, wl, ptrs, why
         plan.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
