@@ -170,6 +170,11 @@ class PrefillWorkList:
         return float(tiles.mean() / max(int(tiles.max()), 1))
 
 
+def _cyclic(k: np.ndarray, period: int) -> np.ndarray:
+    """``k % period`` (a mask for a power of two: int64 division costs more than the call)."""
+    return k & (period - 1) if period & (period - 1) == 0 else k % period
+
+
 def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
     """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
     heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right).
@@ -188,7 +193,7 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
             req, tile = np.arange(n), np.zeros(n, np.int64)
         else:
             req = np.arange(n).repeat(t0)
-            tile = np.arange(total) & (t0 - 1) if t0 & (t0 - 1) == 0 else np.arange(total) % t0
+            tile = _cyclic(np.arange(total), t0)
         if not causal:
             return req, tile, (kv_lens.copy() if t0 == 1 else kv_lens.repeat(t0))
         # -- ext[r, t] computed as its transpose (t0, n): the inner loop runs over the requests
@@ -232,7 +237,22 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     pieces = (ext + (chunk - 1)) // chunk
     np.maximum(pieces, 1, out=pieces)
     ends = np.cumsum(pieces)
-    total = int(ends[-1])
+    total, p0 = int(ends[-1]), (top + chunk - 1) // chunk       # p0 > 1: the most pieces of an item
+    if total == n * p0:          # every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids
+        work = np.empty((total, PREFILL_COLS), np.int32)
+        rows = np.arange(total)  # the partial slot of row i is i
+        work[:, 0], work[:, 1], work[:, 2], work[:, 3] = req.repeat(p0), tile.repeat(p0), _cyclic(rows, p0), rows
+        piece_ext = np.subtract.outer(ext, np.arange(0, p0 * chunk, chunk))
+        np.minimum(piece_ext, chunk, out=piece_ext)
+        np.maximum(piece_ext, 0, out=piece_ext)
+        piece_ext = piece_ext.ravel()
+        tiles = (piece_ext + (block_n - 1)) // block_n
+        if int(tiles.min()) != int(tiles.max()):
+            order = np.argsort(-tiles, kind="stable")               # most key tiles first
+            work, piece_ext = work[order], piece_ext[order]
+        merge = np.empty((n, PREFILL_COLS), np.int32)
+        merge[:, 0], merge[:, 1], merge[:, 2], merge[:, 3] = req, tile, rows[::p0], p0
+        return PrefillWorkList(work, merge, total, int(chunk), piece_ext)
     item = np.arange(n).repeat(pieces)
     k = np.arange(total) - (ends - pieces)[item]                        # piece index within its item
     split = pieces > 1
