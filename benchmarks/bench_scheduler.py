@@ -1,8 +1,9 @@
 """The scheduler's and the graph mode's costs, per the cascade/scheduler issue's targets.
 
-1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; paged and ragged prefill of
-   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix;
-   each again with request lengths drawn from 1024-4096 keys): median over 40 plans after 10 warm-up
+1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; MLA decode (128 heads, page 64)
+   over the same lengths; paged and ragged prefill of 256 requests x 64 new tokens over 2048 keys; a
+   2-level cascade of 256 requests over a 32k prefix; each again with request lengths drawn from
+   1024-4096 keys): median over 40 plans after 10 warm-up
    plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
@@ -14,10 +15,16 @@
 4. ``--host-only`` (no GPU needed): plan() host time alone, the cases of 1., on a stubbed CuPy (``FakeCupy``: the device
    calls -- pinned allocation, the async copy, events, device arrays -- are no-ops, everything else
    plan() does runs as on a GPU host, with the device taken to be an sm_90a of 132 SMs). Median over
-   200 plans after 20 warm-up plans; ``--profile`` adds a cProfile of each case.
+   200 plans after 20 warm-up plans, and the CUDA runtime calls one plan() makes (FakeCupy counts them);
+   ``--profile`` adds a cProfile of each case.
+5. ``--dump-plans PATH`` (no GPU needed): every upload's bytes and address, every pointer, describe() and
+   error of 1200 random plans on the stubbed device, as JSON: the same file from two versions of cuattn
+   means the same plans (decode, paged, ragged, 2-level cascade, MLA; eager and graph mode; the
+   scheduler's, a fixed or no split; now and then a bad argument or array).
 
     python benchmarks/bench_scheduler.py [--reps 30] [--out results.json]
     python benchmarks/bench_scheduler.py --host-only [--profile] [--out results.json]
+    python benchmarks/bench_scheduler.py --dump-plans plans.json [--num-plans 300]
 """
 from __future__ import annotations
 
@@ -88,8 +95,15 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
     c_tables = ([np.array([0, batch], np.int32), np.arange(batch + 1, dtype=np.int32)],
                 [np.array([0, 2048], np.int32), indptr], [prefix, indices + 2048],
                 [np.array([16], np.int32), lpl])
+    m = cuattn.BatchMLAPagedAttentionWrapper()
+    m_lens = np.diff(kv_indptr)           # MLA (DeepSeek: 128 heads, page 64), one query per request (decode)
+    m_indptr = np.concatenate([[0], np.cumsum(-(-m_lens // 64))]).astype(np.int32)
+    m_ids = np.random.default_rng(2).permutation(int(m_indptr[-1])).astype(np.int32)
+    m_args = (np.arange(batch + 1, dtype=np.int32), m_indptr, m_ids, m_lens.astype(np.int32), 128, 512, 64, 64, False,
+              0.1, "float16", "float16")
     return {
         f"decode {batch} x {tag}": lambda: d.plan(indptr, indices, lpl, HQ, HKV, D, PS),
+        f"mla decode {batch} x {tag}": lambda: m.plan(*m_args),
         f"paged prefill {batch} x (64 new / {tag})": lambda: p.plan(qo, indptr, indices, lpl, HQ, HKV, D, PS,
                                                                     causal=True),
         f"ragged prefill {batch} x (64 / {tag})": lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True),
