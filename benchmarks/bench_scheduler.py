@@ -1,8 +1,9 @@
 """The scheduler's and the graph mode's costs, per the cascade/scheduler issue's targets.
 
-1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; paged and ragged prefill of
-   256 requests x 64 new tokens over 2048 keys; a 2-level cascade of 256 requests over a 32k prefix;
-   each again with request lengths drawn from 1024-4096 keys): median over 40 plans after 10 warm-up
+1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; MLA decode (128 heads, page 64)
+   over the same lengths; paged and ragged prefill of 256 requests x 64 new tokens over 2048 keys; a
+   2-level cascade of 256 requests over a 32k prefix; each again with request lengths drawn from
+   1024-4096 keys): median over 40 plans after 10 warm-up
    plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
@@ -14,10 +15,16 @@
 4. ``--host-only`` (no GPU needed): plan() host time alone, the cases of 1., on a stubbed CuPy (``FakeCupy``: the device
    calls -- pinned allocation, the async copy, events, device arrays -- are no-ops, everything else
    plan() does runs as on a GPU host, with the device taken to be an sm_90a of 132 SMs). Median over
-   200 plans after 20 warm-up plans; ``--profile`` adds a cProfile of each case.
+   200 plans after 20 warm-up plans, and the CUDA runtime calls one plan() makes (FakeCupy counts them);
+   ``--profile`` adds a cProfile of each case.
+5. ``--dump-plans PATH`` (no GPU needed): every upload's bytes and address, every pointer, describe() and
+   error of 1200 random plans on the stubbed device, as JSON: the same file from two versions of cuattn
+   means the same plans (decode, paged, ragged, 2-level cascade, MLA; eager and graph mode; the
+   scheduler's, a fixed or no split; now and then a bad argument or array).
 
     python benchmarks/bench_scheduler.py [--reps 30] [--out results.json]
     python benchmarks/bench_scheduler.py --host-only [--profile] [--out results.json]
+    python benchmarks/bench_scheduler.py --dump-plans plans.json [--num-plans 300]
 """
 from __future__ import annotations
 
@@ -88,8 +95,15 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
     c_tables = ([np.array([0, batch], np.int32), np.arange(batch + 1, dtype=np.int32)],
                 [np.array([0, 2048], np.int32), indptr], [prefix, indices + 2048],
                 [np.array([16], np.int32), lpl])
+    m = cuattn.BatchMLAPagedAttentionWrapper()
+    m_lens = np.diff(kv_indptr)           # MLA (DeepSeek: 128 heads, page 64), one query per request (decode)
+    m_indptr = np.concatenate([[0], np.cumsum(-(-m_lens // 64))]).astype(np.int32)
+    m_ids = np.random.default_rng(2).permutation(int(m_indptr[-1])).astype(np.int32)
+    m_args = (np.arange(batch + 1, dtype=np.int32), m_indptr, m_ids, m_lens.astype(np.int32), 128, 512, 64, 64, False,
+              0.1, "float16", "float16")
     return {
         f"decode {batch} x {tag}": lambda: d.plan(indptr, indices, lpl, HQ, HKV, D, PS),
+        f"mla decode {batch} x {tag}": lambda: m.plan(*m_args),
         f"paged prefill {batch} x (64 new / {tag})": lambda: p.plan(qo, indptr, indices, lpl, HQ, HKV, D, PS,
                                                                     causal=True),
         f"ragged prefill {batch} x (64 / {tag})": lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True),
@@ -102,71 +116,114 @@ def plan_costs() -> dict:
 
 
 class FakeCupy:
-    """Just enough of CuPy for plan() on a machine without a GPU: device calls are no-ops (``--host-only``)."""
-
-    class _Ptr:
-        ptr = 1 << 20
-
-    class _DevArray:
-        def __init__(self, n, dtype):
-            self.shape = tuple(n) if isinstance(n, tuple) else (int(n),)
-            self.size, self.data = int(np.prod(self.shape)), FakeCupy._Ptr()
-
-    class _Stream:
-        ptr = 0
-
-    class _Event:
-        done = True
-
-        def __init__(self, *a, **k):
-            pass
-
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
-    class _Device:
-        compute_capability = "90"
-        attributes = {"MultiProcessorCount": 132}
-
-        def __init__(self, device=0):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    class _Runtime:
-        memcpyDeviceToDevice = 3
-
-        @staticmethod
-        def getDevice():
-            return 0
-
-        @staticmethod
-        def getDeviceCount():
-            return 1
-
-        @staticmethod
-        def memcpyAsync(dst, src, nbytes, kind, stream):
-            pass
+    """Just enough of CuPy for plan() on a machine without a GPU (``--host-only``): device calls are no-ops,
+    each counted in ``calls`` by the CUDA runtime call it stands for (a Device context's enter and exit:
+    getDevice / setDevice; an Event: create, record, query (``done``), synchronize; the async copy; a pinned or
+    device allocation). The current-stream lookup (no CUDA call in CuPy) is counted as ``stream``. Device
+    arrays get distinct fake addresses, in allocation order; ``uploads`` (when a list) receives every
+    host-to-device copy as (dst, nbytes, bytes)."""
 
     def __init__(self):
+        import collections
         import types
+        calls = self.calls = collections.Counter()
+        self.uploads = None
+        fake = self
+        self._next = [1 << 32]
+
+        class Ptr:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+        class DevArray:
+            def __init__(self, n, dtype):
+                calls["alloc"] += 1
+                self.shape = tuple(n) if isinstance(n, tuple) else (int(n),)
+                self.size = int(np.prod(self.shape))
+                nbytes = self.size * np.dtype(dtype).itemsize
+                self.data = Ptr(fake._next[0])
+                fake._next[0] += -(-max(nbytes, 1) // 4096) * 4096 + 4096
+
+        class Stream:
+            ptr = 0
+
+        class Event:
+            def __init__(self, *a, **k):
+                calls["event_create"] += 1
+
+            @property
+            def done(self):
+                calls["event_query"] += 1
+                return True
+
+            def record(self, stream=None):
+                calls["event_record"] += 1
+
+            def synchronize(self):
+                calls["event_sync"] += 1
+
+        class Device:
+            compute_capability = "90"
+            attributes = {"MultiProcessorCount": 132}
+
+            def __init__(self, device=0):
+                pass
+
+            def __enter__(self):
+                calls["device_enter"] += 1
+                return self
+
+            def __exit__(self, *a):
+                calls["device_exit"] += 1
+                return False
+
+        class Runtime:
+            memcpyDeviceToDevice = 3
+
+            @staticmethod
+            def getDevice():
+                calls["getDevice"] += 1
+                return 0
+
+            @staticmethod
+            def getDeviceCount():
+                calls["getDeviceCount"] += 1
+                return 1
+
+            @staticmethod
+            def streamIsCapturing(ptr):
+                calls["streamIsCapturing"] += 1
+                return 0
+
+            @staticmethod
+            def memcpyAsync(dst, src, nbytes, kind, stream):
+                calls["memcpyAsync"] += 1
+                if fake.uploads is not None and kind == 1:
+                    import ctypes
+                    fake.uploads.append((dst, nbytes, ctypes.string_at(src, nbytes)))
+
+        def current_stream(device=None):
+            calls["stream"] += 1
+            return Stream()
+
+        def pinned(nbytes):
+            calls["alloc_pinned"] += 1
+            return bytearray(nbytes)
+
+        self._DevArray = DevArray
         self.cuda = types.SimpleNamespace(
-            runtime=self._Runtime, Device=self._Device, Event=self._Event, Stream=self._Stream,
-            ExternalStream=self._Stream, get_current_stream=lambda device=None: self._Stream(),
-            alloc_pinned_memory=lambda nbytes: bytearray(nbytes))
+            runtime=Runtime, Device=Device, Event=Event, Stream=Stream, ExternalStream=Stream,
+            get_current_stream=current_stream, alloc_pinned_memory=pinned)
 
     def empty(self, n, dtype):
         return self._DevArray(n, dtype)
 
+    def device_calls(self) -> int:
+        """CUDA runtime calls counted so far (the stream lookup is none)."""
+        return sum(v for k, v in self.calls.items() if k != "stream")
 
-def stub_device() -> None:
+
+def stub_device() -> FakeCupy:
     """Route cuattn's device calls to FakeCupy (this process only): ``--host-only``."""
     from cuattn import arrays, decode, jit, plan
     fake = FakeCupy()
@@ -176,15 +233,21 @@ def stub_device() -> None:
     if hasattr(decode, "_num_sms"):
         decode._num_sms = lambda device: 132
     jit.get_launcher = lambda *a, **k: None
+    return fake
 
 
 def host_only(args) -> dict:
-    stub_device()
+    fake = stub_device()
     rows = {}
     for varied in (False, True):
         for name, f in plan_cases(varied=varied).items():
-            rows[name] = round(plan_host_us(f, n=200, warmup=20, sync=False), 1)
-            print(f"plan() host {name:<45} {rows[name]:7.1f} us")
+            us = plan_host_us(f, n=200, warmup=20, sync=False)
+            fake.calls.clear()
+            f()
+            calls = dict(sorted(fake.calls.items()))
+            rows[name] = dict(us=round(us, 1), device_calls=fake.device_calls(), calls=calls)
+            print(f"plan() host {name:<45} {us:7.1f} us  {fake.device_calls():3d} device calls  "
+                  + " ".join(f"{k}={v}" for k, v in calls.items()))
             if args.profile:
                 import cProfile
                 import pstats
@@ -195,6 +258,135 @@ def host_only(args) -> dict:
                 pr.disable()
                 pstats.Stats(pr).sort_stats("tottime").print_stats(18)
     return rows
+
+
+def _random_table(rng, batch, page_size, lo, hi):
+    lens = rng.integers(lo, hi + 1, batch)
+    pages = -(-lens // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rng.permutation(int(indptr[-1]) + int(rng.integers(0, 50))).astype(np.int32)[:int(indptr[-1])]
+    lpl = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    return indptr, indices, lpl, lens
+
+
+def random_plans(n: int, seed: int = 0):
+    """(name, wrapper, [plan() calls]) of ``n`` random wrappers (decode, paged, ragged, 2-level cascade, MLA;
+    eager or graph mode; the scheduler's, a fixed or no split), each planned 4 times with mostly the same
+    configuration (the memos' hits) and now and then another one or a bad argument (their misses and errors)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        kind = ["decode", "paged", "ragged", "cascade", "mla"][i % 5]
+        graph = bool(rng.integers(0, 2))
+        split = rng.choice(["auto", "auto", "fixed", "disable"])
+        hq, hkv = [(32, 8), (8, 8), (16, 2), (4, 1)][int(rng.integers(0, 4))]
+        d = [64, 128][int(rng.integers(0, 2))] if kind != "mla" else 576
+        ps = [16, 1, 32][int(rng.integers(0, 3))] if kind != "mla" else [1, 64][int(rng.integers(0, 2))]
+        dtype = ["float16", "bfloat16"][int(rng.integers(0, 2))]
+        causal = bool(rng.integers(0, 2))
+        sk = dict(fixed_split_size=int(rng.integers(1, 5000))) if split == "fixed" else \
+            dict(disable_split_kv=True) if split == "disable" else {}
+        w = {"decode": lambda: cuattn.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=graph),
+             "paged": lambda: cuattn.BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=graph),
+             "ragged": lambda: cuattn.BatchPrefillWithRaggedKVCacheWrapper(use_cuda_graph=graph),
+             "cascade": lambda: cuattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=graph),
+             "mla": lambda: cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=graph)}[kind]()
+        calls = []
+        for j in range(4):
+            b = int(rng.integers(1, 300)) if j == 0 or not graph else int(rng.integers(1, 150))
+            hi = int(rng.choice([64, 2048, 40000]))
+            lo = int(rng.integers(0 if kind == "ragged" else 1, hi))
+            cfg_dtype = dtype if rng.random() > 0.15 else ("bfloat16" if dtype == "float16" else "float16")
+            cfg_causal = causal if rng.random() > 0.15 else not causal
+            bad = rng.random() < 0.06
+            indptr, indices, lpl, lens = _random_table(rng, b, ps, max(lo, 1) if kind != "ragged" else lo, hi)
+            qo_lens = rng.integers(1 if kind != "ragged" else 0, int(rng.choice([2, 17, 200])), b)
+            if cfg_causal:
+                qo_lens = np.minimum(qo_lens, np.maximum(lens, 1))
+            corrupt = rng.random() < 0.08 and not bad      # a bad array: a negative page id, qo_indptr or
+            if corrupt:                                     # lengths that decrease, a batch mismatch
+                what = int(rng.integers(0, 4))
+                if what == 0 and len(indices):
+                    indices = indices.copy()
+                    indices[int(rng.integers(0, len(indices)))] = -3
+                elif what == 1 and b > 1:
+                    qo_lens = qo_lens.copy()
+                    qo_lens[0] = -1
+                elif what == 2:
+                    lens = lens.copy()
+                    lens[-1] += ps
+                else:
+                    lpl = lpl[:-1]
+            qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+            mask = None
+            if kind in ("paged", "ragged") and rng.random() < 0.1 and int((qo_lens * lens).sum()) < 200000:
+                mask = rng.random(int((qo_lens * lens).sum())) < 0.5
+            if kind == "decode":
+                f = (lambda a=(indptr, indices, lpl), h=(hq, hkv, d, ps), k=dict(q_data_type=cfg_dtype, **sk):
+                     w.plan(*a, *h, **k))
+                if bad:
+                    f = (lambda a=(indptr, indices, lpl): w.plan(*a, hq, 3, d, ps))
+            elif kind == "paged":
+                f = (lambda a=(qo, indptr, indices, lpl), h=(hq, hkv, d, ps),
+                     k=dict(q_data_type=cfg_dtype, causal=cfg_causal, custom_mask=mask, **sk): w.plan(*a, *h, **k))
+                if bad:
+                    f = (lambda a=(qo, indptr, indices, lpl): w.plan(*a, hq, hkv, d, ps, q_data_type="float32"))
+            elif kind == "ragged":
+                kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+                f = (lambda a=(qo, kv_indptr), h=(hq, hkv, d),
+                     k=dict(q_data_type=cfg_dtype, causal=cfg_causal, custom_mask=mask, **sk): w.plan(*a, *h, **k))
+                if bad:
+                    f = (lambda a=(qo, kv_indptr): w.plan(*a, hq, hkv, 96))
+            elif kind == "cascade":
+                prefix = int(rng.choice([1, 100, 2048]))
+                shared = [np.array([0, int(qo[-1])], np.int32), np.array([0, prefix], np.int32),
+                          rng.permutation(prefix).astype(np.int32) + int(indices.max(initial=0)) + 1,
+                          np.array([int(rng.integers(1, ps + 1))], np.int32)]
+                uq = qo if rng.random() < 0.5 else None
+                if uq is None:      # a decode step: one query per request
+                    uq = np.arange(b + 1, dtype=np.int32)
+                    shared[0] = np.array([0, b], np.int32)
+                tables = ([shared[0], uq], [shared[1], indptr], [shared[2], indices], [shared[3], lpl])
+                f = (lambda t=tables, h=(hq, hkv, d, ps), k=dict(q_data_type=cfg_dtype, causal=cfg_causal, **sk):
+                     w.plan(*t, *h, **k))
+                if bad:
+                    f = (lambda t=tables: w.plan(*t, hq, hkv, d, ps, window_left=5))
+            else:
+                kvi = np.concatenate([[0], np.cumsum(-(-lens // ps))]).astype(np.int32)
+                ids = rng.permutation(int(kvi[-1])).astype(np.int32)
+                f = (lambda a=(qo, kvi, ids, lens.astype(np.int32)), k=dict(causal=cfg_causal, **sk), dt=cfg_dtype:
+                     w.plan(*a, hq, 512, 64, ps, sm_scale=0.1, q_data_type=dt, kv_data_type=dt, **k))
+                if bad:
+                    f = (lambda a=(qo, kvi, ids, lens.astype(np.int32)): w.plan(*a, 0, 512, 64, ps, False, 0.1,
+                                                                               dtype, dtype))
+            calls.append(f)
+        yield f"{i} {kind} graph={graph} split={split}", w, calls
+
+
+def dump_plans(path: str, n: int) -> None:
+    """Every upload's bytes and address, every describe() and error of ``random_plans`` (device stubbed),
+    as JSON: the same file from two versions of cuattn means the same plans (``--dump-plans``)."""
+    import hashlib
+    fake = stub_device()
+    out = []
+    for name, w, calls in random_plans(n):
+        for j, f in enumerate(calls):
+            fake.uploads = []
+            try:
+                f()
+                err = None
+            except Exception as e:        # noqa: BLE001 (recorded: the same errors on both sides)
+                err = f"{type(e).__name__}: {e}"
+            p = getattr(w, "_plan", None)
+            levels = [lv._plan for lv in w._levels if lv is not None] if hasattr(w, "_levels") else [p]
+            rec = dict(name=f"{name} #{j}", error=err, describe=w.describe(),
+                       uploads=[(dst, nb, hashlib.sha1(data).hexdigest()) for dst, nb, data in fake.uploads],
+                       plans=[None if q is None else dict(
+                           meta=q.meta, grid=[q.grid_work, q.grid_merge], backend=q.backend,
+                           spec=getattr(q.run_spec, "name", None), why=q.split_why, device=q.device,
+                           kernel_args=repr(q.kernel_args), grids=[q.grid, q.merge_grid]) for q in levels])
+            out.append(rec)
+    Path(path).write_text(json.dumps(out, indent=0, default=str))
+    print(f"{len(out)} plans ({sum(r['error'] is not None for r in out)} errors) -> {path}")
 
 
 def replay_host_us(plan, run, layers=32):
@@ -261,7 +453,13 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--host-only", action="store_true", help="plan() host time on a stubbed device (no GPU)")
     ap.add_argument("--profile", action="store_true", help="with --host-only: cProfile each case")
+    ap.add_argument("--dump-plans", metavar="PATH", help="random plans' uploads and describe() on a stubbed device, "
+                                                         "as JSON (compare two versions' files)")
+    ap.add_argument("--num-plans", type=int, default=300, help="with --dump-plans: random wrappers (4 plans each)")
     args = ap.parse_args()
+    if args.dump_plans:
+        dump_plans(args.dump_plans, args.num_plans)
+        return
     if args.host_only:
         import platform
         print(f"# plan() host time, device stubbed; {platform.processor() or platform.machine()}, "

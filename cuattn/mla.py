@@ -202,25 +202,28 @@ class BatchMLAPagedAttentionWrapper:
         for name, val in (("num_heads", num_heads), ("page_size", page_size)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{fn}: {name} must be a positive int, got {val!r}")
-        qo = arrays.host_int_vector(qo_indptr, "qo_indptr", fn).astype(np.int64)
-        kp = arrays.host_int_vector(kv_indptr, "kv_indptr", fn).astype(np.int64)
-        idx = arrays.host_int_vector(kv_indices, "kv_indices", fn).astype(np.int64)
-        kvl = arrays.host_int_vector(kv_len_arr, "kv_len_arr", fn).astype(np.int64)
+        # -- host copies read once, no int64 copy of the page ids (their maximum and sign in one pass)
+        qo = _plan.host_ints(qo_indptr, "qo_indptr", fn).astype(np.int64)
+        kp = _plan.host_ints(kv_indptr, "kv_indptr", fn).astype(np.int64)
+        idx = _plan.host_ints(kv_indices, "kv_indices", fn)
+        kvl = _plan.host_ints(kv_len_arr, "kv_len_arr", fn).astype(np.int64)
         batch = len(qo) - 1
-        if batch < 0 or qo[0] != 0 or np.any(np.diff(qo) < 0):
+        qo_lens, pages = qo[1:] - qo[:-1], kp[1:] - kp[:-1]        # np.diff, without its wrapper's cost
+        if batch < 0 or qo[0] != 0 or (batch and qo_lens.min() < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
-        if len(kp) != batch + 1 or len(kvl) != batch or kp[0] != 0 or np.any(np.diff(kp) < 0):
+        if len(kp) != batch + 1 or len(kvl) != batch or kp[0] != 0 or (batch and pages.min() < 0):
             raise ValueError(f"{fn}: kv_indptr (batch + 1 = {batch + 1}, from 0, non-decreasing) and kv_len_arr "
                              f"(batch) must describe qo_indptr's batch, got {len(kp)} and {len(kvl)} entries")
-        if len(idx) < kp[-1] or (len(idx) and idx.min() < 0):
+        n_idx = int(kp[-1])
+        hi = _plan.max_index(idx)           # None: a negative id
+        if len(idx) < n_idx or hi is None:
             raise ValueError(f"{fn}: kv_indices must hold kv_indptr[-1] = {kp[-1]} non-negative page ids, got "
                              f"{len(idx)} with min {idx.min() if len(idx) else None}")
-        pages = np.diff(kp)
-        if np.any(kvl < 0) or np.any(-(-kvl // page_size) != pages):
+        if batch and (kvl.min() < 0 or ((kvl + (page_size - 1)) // page_size != pages).any()):
             b = int(np.argmax((kvl < 0) | (-(-kvl // page_size) != pages)))
             raise ValueError(f"{fn}: kv_len_arr must fit the request's pages (ceil(kv_len / page_size) == pages), "
                              f"got kv_len_arr[{b}]={int(kvl[b])} with {int(pages[b])} pages of {page_size}")
-        if causal and np.any(np.diff(qo) > kvl):
+        if causal and batch and (qo_lens > kvl).any():
             raise ValueError(f"{fn}: with causal=True every request needs qo_len <= kv_len")
         n_idx = int(kp[-1])
         q_dt, kv_dt = arrays.as_dtype(q_data_type, "q_data_type", fn), arrays.as_dtype(kv_data_type, "kv_data_type", fn)
@@ -229,8 +232,9 @@ class BatchMLAPagedAttentionWrapper:
                                    f"float16 / bfloat16 over an fp8 cache, got {q_dt}")
         p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe, q_dt, kv_dt,
                        float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
-                       None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, kv_indptr=kp, kv_indices=idx,
-                       max_page=int(idx[:n_idx].max()) if n_idx else -1)
+                       None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, qo_lens=qo_lens, kv_indptr=kp,
+                       kv_indices=idx.astype(np.int32), max_page=(hi if len(idx) == n_idx else
+                                                                  int(idx[:n_idx].max()) if n_idx else -1))
         self._plan = None
         self._plan_device(fn, p, kv_indices, fixed_split_size, disable_split_kv)
         self._plan = p
@@ -254,7 +258,7 @@ class BatchMLAPagedAttentionWrapper:
         #    mla.cu's spec, whose merge kernel joins split pieces of either
         p.spec = MLASpec(short, stages_for(arch, kv), kv)
         spec = p.spec if backend == "fa2" else mla_sm90.Sm90MLASpec(short)
-        h, qo_lens = p.num_qo_heads, np.diff(p.qo_indptr)
+        h, qo_lens = p.num_qo_heads, p.qo_lens
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)
@@ -269,9 +273,9 @@ class BatchMLAPagedAttentionWrapper:
         i32 = np.int32
         segments = [("kv_chunk", np.array([wl.chunk], i32), 0), ("qo_indptr", p.qo_indptr.astype(i32), 0),
                     ("kv_indptr", p.kv_indptr.astype(i32), 0), ("kv_len", p.kv_lens.astype(i32), 0),
-                    ("kv_indices", p.kv_indices.astype(i32), 0), ("work", wl.work.ravel(), -1),
+                    ("kv_indices", p.kv_indices, 0), ("work", wl.work.ravel(), -1),
                     ("merge", wl.merge.ravel(), -1)]
-        kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale)
+        kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale) if bufs.graph else None    # (graph mode's check)
         ptrs = bufs.upload(fn, segments, kernel, like)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))
         p.run_spec, p.backend, p.work_list, p.meta, p.split_why = spec, backend, wl, ptrs, why

@@ -144,21 +144,23 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
+        common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                      fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
         for i in range(self._num_levels):
             qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
-            totals.add(int(qo[-1]) if len(qo) else 0)
+            n = len(qo)
+            totals.add(int(qo[-1]) if n else 0)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
-            #    for one bottom-right query); else a paged prefill
+            #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
+            #    then every entry, without np.array_equal's wrapper)
             kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
-            kind = "decode" if len(qo) > 1 and len(kv_indptr) == len(qo) and \
-                np.array_equal(qo, np.arange(len(qo))) else "prefill"
+            kind = "decode" if n > 1 and len(kv_indptr) == n and qo[0] == 0 and qo[-1] == n - 1 and \
+                not (qo != np.arange(n)).any() else "prefill"
             if kind != self._kinds[i]:
                 if self._graph and self._kinds[i] is not None:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
                 self._levels[i], self._kinds[i] = self._make[kind](), kind
-            common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
             if kind == "decode":
                 self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
                                      num_kv_heads, head_dim, page_size, **common)

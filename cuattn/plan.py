@@ -170,26 +170,50 @@ class PrefillWorkList:
         return float(tiles.mean() / max(int(tiles.max()), 1))
 
 
+def _cyclic(k: np.ndarray, period: int) -> np.ndarray:
+    """``k % period`` (a mask for a power of two: int64 division costs more than the call)."""
+    return k & (period - 1) if period & (period - 1) == 0 else k % period
+
+
 def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
     """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
-    heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right)."""
+    heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right).
+
+    Causal: tile t's last row is query ``min(q - 1, lim_t)``, ``lim_t = ((t + 1) * block_m - 1) // group``,
+    and it reads ``max(0, min(q - 1, lim_t) + kv - q + 1) = max(0, min(lim_t + kv - q + 1, kv))`` keys."""
     qo_lens, kv_lens = np.asarray(qo_lens, np.int64), np.asarray(kv_lens, np.int64)
     n = len(qo_lens)
-    tiles = -(-qo_lens * group // block_m)
-    t0 = int(tiles[0]) if n else 0
-    if n and t0 > 0 and int(tiles.min()) == int(tiles.max()):     # every request t0 tiles: no repeats
-        k = np.arange(n * t0)
-        req, tile = (k, k * 0) if t0 == 1 else (k // t0, k % t0)
-        q, kv = (qo_lens, kv_lens.copy()) if t0 == 1 else (qo_lens[req], kv_lens[req])
-    else:
-        ends = np.cumsum(tiles)
-        req = np.repeat(np.arange(n), tiles)
-        tile = np.arange(int(ends[-1]) if n else 0) - (ends - tiles)[req]
-        q, kv = qo_lens[req], kv_lens[req]
-    if causal:
-        max_q = np.minimum(q - 1, ((tile + 1) * block_m - 1) // group)
-        kv = np.minimum(np.maximum(max_q + kv - q + 1, 0), kv)        # np.clip, at a quarter of its cost
-    return req, tile, kv
+    if not n:
+        e = np.zeros(0, np.int64)
+        return e, e.copy(), e.copy()
+    tiles = (qo_lens * group + (block_m - 1)) // block_m
+    t0, total = int(tiles.max()), int(tiles.sum())
+    if t0 and total == n * t0:          # every request t0 tiles (a uniform batch): no repeats of request arrays
+        if t0 == 1:
+            req, tile = np.arange(n), np.zeros(n, np.int64)
+        else:
+            req = np.arange(n).repeat(t0)
+            tile = _cyclic(np.arange(total), t0)
+        if not causal:
+            return req, tile, (kv_lens.copy() if t0 == 1 else kv_lens.repeat(t0))
+        # -- ext[r, t] computed as its transpose (t0, n): the inner loop runs over the requests
+        lim = np.arange(block_m - 1, t0 * block_m, block_m) // group + 1       # lim_t + 1, t < t0
+        d = kv_lens - qo_lens
+        ext = np.add.outer(lim, d)
+        np.minimum(ext, kv_lens, out=ext)
+        np.maximum(ext, 0, out=ext)
+        return req, tile, (ext[0] if t0 == 1 else ext.T.ravel())
+    ends = np.cumsum(tiles)
+    req = np.arange(n).repeat(tiles)
+    tile = np.arange(total) - (ends - tiles)[req]
+    kv = kv_lens[req]
+    if not causal:
+        return req, tile, kv
+    ext = (kv_lens - qo_lens)[req]
+    ext += ((tile + 1) * block_m - 1) // group + 1
+    np.minimum(ext, kv, out=ext)
+    np.maximum(ext, 0, out=ext)
+    return req, tile, ext
 
 
 def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
@@ -200,33 +224,52 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     req, tile, ext = items if items is not None else prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group,
                                                                   block_m, causal)
     n = len(req)
-    if chunk <= 0 or (n and int(ext.max()) <= chunk):       # nothing split: one row per item
-        work = np.full((n, PREFILL_COLS), -1, np.int32)
-        tiles = -(-ext // block_n)
-        if n and int(tiles.min()) != int(tiles.max()):       # (equal keys: the stable order is the identity)
-            order = np.argsort(-tiles, kind="stable")
-            req, tile, ext = req[order], tile[order], ext[order]
-        work[:, 0], work[:, 1], work[:, 2] = req, tile, 0
+    top = int(ext.max()) if n else 0
+    if chunk <= 0 or top <= chunk:               # nothing split: one row per item
+        work = np.empty((n, PREFILL_COLS), np.int32)
+        if n:
+            tiles = (ext + (block_n - 1)) // block_n
+            if int(tiles.min()) != (top + block_n - 1) // block_n:   # (equal keys: the stable order is the identity)
+                order = np.argsort(-tiles, kind="stable")
+                req, tile, ext = req[order], tile[order], ext[order]
+        work[:, 0], work[:, 1], work[:, 2:] = req, tile, (0, -1)
         return PrefillWorkList(work, np.zeros((0, PREFILL_COLS), np.int32), 0, 0, ext)
-    pieces = np.ones(n, np.int64) if chunk <= 0 else np.maximum(1, -(-ext // chunk))
+    pieces = (ext + (chunk - 1)) // chunk
+    np.maximum(pieces, 1, out=pieces)
     ends = np.cumsum(pieces)
-    total = int(ends[-1]) if n else 0
-    item = np.repeat(np.arange(n), pieces)
+    total, p0 = int(ends[-1]), (top + chunk - 1) // chunk       # p0 > 1: the most pieces of an item
+    if total == n * p0:          # every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids
+        work = np.empty((total, PREFILL_COLS), np.int32)
+        rows = np.arange(total)  # the partial slot of row i is i
+        work[:, 0], work[:, 1], work[:, 2], work[:, 3] = req.repeat(p0), tile.repeat(p0), _cyclic(rows, p0), rows
+        piece_ext = np.subtract.outer(ext, np.arange(0, p0 * chunk, chunk))
+        np.minimum(piece_ext, chunk, out=piece_ext)
+        np.maximum(piece_ext, 0, out=piece_ext)
+        piece_ext = piece_ext.ravel()
+        tiles = (piece_ext + (block_n - 1)) // block_n
+        if int(tiles.min()) != int(tiles.max()):
+            order = np.argsort(-tiles, kind="stable")               # most key tiles first
+            work, piece_ext = work[order], piece_ext[order]
+        merge = np.empty((n, PREFILL_COLS), np.int32)
+        merge[:, 0], merge[:, 1], merge[:, 2], merge[:, 3] = req, tile, rows[::p0], p0
+        return PrefillWorkList(work, merge, total, int(chunk), piece_ext)
+    item = np.arange(n).repeat(pieces)
     k = np.arange(total) - (ends - pieces)[item]                        # piece index within its item
     split = pieces > 1
-    sp = np.where(split, pieces, 0)
+    sp = pieces * split
     slot_base = np.cumsum(sp) - sp
     work = np.empty((total, PREFILL_COLS), np.int32)
     work[:, 0], work[:, 1], work[:, 2] = req[item], tile[item], k
-    work[:, 3] = np.where(split[item], slot_base[item] + k, -1)
-    if chunk > 0:
-        piece_ext = np.minimum(np.maximum(ext[item] - k * chunk, 0), chunk)     # np.clip, at a quarter of its cost
-    else:
-        piece_ext = ext[item]
-    tiles = -(-piece_ext // block_n)
+    slot = slot_base[item] + k
+    slot[~split[item]] = -1
+    work[:, 3] = slot
+    piece_ext = ext[item] - k * chunk
+    np.minimum(piece_ext, chunk, out=piece_ext)                          # (>= 0: k < ceil(ext / chunk))
+    np.maximum(piece_ext, 0, out=piece_ext)
+    tiles = (piece_ext + (block_n - 1)) // block_n
     order = np.argsort(-tiles, kind="stable")                       # most key tiles first
     work, piece_ext = work[order], piece_ext[order]
-    s_items = np.nonzero(split)[0]
+    s_items = np.flatnonzero(split)
     merge = np.empty((len(s_items), PREFILL_COLS), np.int32)
     merge[:, 0], merge[:, 1] = req[s_items], tile[s_items]
     merge[:, 2], merge[:, 3] = slot_base[s_items], pieces[s_items]
@@ -403,7 +446,8 @@ class DeviceBuffers:
             raise ValueError(f"{self.owner}: upload() takes the staging buffer staging() returned last")
         cp.cuda.runtime.memcpyAsync(dst_ptr, entry[3], count * 4, 1, stream.ptr)
         if entry[2] is None:
-            entry[2] = cp.cuda.Event(block=False, disable_timing=True)
+            with cp.cuda.Device(self.device):        # the event on the stream's device
+                entry[2] = cp.cuda.Event(block=False, disable_timing=True)
         entry[2].record(stream)
 
     def _ensure(self, name: str, size: int, dtype, what: str):
@@ -513,9 +557,10 @@ class PlanBuffers:
     def upload(self, fn: str, segments: list, kernel, like) -> dict[str, int]:
         """Device pointers by segment name (0 for an empty one) after one asynchronous upload of
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
-        of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode)."""
-        sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
+        of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
+        otherwise)."""
         if self.graph:
+            sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
             if self.caps is None:
                 self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
                 if "merge" in self.caps and "work" in self.caps:
@@ -529,27 +574,31 @@ class PlanBuffers:
                     raise ValueError(f"{fn}: {n} ({s} int32) must fit the capacity fixed by the first plan with "
                                      f"use_cuda_graph=True ({self.caps[n]}); plan the largest batch first or make "
                                      f"a new wrapper")
-            sizes = self.caps
-        offsets, total = {}, 0
-        for name, _, _ in segments:
-            offsets[name] = total
-            total += -(-sizes[name] // 4) * 4              # 16-byte aligned segments (int4 loads)
-        cp = arrays.cupy_module()
-        if self._bufs is None:
-            self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
-        host = self._bufs.staging(total)
-        for name, a, fill in segments:
-            o, n, cap = offsets[name], 0 if a is None else len(a), sizes[name]
+            caps = [self.caps[name] for name, _, _ in segments]
+        else:
+            caps = [0 if a is None else len(a) for _, a, _ in segments]
+        offsets, total = [], 0
+        for cap in caps:
+            offsets.append(total)
+            total += (cap + 3) & ~3                        # 16-byte aligned segments (int4 loads)
+        bufs = self._bufs
+        if bufs is None:
+            bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
+        host = bufs.staging(total)
+        for (_, a, fill), o, cap in zip(segments, offsets, caps):
+            n = 0 if a is None else len(a)
             if n:
                 host[o:o + n] = a
             if cap > n:
                 host[o + n:o + cap] = fill
-        with cp.cuda.Device(self.device):
-            dev = self._bufs._ensure("plan", total, np.int32, "the plan")
-            stream = arrays.resolve_stream(arrays.framework_of(like), self.device)
-            self._bufs.upload(dev.data.ptr, host, total, stream)
+        # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
+        #    record work from any current device (the event and the stream are both this device's)
+        dev = bufs.plan
+        if dev is None or dev.size < total:
+            dev = bufs._ensure("plan", total, np.int32, "the plan")
+        bufs.upload(dev.data.ptr, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
         base = dev.data.ptr
-        return {name: base + 4 * offsets[name] if sizes[name] else 0 for name in offsets}
+        return {name: base + 4 * o if cap else 0 for (name, _, _), o, cap in zip(segments, offsets, caps)}
 
     def rows(self, name: str, n: int, cols: int) -> int:
         """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""
@@ -575,8 +624,6 @@ class PlanBuffers:
                              f"fixed_split_size / disable_split_kv=True")
         if self._workspace is not None:
             base = self._workspace[0]
-        else:
-            cp = arrays.cupy_module()
-            with cp.cuda.Device(self.device):
-                base = self._bufs._ensure("partial", slots * slot_floats, np.float32, "the split-KV workspace").data.ptr
+        else:       # (_ensure enters the Device context only to allocate)
+            base = self._bufs._ensure("partial", slots * slot_floats, np.float32, "the split-KV workspace").data.ptr
         return {"part_o": base, "part_lse": base + 4 * slots * row_floats}

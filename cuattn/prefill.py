@@ -247,24 +247,32 @@ class _BatchPrefillBase:
         self._backend_req = backend
         self._plan = None
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
-        self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by configuration (_plan_device)
+        self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
+        self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
                      page_size=None):
         qo = _plan.host_ints(qo_indptr, "qo_indptr", fn).astype(np.int64)
-        if len(qo) < 1 or qo[0] != 0 or np.any(np.diff(qo) < 0):
+        qo_lens = qo[1:] - qo[:-1]          # np.diff, without its wrapper's cost
+        if len(qo) < 1 or qo[0] != 0 or (len(qo_lens) and qo_lens.min() < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         batch = len(qo) - 1
         if len(kv_lens) != batch:
             raise ValueError(f"{fn}: qo_indptr and the kv page table / kv_indptr must describe the same batch, "
                              f"got batch {batch} from qo_indptr and {len(kv_lens)} from kv")
-        _check_group(num_qo_heads, num_kv_heads, fn)
-        bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
-        head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
-        qo_lens = np.diff(qo)
-        sizes = qo_lens * kv_lens
         has_mask = custom_mask is not None or packed_custom_mask is not None
+        # -- a configuration (all but the batch's arrays) checked before for these arguments: its results
+        key = _plan.config_key(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, has_mask, causal, q_data_type,
+                               kv_data_type, page_size, *options.values())
+        config = self._configs.get(key) if key is not None else None
+        if config is None:
+            _check_group(num_qo_heads, num_kv_heads, fn)
+            bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
+            head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
+        else:
+            bound, head_dim_vo, q_dt, kv_dt, kv_short, specs = config
+        sizes = qo_lens * kv_lens
         mask_host = mask_indptr = None
         if has_mask:
             m = _host_mask(custom_mask, packed_custom_mask, int(sizes.sum()), fn)
@@ -279,21 +287,25 @@ class _BatchPrefillBase:
                     raise ValueError(f"{fn}: packed_custom_mask must have {mask_indptr[-1]} bytes (sum of "
                                      f"ceil(qo_len * kv_len / 8) per request), got {m.size}")
                 mask_host = m
-        q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
-        kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
-        support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt, head_dim_vo=head_dim_vo)
-        kv_short = _kv_short(q_dt, kv_dt, bound, fn)
+        if config is None:
+            q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
+            kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
+            support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt, head_dim_vo=head_dim_vo)
+            kv_short = _kv_short(q_dt, kv_dt, bound, fn)
         group = num_qo_heads // num_kv_heads
-        spec = None
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
-        small_q = paged and not self._bufs.graph and batch > 0 and int((qo_lens * group).max()) <= 64
-        if arrays.SHORT_NAME.get(q_dt) in DTYPES:      # (support.check passed)
-            spec = make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, small_q,
-                             kv_short, head_dim_vo)
-        resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
-                        custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
-                        page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
+        small_q = paged and not self._bufs.graph and batch > 0 and int(qo_lens.max()) * group <= 64
+        if config is None:
+            specs = {s: make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, s,
+                                  kv_short, head_dim_vo) if arrays.SHORT_NAME.get(q_dt) in DTYPES else None
+                     for s in (False, True)}                # (support.check passed)
+            resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
+                            custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
+                            page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
+            if key is not None:
+                _plan.memo_put(self._configs, key, (bound, head_dim_vo, q_dt, kv_dt, kv_short, specs))
+        spec = specs[small_q]
         return _plan.Plan(self._fn, batch, num_qo_heads, num_kv_heads, head_dim_qk, q_dt, kv_dt,
                           sm_scale or 1 / math.sqrt(head_dim_qk), bound, bool(causal), page_size, spec,
                           kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, mask=mask_host,
@@ -325,17 +337,18 @@ class _BatchPrefillBase:
             return
         composite = plan["bound"].composite
         # -- the backend and kernel of this configuration on this device: as the last plan's when
-        #    everything they depend on is (a serving loop's steady state)
-        key = (device, self._backend_req, plan.spec, plan.q_dtype, plan.head_dim, plan.causal, composite, paged,
-               plan.page_size, plan.mask is not None)
+        #    everything they depend on is (a serving loop's steady state). The configuration memo
+        #    (_plan_common) hands out the same spec object for the same configuration: its identity
+        #    stands for every argument the backend depends on (the object is kept and compared).
+        key = (device, id(plan.spec))
         hit = self._backend_memo.get(key)
-        if hit is None:
+        if hit is None or hit[0] is not plan.spec:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
                 arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv)
-            _plan.memo_put(self._backend_memo, key, (backend, spec))
+            _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
-            backend, spec = hit
+            _, backend, spec = hit
             self.backend = backend
         h_kv, group = plan["num_kv_heads"], plan["group"]
         items = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])
@@ -362,7 +375,8 @@ class _BatchPrefillBase:
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan["mask_indptr"], 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
                     ("work", wl.work.ravel(), -1), ("merge", wl.merge.ravel(), -1)]
-        ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size), stream_of)
+        ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
+                           stream_of)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
         plan.backend, plan.run_spec, plan.work_list, plan.meta, plan.split_why = backend, spec, wl, ptrs, why
         plan.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)

@@ -266,6 +266,25 @@ def test_prefill_work_list_equals_the_loop_reference(qo, extra, group, block_m, 
     assert wl.num_slots == slots and wl.chunk == (chunk if merge else 0)
 
 
+UNIFORM = [   # (qo_lens, group, block_m): every request the same number of query tiles (prefill_items' grid path)
+    ([64] * 5, 4, 128), ([60, 64, 33], 4, 128), ([1, 16, 9], 4, 64), ([300, 290, 257], 1, 128), ([100, 92], 7, 128),
+    ([5], 8, 64)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qo,group,block_m", UNIFORM, ids=[f"q{len(q)}x{q[0]}-g{g}-bm{m}" for q, g, m in UNIFORM])
+def test_prefill_items_of_a_uniform_batch_equal_the_loop_reference(qo, group, block_m, causal):
+    qo_lens = np.array(qo, np.int64)
+    tiles = -(-qo_lens * group // block_m)
+    assert tiles.min() == tiles.max()
+    kv_lens = qo_lens + np.array([0, 7, 3000, 65, 1][:len(qo)], np.int64)
+    req, tile, ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal)
+    assert list(zip(req.tolist(), tile.tolist(), ext.tolist())) == _prefill_items_loop(qo_lens, kv_lens, group,
+                                                                                        block_m, causal)
+    ext[:] = -7                   # the extents are the caller's to keep: not a view of kv_lens
+    assert kv_lens.min() >= 0
+
+
 @settings(max_examples=100, deadline=None)
 @given(values=st.lists(st.integers(-2**31, 2**31 - 1), max_size=12),
        dtype=st.sampled_from(["int32", "int64", "uint32"]), step=st.integers(1, 2))

@@ -97,6 +97,107 @@ def test_prefill_plan_rejects_a_bad_fixed_split_size_on_every_path():
         w.plan(qo_indptr, kv_indptr, 4, 2, 64, split_size=64)
 
 
+def test_prefill_plan_memoizes_its_configuration_and_refuses_a_bad_one_every_time():
+    """A checked configuration is reused (the same spec object: the backend memo keys on it); one that
+    failed is never stored, so it fails again with the same error; another dtype or a mask is another entry."""
+    rng = np.random.default_rng(3)
+    _, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7], 16, 2, 64, "NHD")
+    qo = np.array([0, 3, 4], np.int32)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    w.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True)
+    spec = w._plan.spec
+    w.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True)
+    assert w._plan.spec is spec and len(w._configs) == 1
+    for _ in range(2):
+        with pytest.raises(cuattn.UnsupportedError, match="head_dim=96 has no kernel"):
+            w.plan(qo, indptr, indices, last, 4, 2, 96, 16, causal=True)
+        with pytest.raises(ValueError, match="num_qo_heads must be a multiple of num_kv_heads"):
+            w.plan(qo, indptr, indices, last, 5, 2, 64, 16, causal=True)
+    assert len(w._configs) == 1
+    w.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True, q_data_type="bfloat16")
+    assert w._plan.spec.dtype == "bf16" and w._plan.q_dtype == np.dtype(cuattn.arrays.bfloat16)
+    w.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True, custom_mask=np.ones(3 * 40 + 7, bool))
+    assert w._plan.spec.custom_mask and w._plan.mask is not None and len(w._configs) == 3
+    with pytest.raises(ValueError, match="qo_indptr must start at 0 and be non-decreasing"):
+        w.plan(np.array([0, 3, 2], np.int32), indptr, indices, last, 4, 2, 64, 16, causal=True)
+
+
+class _CountingCupy:
+    """CuPy's device calls as counted no-ops (plan() on a machine without a GPU): ``calls`` by name."""
+
+    def __init__(self):
+        import collections
+        import types
+        calls = self.calls = collections.Counter()
+
+        class Ptr:
+            ptr = 1 << 32
+
+        class Array:
+            def __init__(self, n, dtype):
+                calls["alloc"] += 1
+                self.size, self.data = int(np.prod(n)), Ptr()
+
+        class Event:
+            def __init__(self, *a, **k):
+                calls["event_create"] += 1
+
+            @property
+            def done(self):
+                calls["event_query"] += 1
+                return True
+
+            def record(self, stream=None):
+                calls["event_record"] += 1
+
+        class Device:
+            compute_capability, attributes = "90", {"MultiProcessorCount": 132}
+
+            def __init__(self, device=0):
+                pass
+
+            def __enter__(self):
+                calls["device_context"] += 1
+
+            def __exit__(self, *a):
+                return False
+
+        class Stream:
+            ptr = 0
+
+        def memcpy(dst, src, nbytes, kind, stream):
+            calls["memcpyAsync"] += 1
+
+        runtime = types.SimpleNamespace(memcpyAsync=memcpy, getDevice=lambda: 0, memcpyDeviceToDevice=3)
+        self.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Event=Event, Stream=Stream,
+                                          ExternalStream=Stream, get_current_stream=lambda device=None: Stream(),
+                                          alloc_pinned_memory=lambda nbytes: bytearray(nbytes))
+        self.empty = Array
+
+
+def test_a_steady_state_prefill_plan_makes_three_cuda_calls(monkeypatch):
+    """After the first plan (allocations, the event), a paged / ragged prefill plan() makes one event query,
+    one async copy and one event record: no Device context, no allocation."""
+    from cuattn import arrays, jit, plan
+    fake = _CountingCupy()
+    monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
+    monkeypatch.setattr(arrays, "gpu_available", lambda: True)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    rng = np.random.default_rng(4)
+    _, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7, 300], 16, 2, 64, "NHD")
+    qo = np.array([0, 3, 4, 40], np.int32)
+    p, r = cuattn.BatchPrefillWithPagedKVCacheWrapper(), cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    plans = (lambda: p.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True),
+             lambda: r.plan(qo, np.array([0, 40, 47, 347], np.int32), 4, 2, 64, causal=True))
+    for f in plans:
+        f()
+        fake.calls.clear()
+        f()
+        assert dict(fake.calls) == {"event_query": 1, "memcpyAsync": 1, "event_record": 1}
+
+
+# ============================================================================ GPU
 # ============================================================================ GPU
 
 
