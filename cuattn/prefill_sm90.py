@@ -96,8 +96,6 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return f"fa3 has a kernel for head_dim 128 only, got head_dim={head_dim}"
     if dtype not in ("f16", "bf16"):
         return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
-    if custom_mask:
-        return "fa3 has no custom-mask kernel"
     if paged and page_size is not None and page_box(page_size) is None:
         return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
                 f"{page_size} (the fa2 kernel gathers any page size)")

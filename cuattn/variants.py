@@ -33,7 +33,8 @@ positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
 
 The built-in options (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode="ALIBI"``,
-sinks) are ``Variant`` objects made with the same class a user calls; a call's pieces are
+sinks, prefill's ``custom_mask`` / ``packed_custom_mask``) are ``Variant`` objects made with the same
+class a user calls; a call's pieces are
 composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one ``Composite``
 that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
 check every wrapper and ``single_*`` function calls. The fused RoPE (``pos_encoding_mode=
@@ -67,7 +68,8 @@ HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink", "qu
 _NUMPY_ONLY = ("qk_transform",)      # the built-in RoPE's NumPy side (its CUDA side is built into the kernels)
 # parameter kinds: C type, launcher letter (jit.Launcher), Python check
 PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
-               "int*": ("const int* __restrict__", "p")}
+               "int*": ("const int* __restrict__", "p"), "uint8*": ("const unsigned char* __restrict__", "p")}
+_ARRAY_DTYPES = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "uint8*": np.dtype(np.uint8)}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
              "kv_head_idx", "qo_len", "kv_len", "x", "pair"}
@@ -99,7 +101,8 @@ class Variant:
         An identifier; part of the kernel names (the cache key covers the code itself).
     params : sequence of (name, kind)
         Extra parameters in the order ``run()`` takes them positionally; kind is "float", "int",
-        "float*" (a float32 GPU array, e.g. per-head values) or "int*".
+        "float*" (a float32 GPU array, e.g. per-head values), "int*" (int32) or "uint8*" (uint8:
+        bytes, e.g. packed bits).
     logits_transform, row_state, logits_mask, kv_begin, sink, query_transform, key_transform : str, optional
         CUDA function bodies (see the module docstring for what each sees and returns).
     use_softmax : bool
@@ -238,6 +241,34 @@ SINK = Variant(
     numpy={"sink": lambda p, pos: np.asarray(p["sinks"], np.float32)[pos.qo_head_idx]})
 
 
+def _custom_mask_np(p, pos):
+    bits = np.asarray(p["custom_mask"], np.uint8)
+    bit = 8 * np.int64(np.asarray(p["mask_indptr"])[pos.batch_idx]) + pos.qo_idx * pos.kv_len + pos.kv_idx
+    return ((bits[bit >> 3] >> (bit & 7)) & 1).astype(bool)
+
+
+# Custom mask (prefill's custom_mask= / packed_custom_mask=), FlashInfer's layout: ``custom_mask``
+# holds each request's qo_len x kv_len booleans packed 8 per byte, little bit order, request b's
+# segment starting at byte ``mask_indptr[b]`` (segment_packbits); bit qo_idx * kv_len + kv_idx of the
+# segment keeps the key (qo_idx: the query's index in its request, kv_idx: the key's, so split-KV
+# pieces, query tiles and GQA's packed rows index it alike). The plan packs and uploads both arrays;
+# a tile's rows past the request (qo_idx >= qo_len) read nothing. A variant of its own (not the plan's
+# option) takes both arrays positionally in run(), checked by Bound.check_custom_mask.
+CUSTOM_MASK = Variant(
+    "custom_mask", params=(("custom_mask", "uint8*"), ("mask_indptr", "int*")),
+    logits_mask="if (qo_idx >= qo_len) return false;\n"
+                "const long long bit = 8ll * __ldg(params.mask_indptr + batch_idx) + (long long)qo_idx * kv_len + kv_idx;\n"
+                "return (__ldg(params.custom_mask + (bit >> 3)) >> (bit & 7)) & 1;",
+    numpy={"logits_mask": _custom_mask_np})
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A device address a wrapper passes for a built-in array parameter it uploaded itself (the
+    plan's packed custom mask): taken as is by ``Bound.kernel_args``."""
+    addr: int
+
+
 # ---------------------------------------------------------------------------- composition
 
 
@@ -252,8 +283,11 @@ class Composite:
             raise ValueError(f"variant parameters must have distinct names across the combined variants, got {names}")
         if sum(v.sink is not None for v in self.pieces) > 1:
             raise ValueError("at most one variant may define a sink")
-        if any(not v.use_softmax for v in self.pieces) and len(self.pieces) > 1:
-            raise ValueError("a use_softmax=False variant cannot be combined with other variants")
+        # a mask alone (the custom mask, a user's logits_mask) only drops keys: it composes with anything
+        mask_only = [v for v in self.pieces if v.logits_mask is not None and all(
+            getattr(v, h) is None for h in HOOKS if h != "logits_mask")]
+        if any(not v.use_softmax for v in self.pieces) and len(self.pieces) - len(mask_only) > 1:
+            raise ValueError("a use_softmax=False variant cannot be combined with other variants (but masks)")
 
     @property
     def is_default(self) -> bool:
@@ -269,6 +303,10 @@ class Composite:
     @property
     def has_rope(self) -> bool:
         return any(v is ROPE_LLAMA for v in self.pieces)
+
+    @property
+    def has_custom_mask(self) -> bool:
+        return any(v is CUSTOM_MASK for v in self.pieces)
 
     @property
     def has_qk_transform(self) -> bool:
@@ -427,14 +465,16 @@ class Bound:
                 out.append(int(v))
             elif v is None and name in _OPTIONAL_POINTERS:
                 out.append(0)
+            elif isinstance(v, Pointer):
+                out.append(v.addr)
             else:
-                want = np.float32 if kind == "float*" else np.int32
+                want = _ARRAY_DTYPES[kind]
                 if not arrays.is_device_array(v):
-                    raise TypeError(f"{fn}: variant parameter {name} must be a GPU array ({np.dtype(want)}) on a GPU "
+                    raise TypeError(f"{fn}: variant parameter {name} must be a GPU array ({want}) on a GPU "
                                     f"call, got {type(v).__name__}")
                 t = arrays.device_tensor(v, name, fn)
                 if t.dtype != want or t.ndim != 1 or not t.is_contiguous():
-                    raise ValueError(f"{fn}: variant parameter {name} must be a contiguous 1-D {np.dtype(want)} "
+                    raise ValueError(f"{fn}: variant parameter {name} must be a contiguous 1-D {want} "
                                      f"array, got shape {t.shape} dtype {t.dtype}")
                 out.append(t.ptr)
         return tuple(out)
@@ -453,6 +493,11 @@ class Bound:
             raise ValueError(f"{fn}: return_lse / lse need softmax attention; this variant has use_softmax=False "
                              f"(no log-sum-exp)")
 
+    def check_custom_mask(self, values: dict, qo_lens, kv_lens, fn: str) -> None:
+        """The built-in custom mask's arrays (``CUSTOM_MASK``) against the batch's lengths."""
+        if self.composite.has_custom_mask:
+            _check_custom_mask(values, qo_lens, kv_lens, fn)
+
     def check_sinks(self, values: dict, num_qo_heads: int, fn: str) -> None:
         """The built-in sink's array: one float32 logit per query head."""
         if "sinks" in values and any(p is SINK for p in self.composite.pieces):
@@ -464,11 +509,14 @@ class Bound:
 def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", window_left: Any = -1,
             logits_soft_cap: Any = None, use_fp16_qk_reduction: Any = False, rope_scale: Any = None,
             rope_theta: Any = None, variant: Variant | None = None, sinks: bool = False,
-            head_dim: int | None = None, rotary_dim: Any = None) -> Bound:
+            head_dim: int | None = None, rotary_dim: Any = None, custom_mask: bool = False) -> Bound:
     """The one option check: FlashInfer's attention options and a user variant -> a Bound variant.
 
     Order of the pieces: user variant, ALiBi, soft-cap (applied to the biased logits), window,
-    sink. Raises ValueError / TypeError naming the argument, UnsupportedError for what has no kernel.
+    custom mask, sink. ``custom_mask``: the call has a custom / packed mask (prefill); its two arrays
+    are fixed parameters the caller fills (the packed bits and byte offsets, host arrays or, for a GPU
+    run, ``Pointer``s). Raises ValueError / TypeError naming the argument, UnsupportedError for what
+    has no kernel.
     """
     pieces, fixed = [], {}
     if variant is not None:
@@ -507,11 +555,46 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
     if use_fp16_qk_reduction:
         raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel: Q K^T accumulates in fp32 (the "
                                f"fp16 accumulation of FlashInfer's fa2 saves no time on sm_80+ tensor cores here)")
+    if custom_mask:
+        pieces.append(CUSTOM_MASK)
+        fixed.update(custom_mask=None, mask_indptr=None)      # the plan's (prefill._plan_common)
     if sinks:
         pieces.append(SINK)
     composite = Composite(tuple(pieces))
     runtime = tuple(n for n, _ in composite.params if n not in fixed)
     return Bound(composite, fixed, runtime)
+
+
+def _check_custom_mask(values: dict, qo_lens: np.ndarray, kv_lens: np.ndarray, fn: str) -> None:
+    """The custom-mask variant's arrays against the batch: ``custom_mask`` 1-D uint8, ``mask_indptr``
+    int32 of batch + 1 entries; on the host also every request's segment inside ``custom_mask``
+    (device arrays: shapes and dtypes only, no copy back)."""
+    from . import arrays
+    if isinstance(values["custom_mask"], Pointer) or values["custom_mask"] is None:   # the plan's own upload
+        return
+    desc = {}
+    for name, want in (("custom_mask", np.uint8), ("mask_indptr", np.int32)):
+        x = values[name]
+        if arrays.is_device_array(x, name, fn):
+            t = arrays.device_tensor(x, name, fn)
+            shape, dt, host = tuple(t.shape), np.dtype(t.dtype), None
+        else:
+            host = np.asarray(x)
+            shape, dt = host.shape, host.dtype
+        if len(shape) != 1 or dt != want:
+            raise ValueError(f"{fn}: {name} must be a 1-D {np.dtype(want)} array, got shape {shape} dtype {dt}")
+        desc[name] = (shape[0], host)
+    batch = len(qo_lens)
+    (nbytes, _), (n_ind, ind) = desc["custom_mask"], desc["mask_indptr"]
+    if n_ind != batch + 1:
+        raise ValueError(f"{fn}: mask_indptr must have batch + 1 = {batch + 1} entries (byte offsets of each "
+                         f"request's mask), got {n_ind}")
+    if ind is None or not batch:
+        return
+    start = ind[:-1].astype(np.int64)
+    if start.min() < 0 or (start * 8 + np.asarray(qo_lens, np.int64) * np.asarray(kv_lens, np.int64)).max() > 8 * nbytes:
+        raise ValueError(f"{fn}: mask_indptr must be byte offsets >= 0 whose segments of ceil(qo_len * kv_len / 8) "
+                         f"bytes fit in custom_mask ({nbytes} bytes), got {ind[:8]}")
 
 
 def _rope_values(fn, head_dim, rotary_dim, rope_scale, rope_theta) -> dict:

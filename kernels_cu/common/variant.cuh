@@ -5,7 +5,9 @@
 //   row_state()  once per query row, before the key loop (what a transform needs per row only);
 //   score()      on every logit of a tile: the logits transform (natural units in and out: the raw
 //                dot product times sm_scale) and the masks, before its online softmax;
-//   tile_needs_mask() to skip the per-element masks on tiles the variant leaves whole;
+//   (a kernel skips the per-element pass on a tile only when the variant has no logits transform
+//   and no logits_mask (!HAS_TRANSFORM && !HAS_MASK) and the tile lies inside the causal / kv_begin
+//   bounds: a mask variant, the built-in custom mask included, sees every tile);
 //   finish_row() for a row's output scale and LSE: the sink joins the denominator there;
 //   transform_rows() on the query rows once and on each key tile as it lands in shared memory, with
 //   variant::query_transform / key_transform (CUATTN_VARIANT_QK; the built-in RoPE has its own below).
