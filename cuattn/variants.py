@@ -4,9 +4,11 @@ A variant is a small set of device hooks that every kernel family (decode, prefi
 fa3) calls at the same points, plus the scalars and arrays those hooks read:
 
 - ``logits_transform``: a logit in natural units (``q . k * sm_scale``) in, a logit out;
-- ``row_state``: a float computed once per query row (per head and position) and passed to the
-  transform as ``row``: what does not depend on the key (an ALiBi slope) is not recomputed per
-  logit (ptxas recomputed such a value per logit when the transform computed it: 6.9x there);
+- ``row_state``: a value computed once per query row (per head and position; any type, float
+  where it is a float: the body's return type) and passed to the transform and the mask as ``row``:
+  what does not depend on the key (an ALiBi slope, a custom mask's row offset) is not recomputed per
+  logit (ptxas recomputed such a value per logit when the transform computed it: 6.9x there; the
+  custom mask's per-request offset load was issued per logit);
 - ``logits_mask``: false drops the key (its logit becomes -inf);
 - ``kv_begin``: the first key a query may see (keys before it are dropped; kernels skip the
   tiles wholly before it, so a sliding window reads only the window);
@@ -26,8 +28,8 @@ Each hook is a CUDA function body that returns a value. It sees ``params`` (a st
 ``batch_idx``; ``qo_idx`` (the query's index among its request's queries, as in FlashInfer; 0 in
 decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
 qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
-``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``; ``row_state`` sees the same
-positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
+``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``, ``logits_mask`` ``row`` (0.f
+without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
@@ -76,10 +78,11 @@ _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_p
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
+# ROW: the piece's row-state type (what its row_state returns; float without one)
 _SIGNATURES = {
-    "logits_transform": ("float", f"const Params& params, float row, float logits, {_POS_ARGS}"),
-    "row_state": ("float", f"const Params& params, {_POS_ARGS}"),
-    "logits_mask": ("bool", f"const Params& params, {_POS_ARGS}"),
+    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}"),
+    "row_state": ("auto", f"const Params& params, {_POS_ARGS}"),
+    "logits_mask": ("bool", f"const Params& params, ROW row, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
     "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
     "query_transform": ("float2", "const Params& params, float2 x, int pair, int batch_idx, int qo_pos, "
@@ -147,8 +150,8 @@ class Variant:
         unknown = set(self.numpy) - set(HOOKS) - set(_NUMPY_ONLY)
         if unknown:
             raise ValueError(f"{fn}: numpy hooks must be named from {HOOKS}, got {sorted(unknown)}")
-        if self.row_state is not None and self.logits_transform is None:
-            raise ValueError(f"{fn}: row_state is read by the logits_transform; give one")
+        if self.row_state is not None and self.logits_transform is None and self.logits_mask is None:
+            raise ValueError(f"{fn}: row_state is read by the logits_transform and logits_mask; give one")
         if not self.use_softmax and self.logits_transform is None:
             raise ValueError(f"{fn}: use_softmax=False needs a logits_transform (the attention weight)")
         if not self.use_softmax and self.sink is not None:
@@ -251,13 +254,16 @@ def _custom_mask_np(p, pos):
 # holds each request's qo_len x kv_len booleans packed 8 per byte, little bit order, request b's
 # segment starting at byte ``mask_indptr[b]`` (segment_packbits); bit qo_idx * kv_len + kv_idx of the
 # segment keeps the key (qo_idx: the query's index in its request, kv_idx: the key's, so split-KV
-# pieces, query tiles and GQA's packed rows index it alike). The plan packs and uploads both arrays;
-# a tile's rows past the request (qo_idx >= qo_len) read nothing. A variant of its own (not the plan's
+# pieces, query tiles and GQA's packed rows index it alike; kernels call the mask for keys < kv_len
+# only). The plan packs and uploads both arrays. A variant of its own (not the plan's
 # option) takes both arrays positionally in run(), checked by Bound.check_custom_mask.
+# row: the bit of the row's key 0, once per row. A tile's rows past the request (qo_idx >= qo_len)
+# read the last row's bits (in bounds; those rows are never stored): no branch per logit (fa3 spilled
+# 20-44 bytes with one, and with the byte-offset load per logit).
 CUSTOM_MASK = Variant(
     "custom_mask", params=(("custom_mask", "uint8*"), ("mask_indptr", "int*")),
-    logits_mask="if (qo_idx >= qo_len) return false;\n"
-                "const long long bit = 8ll * __ldg(params.mask_indptr + batch_idx) + (long long)qo_idx * kv_len + kv_idx;\n"
+    row_state="return 8ll * __ldg(params.mask_indptr + batch_idx) + (long long)min(qo_idx, max(qo_len - 1, 0)) * kv_len;",
+    logits_mask="const long long bit = row + kv_idx;\n"
                 "return (__ldg(params.custom_mask + (bit >> 3)) >> (bit & 7)) & 1;",
     numpy={"logits_mask": _custom_mask_np})
 
@@ -285,7 +291,7 @@ class Composite:
             raise ValueError("at most one variant may define a sink")
         # a mask alone (the custom mask, a user's logits_mask) only drops keys: it composes with anything
         mask_only = [v for v in self.pieces if v.logits_mask is not None and all(
-            getattr(v, h) is None for h in HOOKS if h != "logits_mask")]
+            getattr(v, h) is None for h in HOOKS if h not in ("logits_mask", "row_state"))]
         if any(not v.use_softmax for v in self.pieces) and len(self.pieces) - len(mask_only) > 1:
             raise ValueError("a use_softmax=False variant cannot be combined with other variants (but masks)")
 
@@ -351,33 +357,42 @@ class Composite:
         lines += [f"  {PARAM_KINDS[k][0].replace(' __restrict__', '')} {n};" for n, k in self.params]
         lines.append("};")
         calls: dict[str, list[str]] = {h: [] for h in HOOKS}
-        for i, v in enumerate(self.pieces):
-            for hook in HOOKS:
+        # -- the row_state hooks first: their return types (auto) type the pieces' rows (Row_i)
+        order = ("row_state",) + tuple(h for h in HOOKS if h != "row_state")
+        for hook in order:
+            for i, v in enumerate(self.pieces):
                 body = getattr(v, hook)
                 if body is None:
                     continue
                 ret, args = _SIGNATURES[hook]
                 fname = f"{hook}_{i}_{v.name}"
-                lines += [f"__device__ __forceinline__ {ret} {fname}({args}) {{",
+                lines += [f"__device__ __forceinline__ {ret} {fname}({args.replace('ROW', f'Row{i}')}) {{",
                           f'#line 1 "variant {v.name}: {hook}"'] + body.splitlines()
                 lines += [f'#line {len(lines) + 2} "{tu_name}"', "}"]     # back to the TU's own numbering
                 calls[hook].append(fname)
-        # -- one float of row state per piece that has a transform (0 where it has no row_state)
-        t = calls["logits_transform"]
+                if hook == "row_state":
+                    zeros = ", ".join(["0"] * 8)
+                    lines.append(f"typedef decltype({fname}(*(const Params*)nullptr, {zeros})) Row{i};")
+            if hook == "row_state":
+                lines += [f"typedef float Row{i};" for i, v in enumerate(self.pieces) if v.row_state is None]
+        # -- one row-state value per piece that has a transform or a mask (0.f where it has no row_state)
+        t, m = calls["logits_transform"], calls["logits_mask"]
         rows = {i: f"row_state_{i}_{v.name}" if v.row_state is not None else None
-                for i, v in enumerate(self.pieces) if v.logits_transform is not None}
-        lines += ["struct RowState {"] + [f"  float r{i};" for i in rows] + ["};"]
+                for i, v in enumerate(self.pieces) if v.logits_transform is not None or v.logits_mask is not None}
+        lines += ["struct RowState {"] + [f"  Row{i} r{i};" for i in rows] + ["};"]
         lines += [f"__device__ __forceinline__ RowState row_state(const Params& params, {_POS_ARGS}) {{",
                   "  RowState rs;"]
         lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES});" if f else f"  rs.r{i} = 0.f;" for i, f in rows.items()]
         lines += ["  return rs;", "}"]
         lines += ["__device__ __forceinline__ float logits_transform(const Params& params, const RowState& rs, "
                   f"float logits, {_POS_ARGS}) {{"]
-        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});" for i, f in zip(rows, t)]
+        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});"
+                  for i, f in zip([i for i, v in enumerate(self.pieces) if v.logits_transform is not None], t)]
         lines += ["  return logits;", "}"]
-        m = calls["logits_mask"]
-        lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, {_POS_ARGS}) {{",
-                  "  return " + (" && ".join(f"{f}(params, {_POS_NAMES})" for f in m) or "true") + ";", "}"]
+        lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, const RowState& rs, {_POS_ARGS}) {{",
+                  "  return " + (" && ".join(f"{f}(params, rs.r{i}, {_POS_NAMES})" for i, f in
+                                             zip([i for i, v in enumerate(self.pieces) if v.logits_mask is not None], m))
+                                 or "true") + ";", "}"]
         b = calls["kv_begin"]
         lines += ["__device__ __forceinline__ int kv_begin(const Params& params, int batch_idx, int qo_pos, "
                   "int qo_len, int kv_len) {", "  int lo = 0;"]
