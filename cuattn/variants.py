@@ -255,8 +255,8 @@ def _custom_mask_np(p, pos):
 # segment starting at byte ``mask_indptr[b]`` (segment_packbits); bit qo_idx * kv_len + kv_idx of the
 # segment keeps the key (qo_idx: the query's index in its request, kv_idx: the key's, so split-KV
 # pieces, query tiles and GQA's packed rows index it alike; kernels call the mask for keys < kv_len
-# only). The plan packs and uploads both arrays. A variant of its own (not the plan's
-# option) takes both arrays positionally in run(), checked by Bound.check_custom_mask.
+# only). With plan()'s custom_mask= / packed_custom_mask= the plan packs and uploads both arrays;
+# passed as variant= instead, it takes them positionally in run() (checked by Bound.check_custom_mask).
 # row: the bit of the row's key 0, once per row. A tile's rows past the request (qo_idx >= qo_len)
 # read the last row's bits (in bounds; those rows are never stored): no branch per logit (fa3 spilled
 # 20-44 bytes with one, and with the byte-offset load per logit).
