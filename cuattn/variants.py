@@ -308,11 +308,11 @@ class Composite:
 
     @property
     def has_rope(self) -> bool:
-        return any(v is ROPE_LLAMA for v in self.pieces)
+        return any(v == ROPE_LLAMA for v in self.pieces)
 
     @property
     def has_custom_mask(self) -> bool:
-        return any(v is CUSTOM_MASK for v in self.pieces)
+        return any(v == CUSTOM_MASK for v in self.pieces)
 
     @property
     def has_qk_transform(self) -> bool:
@@ -515,7 +515,7 @@ class Bound:
 
     def check_sinks(self, values: dict, num_qo_heads: int, fn: str) -> None:
         """The built-in sink's array: one float32 logit per query head."""
-        if "sinks" in values and any(p is SINK for p in self.composite.pieces):
+        if "sinks" in values and any(p == SINK for p in self.composite.pieces):
             shape = tuple(getattr(values["sinks"], "shape", ()))
             if shape != (num_qo_heads,):
                 raise ValueError(f"{fn}: sinks must have shape (num_qo_heads,) = ({num_qo_heads},), got {shape}")
