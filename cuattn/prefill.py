@@ -4,7 +4,8 @@ Launches ``kernels_cu/prefill.cu`` (the portable "fa2" backend: mma.sync m16n8k1
 cp.async; sm_80+), or on sm_90 ``kernels_cu/prefill_sm90.cu`` (backend "fa3": prefill_sm90.py).
 NumPy inputs run ``reference.attention`` with the same API. Names and semantics follow FlashInfer:
 causal masks align bottom-right when qo_len < kv_len; custom masks are flattened per-request
-``qo_len x kv_len`` booleans or their little-bit-order packing; a fully masked row gives zeros
+``qo_len x kv_len`` booleans or their little-bit-order packing (run by both backends as the built-in
+variant ``variants.CUSTOM_MASK``: plan() packs and uploads the bits); a fully masked row gives zeros
 and LSE -inf (natural log).
 
 Scheduling is plan.py's: ``plan()`` builds a flat work list of (request, query tile, kv piece)
@@ -24,7 +25,7 @@ import numpy as np
 from . import arrays, fp8, jit, plan as _plan, prefill_sm90, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
-from .mask import segment_packbits_host, unpack_host
+from .mask import segment_packbits_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 from .prefill_checks import (DTYPES, _check_group, _check_head_dim_vo, _check_kv_dtype, _check_out,
                              _check_q, _host_kv, _host_mask, _kv_dims, _kv_short, _scales, _short_dtype,
@@ -64,7 +65,6 @@ class PrefillSpec:
     head_dim: int          # 64 | 128 | 256
     dtype: str             # "f16" | "bf16" (q, k, v and out)
     causal: bool
-    custom_mask: bool
     paged: bool
     num_mma_q: int         # 16-row m-tiles per warp; 4 warps
     block_n: int           # keys per K/V tile
@@ -80,6 +80,10 @@ class PrefillSpec:
         return 64 * self.num_mma_q
 
     @property
+    def custom_mask(self) -> bool:       # the custom mask is a variant piece (variants.CUSTOM_MASK)
+        return self.variant.has_custom_mask
+
+    @property
     def kv_bytes(self) -> int:
         return {"": 2, "f32": 4}.get(self.dtype_kv, 1)
 
@@ -90,7 +94,7 @@ class PrefillSpec:
     @property
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
         return (f"prefill_hd{self.head_dim}{f'v{self.head_dim_vo}' if self.head_dim_vo else ''}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"{'_mask' if self.custom_mask else ''}{'_paged' if self.paged else ''}"
+                f"{'_paged' if self.paged else ''}"
                 f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
@@ -100,8 +104,7 @@ class PrefillSpec:
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}",
-                f"-DCAUSAL={int(self.causal)}", f"-DCUSTOM_MASK={int(self.custom_mask)}",
-                f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
+                f"-DCAUSAL={int(self.causal)}", f"-DPAGED={int(self.paged)}", f"-DNUM_MMA_Q={self.num_mma_q}",
                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
                 f"-DKV_F32={int(self.dtype_kv == 'f32')}",
                 f"-DHEAD_DIM_VO={self.dim_vo}") + \
@@ -120,10 +123,13 @@ class PrefillSpec:
 def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged: bool,
               variant: variants.Composite = variants.DEFAULT, small_q: bool = False, dtype_kv: str = "",
               head_dim_vo: int | None = None) -> PrefillSpec:
+    """``custom_mask``: add the custom-mask variant to ``variant`` (where resolve() has not already)."""
+    if custom_mask and not variant.has_custom_mask:
+        variant = variants.Composite(variant.pieces + (variants.CUSTOM_MASK,))
     # a logits transform needs registers on every tile, as a custom mask does: the smaller tile
     # (hd128 128 x 64 spilled 8-76 bytes with ALiBi or soft-cap on sm_80 / sm_90a)
-    num_mma_q, block_n, stages = tile_config(head_dim, custom_mask or variant.has("logits_transform") or variant.has_qk_transform,
-                                             paged, small_q)
+    num_mma_q, block_n, stages = tile_config(head_dim, variant.has_custom_mask or variant.has("logits_transform")
+                                             or variant.has_qk_transform, paged, small_q)
     if head_dim_vo not in (None, head_dim):     # 192 / 128 (fp32 K/V: 64 x 64 spilled 12 bytes, paged)
         num_mma_q, block_n, stages = SPLIT_TILES if dtype_kv != "f32" else (1, 32, 2)
     elif dtype_kv == "f32":
@@ -133,7 +139,7 @@ def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged:
         # fp8 K/V (tiles converted to f16 in smem): 128 x 64 spilled 4-100 bytes on sm_80 / sm_90a whatever
         # the load order; 128 x 32 with three stages is spill-free (73 KiB, two CTAs per SM)
         block_n, stages = 32, 3
-    return PrefillSpec(head_dim, dtype, bool(causal), bool(custom_mask), bool(paged), num_mma_q, block_n, stages,
+    return PrefillSpec(head_dim, dtype, bool(causal), bool(paged), num_mma_q, block_n, stages,
                        variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv,
                        head_dim_vo=0 if head_dim_vo in (None, head_dim) else int(head_dim_vo))
 
@@ -185,15 +191,15 @@ def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, d
 
 
 # kernel parameters (prefill.cu's signature), then the variant's (variants.Composite.arg_kinds)
-PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p mask:p "
-                               "mask_indptr:p work:p part_o:p part_lse:p kv_chunk:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
+PARAMS = Params.define(_ENTRY, "q:p k:p v:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p kv_last_page_len:p "
+                               "work:p part_o:p part_lse:p kv_chunk:p single_qo_len:i single_kv_len:i group:i page_size:i page_shift:i "
                                "page_rows:i q_s_tok:q q_s_head:q k_s_tok:q k_s_head:q k_s_page:q v_s_tok:q v_s_head:q "
                                "v_s_page:q o_s_tok:q o_s_head:q k_scale:f v_scale:f k_scales:p v_scales:p "
                                "scale_per_head:i scale_log2:f")
 
 
-META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "mask", "mask_indptr", "work", "part_o",
-        "part_lse", "kv_chunk")     # the plan's device pointers, by kernel parameter name
+META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "part_o", "part_lse",
+        "kv_chunk")     # the plan's device pointers, by kernel parameter name
 MERGE_PARAMS = {entry: Params.define(entry, "merge:p qo_indptr:p part_o:p part_lse:p o:p lse:p group:i o_s_tok:q "
                                             "o_s_head:q") for entry in ("cuattn_prefill_merge", "cuattn_prefill_sm90_merge")}
 
@@ -202,13 +208,13 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
             group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
             page_size: int = 1, pdl: bool = False, scales=(fp8.ONE, fp8.ONE)) -> None:
     """One launch; ``meta`` = the plan's device pointers by name (META) for batch mode, or None for
-    the single-request case (mask ptr in single); ``variant_args`` = variants.Bound.kernel_args
-    (sm_scale first); ``scales`` = run()'s (k, v) fp8.Scale."""
+    the single-request case (lengths in single); ``variant_args`` = variants.Bound.kernel_args
+    (sm_scale first; a custom mask's arrays among them); ``scales`` = run()'s (k, v) fp8.Scale."""
     if num_work == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     if meta is None:
-        meta = {"mask": single[2] if len(single) > 2 else 0}
+        meta = {}
     args = PARAMS.pack(
         q=q.ptr, k=k_ptr, v=v_ptr, o=out.ptr, lse=lse_ptr, **{n: meta.get(n, 0) for n in META},
         single_qo_len=single[0], single_kv_len=single[1], group=group, page_size=page_size,
@@ -268,7 +274,8 @@ class _BatchPrefillBase:
         config = self._configs.get(key) if key is not None else None
         if config is None:
             _check_group(num_qo_heads, num_kv_heads, fn)
-            bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, **options)
+            bound = variants.resolve(fn, num_qo_heads=num_qo_heads, head_dim=head_dim_qk, custom_mask=has_mask,
+                                     **options)
             head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
         else:
             bound, head_dim_vo, q_dt, kv_dt, kv_short, specs = config
@@ -287,6 +294,7 @@ class _BatchPrefillBase:
                     raise ValueError(f"{fn}: packed_custom_mask must have {mask_indptr[-1]} bytes (sum of "
                                      f"ceil(qo_len * kv_len / 8) per request), got {m.size}")
                 mask_host = m
+            bound.fixed.update(custom_mask=mask_host, mask_indptr=mask_indptr)   # the NumPy path's values
         if config is None:
             q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
             kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
@@ -436,12 +444,18 @@ class _BatchPrefillBase:
         from the plan's variant and run()'s extra positional arguments."""
         bound = plan["bound"]
         bound.check_lse(return_lse, lse, fn)
+        # -- the plan's custom mask: on a GPU run, the bits and byte offsets plan() uploaded
+        #    (a NumPy plan has none: _gpu_plan refuses that run)
+        meta = plan["meta"] or {}
+        dev = {} if not on_gpu or plan["mask"] is None else {
+            "custom_mask": variants.Pointer(meta.get("mask", 0)), "mask_indptr": variants.Pointer(meta.get("mask_indptr", 0))}
         if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
             if plan.fixed_vargs is None:
-                plan.fixed_vargs = bound.kernel_args(plan["sm_scale"], bound.fixed, fn)
+                plan.fixed_vargs = bound.kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
             return plan["sm_scale"], plan["fixed_vargs"]
-        values = bound.values(tuple(args), fn)
+        values = {**bound.values(tuple(args), fn), **dev}
         bound.check_sinks(values, plan["num_qo_heads"], fn)
+        bound.check_custom_mask(values, plan["qo_lens"], plan["kv_lens"], fn)
         scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
         return scale, (bound.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
 
@@ -454,15 +468,9 @@ class _BatchPrefillBase:
         out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim_vo"]), np.float32)
         lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
         qo = plan["qo_indptr"]
-        for b in range(plan["batch"]):
+        for b in range(plan["batch"]):       # (a custom mask: the variant's NumPy hook reads the packed bits)
             k, v = gather(b)
-            mask = None
-            if plan["mask"] is not None:
-                n = int(plan["qo_lens"][b] * plan["kv_lens"][b])
-                start = int(plan["mask_indptr"][b])
-                mask = unpack_host(plan["mask"][start:start + (n + 7) // 8], n).reshape(
-                    int(plan["qo_lens"][b]), int(plan["kv_lens"][b]))
-            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan["causal"], mask=mask,
+            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan["causal"],
                                        variant=plan["bound"].composite, values=values, batch_idx=b, fn=fn)
             out[qo[b]:qo[b + 1]] = o
             lse[qo[b]:qo[b + 1]] = s

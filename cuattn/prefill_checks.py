@@ -59,6 +59,8 @@ def _host_mask(custom_mask, packed_custom_mask, total: int, fn: str) -> np.ndarr
         raise ValueError(f"{fn}: pass custom_mask or packed_custom_mask, not both")
     if custom_mask is not None:
         m = np.asarray(arrays.to_host(custom_mask, "custom_mask", fn)).ravel()
+        if m.dtype != np.bool_ and m.dtype.kind not in "iu":
+            raise TypeError(f"{fn}: custom_mask must be a boolean array (True = attend), got dtype {m.dtype}")
         if m.size != total:
             raise ValueError(f"{fn}: custom_mask must have {total} entries (sum of qo_len * kv_len), got {m.size}")
         return m.astype(bool)

@@ -123,8 +123,6 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
     if dtype_kv not in (None, "", dtype) and dtype_kv not in KV_FP8:
         return (f"fa3 reads K/V of q's dtype or fp8 (float8_e4m3fn / float8_e5m2) only, got an {dtype_kv} KV cache "
                 f"(the fa2 kernel reads it)")
-    if custom_mask:
-        return "fa3 has no custom-mask kernel"
     if paged and page_size is not None and page_box(page_size) is None:
         return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
                 f"{page_size} (the fa2 kernel gathers any page size)")

@@ -168,7 +168,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
     sm_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     backend : "auto" | "fa2" | "fa3"
-        "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128, no custom mask;
+        "fa2": mma.sync (sm_80+). "fa3": wgmma + TMA (sm_90, head_dim 128;
         UnsupportedError elsewhere). "auto": fa3 where it has a kernel on sm_90, else fa2.
     window_left, logits_soft_cap, pos_encoding_mode ("NONE" | "ALIBI"), variant, variant_args :
         attention variants (``cuattn.variants``); ``variant_args`` are the variant's parameters

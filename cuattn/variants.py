@@ -4,9 +4,11 @@ A variant is a small set of device hooks that every kernel family (decode, prefi
 fa3) calls at the same points, plus the scalars and arrays those hooks read:
 
 - ``logits_transform``: a logit in natural units (``q . k * sm_scale``) in, a logit out;
-- ``row_state``: a float computed once per query row (per head and position) and passed to the
-  transform as ``row``: what does not depend on the key (an ALiBi slope) is not recomputed per
-  logit (ptxas recomputed such a value per logit when the transform computed it: 6.9x there);
+- ``row_state``: a value computed once per query row (per head and position; any type, float
+  where it is a float: the body's return type) and passed to the transform and the mask as ``row``:
+  what does not depend on the key (an ALiBi slope, a custom mask's row offset) is not recomputed per
+  logit (ptxas recomputed such a value per logit when the transform computed it: 6.9x there; the
+  custom mask's per-request offset load was issued per logit);
 - ``logits_mask``: false drops the key (its logit becomes -inf);
 - ``kv_begin``: the first key a query may see (keys before it are dropped; kernels skip the
   tiles wholly before it, so a sliding window reads only the window);
@@ -25,14 +27,15 @@ Each hook is a CUDA function body that returns a value. It sees ``params`` (a st
 ``batch_idx``; ``qo_idx`` (the query's index among its request's queries, as in FlashInfer; 0 in
 decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
 qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
-``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``; ``row_state`` sees the same
-positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
+``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``, ``logits_mask`` ``row`` (0.f
+without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
 
 The built-in options (``logits_soft_cap``, ``window_left``, ``pos_encoding_mode="ALIBI"``,
-sinks) are ``Variant`` objects made with the same class a user calls; a call's pieces are
+sinks, prefill's ``custom_mask`` / ``packed_custom_mask``) are ``Variant`` objects made with the same
+class a user calls; a call's pieces are
 composed (transforms in order, masks and-ed, the latest ``kv_begin``) into one ``Composite``
 that is part of the kernel specialization's name and cache key. ``resolve()`` is the one option
 check every wrapper and ``single_*`` function calls. The fused RoPE (``pos_encoding_mode=
@@ -66,17 +69,19 @@ HOOKS = ("logits_transform", "row_state", "logits_mask", "kv_begin", "sink", "qu
 _NUMPY_ONLY = ("qk_transform",)      # the built-in RoPE's NumPy side (its CUDA side is built into the kernels)
 # parameter kinds: C type, launcher letter (jit.Launcher), Python check
 PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const float* __restrict__", "p"),
-               "int*": ("const int* __restrict__", "p")}
+               "int*": ("const int* __restrict__", "p"), "uint8*": ("const unsigned char* __restrict__", "p")}
+_ARRAY_DTYPES = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "uint8*": np.dtype(np.uint8)}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
              "kv_head_idx", "qo_len", "kv_len", "x", "pair"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
+# ROW: the piece's row-state type (what its row_state returns; float without one)
 _SIGNATURES = {
-    "logits_transform": ("float", f"const Params& params, float row, float logits, {_POS_ARGS}"),
-    "row_state": ("float", f"const Params& params, {_POS_ARGS}"),
-    "logits_mask": ("bool", f"const Params& params, {_POS_ARGS}"),
+    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}"),
+    "row_state": ("auto", f"const Params& params, {_POS_ARGS}"),
+    "logits_mask": ("bool", f"const Params& params, ROW row, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
     "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
     "query_transform": ("float2", "const Params& params, float2 x, int pair, int batch_idx, int qo_pos, "
@@ -98,7 +103,8 @@ class Variant:
         An identifier; part of the kernel names (the cache key covers the code itself).
     params : sequence of (name, kind)
         Extra parameters in the order ``run()`` takes them positionally; kind is "float", "int",
-        "float*" (a float32 GPU array, e.g. per-head values) or "int*".
+        "float*" (a float32 GPU array, e.g. per-head values), "int*" (int32) or "uint8*" (uint8:
+        bytes, e.g. packed bits).
     logits_transform, row_state, logits_mask, kv_begin, sink, query_transform, key_transform : str, optional
         CUDA function bodies (see the module docstring for what each sees and returns).
     use_softmax : bool
@@ -143,8 +149,8 @@ class Variant:
         unknown = set(self.numpy) - set(HOOKS) - set(_NUMPY_ONLY)
         if unknown:
             raise ValueError(f"{fn}: numpy hooks must be named from {HOOKS}, got {sorted(unknown)}")
-        if self.row_state is not None and self.logits_transform is None:
-            raise ValueError(f"{fn}: row_state is read by the logits_transform; give one")
+        if self.row_state is not None and self.logits_transform is None and self.logits_mask is None:
+            raise ValueError(f"{fn}: row_state is read by the logits_transform and logits_mask; give one")
         if not self.use_softmax and self.logits_transform is None:
             raise ValueError(f"{fn}: use_softmax=False needs a logits_transform (the attention weight)")
         if not self.use_softmax and self.sink is not None:
@@ -237,6 +243,37 @@ SINK = Variant(
     numpy={"sink": lambda p, pos: np.asarray(p["sinks"], np.float32)[pos.qo_head_idx]})
 
 
+def _custom_mask_np(p, pos):
+    bits = np.asarray(p["custom_mask"], np.uint8)
+    bit = 8 * np.int64(np.asarray(p["mask_indptr"])[pos.batch_idx]) + pos.qo_idx * pos.kv_len + pos.kv_idx
+    return ((bits[bit >> 3] >> (bit & 7)) & 1).astype(bool)
+
+
+# Custom mask (prefill's custom_mask= / packed_custom_mask=), FlashInfer's layout: ``custom_mask``
+# holds each request's qo_len x kv_len booleans packed 8 per byte, little bit order, request b's
+# segment starting at byte ``mask_indptr[b]`` (segment_packbits); bit qo_idx * kv_len + kv_idx of the
+# segment keeps the key (qo_idx: the query's index in its request, kv_idx: the key's, so split-KV
+# pieces, query tiles and GQA's packed rows index it alike; kernels call the mask for keys < kv_len
+# only). With plan()'s custom_mask= / packed_custom_mask= the plan packs and uploads both arrays;
+# passed as variant= instead, it takes them positionally in run() (checked by Bound.check_custom_mask).
+# row: the bit of the row's key 0, once per row. A tile's rows past the request (qo_idx >= qo_len)
+# read the last row's bits (in bounds; those rows are never stored): no branch per logit (fa3 spilled
+# 20-44 bytes with one, and with the byte-offset load per logit).
+CUSTOM_MASK = Variant(
+    "custom_mask", params=(("custom_mask", "uint8*"), ("mask_indptr", "int*")),
+    row_state="return 8ll * __ldg(params.mask_indptr + batch_idx) + (long long)min(qo_idx, max(qo_len - 1, 0)) * kv_len;",
+    logits_mask="const long long bit = row + kv_idx;\n"
+                "return (__ldg(params.custom_mask + (bit >> 3)) >> (bit & 7)) & 1;",
+    numpy={"logits_mask": _custom_mask_np})
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A device address a wrapper passes for a built-in array parameter it uploaded itself (the
+    plan's packed custom mask): taken as is by ``Bound.kernel_args``."""
+    addr: int
+
+
 # ---------------------------------------------------------------------------- composition
 
 
@@ -251,8 +288,11 @@ class Composite:
             raise ValueError(f"variant parameters must have distinct names across the combined variants, got {names}")
         if sum(v.sink is not None for v in self.pieces) > 1:
             raise ValueError("at most one variant may define a sink")
-        if any(not v.use_softmax for v in self.pieces) and len(self.pieces) > 1:
-            raise ValueError("a use_softmax=False variant cannot be combined with other variants")
+        # a mask alone (the custom mask, a user's logits_mask) only drops keys: it composes with anything
+        mask_only = [v for v in self.pieces if v.logits_mask is not None and all(
+            getattr(v, h) is None for h in HOOKS if h not in ("logits_mask", "row_state"))]
+        if any(not v.use_softmax for v in self.pieces) and len(self.pieces) - len(mask_only) > 1:
+            raise ValueError("a use_softmax=False variant cannot be combined with other variants (but masks)")
 
     @property
     def is_default(self) -> bool:
@@ -267,7 +307,11 @@ class Composite:
 
     @property
     def has_rope(self) -> bool:
-        return any(v is ROPE_LLAMA for v in self.pieces)
+        return any(v == ROPE_LLAMA for v in self.pieces)
+
+    @property
+    def has_custom_mask(self) -> bool:
+        return any(v == CUSTOM_MASK for v in self.pieces)
 
     @property
     def has_qk_transform(self) -> bool:
@@ -312,33 +356,42 @@ class Composite:
         lines += [f"  {PARAM_KINDS[k][0].replace(' __restrict__', '')} {n};" for n, k in self.params]
         lines.append("};")
         calls: dict[str, list[str]] = {h: [] for h in HOOKS}
-        for i, v in enumerate(self.pieces):
-            for hook in HOOKS:
+        # -- the row_state hooks first: their return types (auto) type the pieces' rows (Row_i)
+        order = ("row_state",) + tuple(h for h in HOOKS if h != "row_state")
+        for hook in order:
+            for i, v in enumerate(self.pieces):
                 body = getattr(v, hook)
                 if body is None:
                     continue
                 ret, args = _SIGNATURES[hook]
                 fname = f"{hook}_{i}_{v.name}"
-                lines += [f"__device__ __forceinline__ {ret} {fname}({args}) {{",
+                lines += [f"__device__ __forceinline__ {ret} {fname}({args.replace('ROW', f'Row{i}')}) {{",
                           f'#line 1 "variant {v.name}: {hook}"'] + body.splitlines()
                 lines += [f'#line {len(lines) + 2} "{tu_name}"', "}"]     # back to the TU's own numbering
                 calls[hook].append(fname)
-        # -- one float of row state per piece that has a transform (0 where it has no row_state)
-        t = calls["logits_transform"]
+                if hook == "row_state":
+                    zeros = ", ".join(["0"] * 8)
+                    lines.append(f"typedef decltype({fname}(*(const Params*)nullptr, {zeros})) Row{i};")
+            if hook == "row_state":
+                lines += [f"typedef float Row{i};" for i, v in enumerate(self.pieces) if v.row_state is None]
+        # -- one row-state value per piece that has a transform or a mask (0.f where it has no row_state)
+        t, m = calls["logits_transform"], calls["logits_mask"]
         rows = {i: f"row_state_{i}_{v.name}" if v.row_state is not None else None
-                for i, v in enumerate(self.pieces) if v.logits_transform is not None}
-        lines += ["struct RowState {"] + [f"  float r{i};" for i in rows] + ["};"]
+                for i, v in enumerate(self.pieces) if v.logits_transform is not None or v.logits_mask is not None}
+        lines += ["struct RowState {"] + [f"  Row{i} r{i};" for i in rows] + ["};"]
         lines += [f"__device__ __forceinline__ RowState row_state(const Params& params, {_POS_ARGS}) {{",
                   "  RowState rs;"]
         lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES});" if f else f"  rs.r{i} = 0.f;" for i, f in rows.items()]
         lines += ["  return rs;", "}"]
         lines += ["__device__ __forceinline__ float logits_transform(const Params& params, const RowState& rs, "
                   f"float logits, {_POS_ARGS}) {{"]
-        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});" for i, f in zip(rows, t)]
+        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});"
+                  for i, f in zip([i for i, v in enumerate(self.pieces) if v.logits_transform is not None], t)]
         lines += ["  return logits;", "}"]
-        m = calls["logits_mask"]
-        lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, {_POS_ARGS}) {{",
-                  "  return " + (" && ".join(f"{f}(params, {_POS_NAMES})" for f in m) or "true") + ";", "}"]
+        lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, const RowState& rs, {_POS_ARGS}) {{",
+                  "  return " + (" && ".join(f"{f}(params, rs.r{i}, {_POS_NAMES})" for i, f in
+                                             zip([i for i, v in enumerate(self.pieces) if v.logits_mask is not None], m))
+                                 or "true") + ";", "}"]
         b = calls["kv_begin"]
         lines += ["__device__ __forceinline__ int kv_begin(const Params& params, int batch_idx, int qo_pos, "
                   "int qo_len, int kv_len) {", "  int lo = 0;"]
@@ -426,14 +479,16 @@ class Bound:
                 out.append(int(v))
             elif v is None and name in _OPTIONAL_POINTERS:
                 out.append(0)
+            elif isinstance(v, Pointer):
+                out.append(v.addr)
             else:
-                want = np.float32 if kind == "float*" else np.int32
+                want = _ARRAY_DTYPES[kind]
                 if not arrays.is_device_array(v):
-                    raise TypeError(f"{fn}: variant parameter {name} must be a GPU array ({np.dtype(want)}) on a GPU "
+                    raise TypeError(f"{fn}: variant parameter {name} must be a GPU array ({want}) on a GPU "
                                     f"call, got {type(v).__name__}")
                 t = arrays.device_tensor(v, name, fn)
                 if t.dtype != want or t.ndim != 1 or not t.is_contiguous():
-                    raise ValueError(f"{fn}: variant parameter {name} must be a contiguous 1-D {np.dtype(want)} "
+                    raise ValueError(f"{fn}: variant parameter {name} must be a contiguous 1-D {want} "
                                      f"array, got shape {t.shape} dtype {t.dtype}")
                 out.append(t.ptr)
         return tuple(out)
@@ -452,9 +507,14 @@ class Bound:
             raise ValueError(f"{fn}: return_lse / lse need softmax attention; this variant has use_softmax=False "
                              f"(no log-sum-exp)")
 
+    def check_custom_mask(self, values: dict, qo_lens, kv_lens, fn: str) -> None:
+        """The built-in custom mask's arrays (``CUSTOM_MASK``) against the batch's lengths."""
+        if self.composite.has_custom_mask:
+            _check_custom_mask(values, qo_lens, kv_lens, fn)
+
     def check_sinks(self, values: dict, num_qo_heads: int, fn: str) -> None:
         """The built-in sink's array: one float32 logit per query head."""
-        if "sinks" in values and any(p is SINK for p in self.composite.pieces):
+        if "sinks" in values and any(p == SINK for p in self.composite.pieces):
             shape = tuple(getattr(values["sinks"], "shape", ()))
             if shape != (num_qo_heads,):
                 raise ValueError(f"{fn}: sinks must have shape (num_qo_heads,) = ({num_qo_heads},), got {shape}")
@@ -463,11 +523,14 @@ class Bound:
 def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", window_left: Any = -1,
             logits_soft_cap: Any = None, use_fp16_qk_reduction: Any = False, rope_scale: Any = None,
             rope_theta: Any = None, variant: Variant | None = None, sinks: bool = False,
-            head_dim: int | None = None, rotary_dim: Any = None) -> Bound:
+            head_dim: int | None = None, rotary_dim: Any = None, custom_mask: bool = False) -> Bound:
     """The one option check: FlashInfer's attention options and a user variant -> a Bound variant.
 
     Order of the pieces: user variant, ALiBi, soft-cap (applied to the biased logits), window,
-    sink. Raises ValueError / TypeError naming the argument, UnsupportedError for what has no kernel.
+    custom mask, sink. ``custom_mask``: the call has a custom / packed mask (prefill); its two arrays
+    are fixed parameters the caller fills (the packed bits and byte offsets, host arrays or, for a GPU
+    run, ``Pointer``s). Raises ValueError / TypeError naming the argument, UnsupportedError for what
+    has no kernel.
     """
     pieces, fixed = [], {}
     if variant is not None:
@@ -506,11 +569,46 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
     if use_fp16_qk_reduction:
         raise UnsupportedError(f"{fn}: use_fp16_qk_reduction=True has no kernel: Q K^T accumulates in fp32 (the "
                                f"fp16 accumulation of FlashInfer's fa2 saves no time on sm_80+ tensor cores here)")
+    if custom_mask:
+        pieces.append(CUSTOM_MASK)
+        fixed.update(custom_mask=None, mask_indptr=None)      # the plan's (prefill._plan_common)
     if sinks:
         pieces.append(SINK)
     composite = Composite(tuple(pieces))
     runtime = tuple(n for n, _ in composite.params if n not in fixed)
     return Bound(composite, fixed, runtime)
+
+
+def _check_custom_mask(values: dict, qo_lens: np.ndarray, kv_lens: np.ndarray, fn: str) -> None:
+    """The custom-mask variant's arrays against the batch: ``custom_mask`` 1-D uint8, ``mask_indptr``
+    int32 of batch + 1 entries; on the host also every request's segment inside ``custom_mask``
+    (device arrays: shapes and dtypes only, no copy back)."""
+    from . import arrays
+    if isinstance(values["custom_mask"], Pointer) or values["custom_mask"] is None:   # the plan's own upload
+        return
+    desc = {}
+    for name, want in (("custom_mask", np.uint8), ("mask_indptr", np.int32)):
+        x = values[name]
+        if arrays.is_device_array(x, name, fn):
+            t = arrays.device_tensor(x, name, fn)
+            shape, dt, host = tuple(t.shape), np.dtype(t.dtype), None
+        else:
+            host = np.asarray(x)
+            shape, dt = host.shape, host.dtype
+        if len(shape) != 1 or dt != want:
+            raise ValueError(f"{fn}: {name} must be a 1-D {np.dtype(want)} array, got shape {shape} dtype {dt}")
+        desc[name] = (shape[0], host)
+    batch = len(qo_lens)
+    (nbytes, _), (n_ind, ind) = desc["custom_mask"], desc["mask_indptr"]
+    if n_ind != batch + 1:
+        raise ValueError(f"{fn}: mask_indptr must have batch + 1 = {batch + 1} entries (byte offsets of each "
+                         f"request's mask), got {n_ind}")
+    if ind is None or not batch:
+        return
+    start = ind[:-1].astype(np.int64)
+    if start.min() < 0 or (start * 8 + np.asarray(qo_lens, np.int64) * np.asarray(kv_lens, np.int64)).max() > 8 * nbytes:
+        raise ValueError(f"{fn}: mask_indptr must be byte offsets >= 0 whose segments of ceil(qo_len * kv_len / 8) "
+                         f"bytes fit in custom_mask ({nbytes} bytes), got {ind[:8]}")
 
 
 def _rope_values(fn, head_dim, rotary_dim, rope_scale, rope_theta) -> dict:

@@ -40,17 +40,14 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
     q = np.zeros((4, 4, 64), np.float16)
     with pytest.raises(UnsupportedError, match="head_dim 128 only, got head_dim=64"):
         cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
-    q = np.zeros((4, 4, 128), np.float16)
-    with pytest.raises(UnsupportedError, match="custom-mask"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones((4, 4), bool), backend="fa3")
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 128, 5)
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
-    # auto never picks fa3 off sm_90, with a mask, or pages it cannot box
-    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", custom_mask=True), dict(arch="sm_90a", paged=True, page_size=5)):
+    # auto never picks fa3 off sm_90 or pages it cannot box (a custom mask is a variant: tests/test_mask_variant.py)
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", paged=True, page_size=5)):
         args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
     for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):

@@ -2,10 +2,12 @@
 // the call's attention variant: cuattn/variants.py generates cuattn::variant (Params, the hooks and
 // HAS_* / USE_SOFTMAX flags) and the CUATTN_VARIANT_ARGS / CUATTN_VARIANT_PARAMS launch macros in a
 // prelude before the kernel file. A kernel calls, at one site each:
-//   row_state()  once per query row, before the key loop (what a transform needs per row only);
+//   row_state()  once per query row, before the key loop (what a transform or mask needs per row only);
 //   score()      on every logit of a tile: the logits transform (natural units in and out: the raw
 //                dot product times sm_scale) and the masks, before its online softmax;
-//   tile_needs_mask() to skip the per-element masks on tiles the variant leaves whole;
+//   (a kernel skips the per-element pass on a tile only when the variant has no logits transform
+//   and no logits_mask (!HAS_TRANSFORM && !HAS_MASK) and the tile lies inside the causal / kv_begin
+//   bounds: a mask variant, the built-in custom mask included, sees every tile);
 //   finish_row() for a row's output scale and LSE: the sink joins the denominator there;
 //   transform_rows() on the query rows once and on each key tile as it lands in shared memory, with
 //   variant::query_transform / key_transform (CUATTN_VARIANT_QK; the built-in RoPE has its own below).
@@ -68,7 +70,7 @@ __device__ __forceinline__ float variant_score(const variant::Params& vp, const 
   bool keep = true;
   if (variant::HAS_KV_BEGIN) keep = kv_idx >= kv_lo;
   if (variant::HAS_MASK)
-    keep = keep && variant::logits_mask(vp, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len);
+    keep = keep && variant::logits_mask(vp, rs, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len);
   return keep ? s : __int_as_float(0xff800000);
 }
 
