@@ -5,8 +5,9 @@ when the backend resolves to "fa3" (``prefill.resolve_backend``). Kept in its ow
 portable launcher, because it pairs with its own CUDA file and launches with tensor maps
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 
-Cases with a kernel: head_dim 128, fp16 / bf16, causal or not, any GQA group, contiguous K/V (NHD
-or HND: the tensor map takes both strides), no custom mask, device sm_90. ``unsupported_reason``
+Cases with a kernel: head_dim 64, 128, 256, or head_dim_qk / head_dim_vo 192 / 128 (``HEAD_DIMS``), fp16 /
+bf16, causal or not, any GQA group, contiguous K/V (NHD or HND: the tensor map takes both strides) or
+pages a TMA box covers (``page_box``), no custom mask, device sm_90. ``unsupported_reason``
 names the first limit a call hits; callers raise UnsupportedError with it.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .params import Params
 _SOURCE = "prefill_sm90.cu"
 _ENTRY = "cuattn_prefill_sm90"
 ARCH = "sm_90a"
-HEAD_DIM = 128
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))   # (head_dim_qk, head_dim_vo) with a kernel
 BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
@@ -34,12 +35,19 @@ PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_i
                                "scale_log2:f")
 
 
+def tile_n(head_dim_vo: int) -> int:
+    """Keys per K/V tile: 128, or 64 where O's accumulator is 128 floats per thread (head_dim_vo 256):
+    S (block_n / 2 floats) and O (head_dim_vo / 2) share a consumer's 232 registers."""
+    return 128 if head_dim_vo <= 128 else 64
+
+
 @dataclass(frozen=True)
 class Sm90PrefillSpec:
     dtype: str                 # "f16" | "bf16"
     causal: bool
-    head_dim: int = HEAD_DIM
-    block_n: int = 128         # keys per K/V tile
+    head_dim_qk: int = 128     # q / K columns (HEAD_DIMS)
+    head_dim_vo: int = 128     # V / out columns
+    block_n: int = 128         # keys per K/V tile (tile_n)
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
@@ -51,8 +59,9 @@ class Sm90PrefillSpec:
     block_m = BLOCK_M
 
     @property
-    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2"
-        return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_bm128_bn128_s2", "prefill_sm90_hd192v128_..."
+        vo = f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""
+        return (f"prefill_sm90_hd{self.head_dim_qk}{vo}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_paged' if self.paged else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
@@ -61,46 +70,59 @@ class Sm90PrefillSpec:
         return self.variant.prelude(f"{self.name}.cu")
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}") + \
+        return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
+                f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
+                f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}") + \
             tuple(f"-D{v}" for v in self.tuning)
 
     @property
-    def smem_bytes(self) -> int:   # alignment slack + Q + STAGES (K + V) tiles + 4 STAGES mbarriers
-        return 1024 + (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 32 * self.stages
+    def smem_bytes(self) -> int:   # prefill_sm90.cu SMEM_BYTES: alignment slack + Q + STAGES (K + V) tiles + mbarriers
+        return (1024 + self.block_m * self.head_dim_qk * 2 +
+                self.stages * self.block_n * (self.head_dim_qk + self.head_dim_vo) * 2 + 32 * self.stages)
 
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
-              paged: bool = False) -> Sm90PrefillSpec:
-    return Sm90PrefillSpec(dtype, bool(causal), variant=variant, paged=bool(paged))
+              paged: bool = False, head_dim_qk: int = 128, head_dim_vo: int | None = None) -> Sm90PrefillSpec:
+    dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
+    return Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant, paged=bool(paged))
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
-    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
-    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)]
+    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): head_dim 128,
+    fp16 / bf16, causal or not, contiguous or paged; for the other head dims what serving runs, paged
+    causal prefill (14 specs; the rest compile on first use, ~1.5 s each)."""
+    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
+        [make_spec(t, True, paged=True, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in HEAD_DIMS if dk != 128
+         for t in ("f16", "bf16")]
 
 
 def page_box(page_size: int, block_n: int = 128) -> int | None:
     """Keys per TMA box of a paged tile: min(page_size, block_n) when it divides both (page sizes 16,
-    32, 64, 128 and multiples of 128), else None (no fa3 kernel: the fa2 gather path)."""
+    32, 64 and multiples of block_n; 128 too where block_n is 128), else None (no fa3 kernel: the fa2
+    gather path)."""
     box = min(page_size, block_n)
     return box if box >= 16 and page_size % box == 0 and block_n % box == 0 else None
 
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
-                       paged: bool, rope: bool = False, page_size: int | None = None) -> str | None:
-    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked."""
+                       paged: bool, rope: bool = False, page_size: int | None = None,
+                       head_dim_vo: int | None = None) -> str | None:
+    """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked.
+    ``head_dim`` is q's and K's, ``head_dim_vo`` (None: the same) V's and the output's."""
+    dv = head_dim if head_dim_vo is None else head_dim_vo
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
-    if head_dim != HEAD_DIM:
-        return f"fa3 has a kernel for head_dim 128 only, got head_dim={head_dim}"
+    if (head_dim, dv) not in HEAD_DIMS:
+        got = f"head_dim={head_dim}" if dv == head_dim else f"head_dim_qk={head_dim}, head_dim_vo={dv}"
+        return (f"fa3 has kernels for head_dim 64, 128, 256 and head_dim_qk / head_dim_vo 192 / 128, got {got}")
     if dtype not in ("f16", "bf16"):
         return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
     if custom_mask:
         return "fa3 has no custom-mask kernel"
-    if paged and page_size is not None and page_box(page_size) is None:
-        return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
-                f"{page_size} (the fa2 kernel gathers any page size)")
+    if paged and page_size is not None and page_box(page_size, tile_n(dv)) is None:
+        sizes = ", ".join(str(s) for s in (16, 32, 64, 128) if s <= tile_n(dv))
+        return (f"fa3 reads pages of {sizes} or a multiple of {tile_n(dv)} keys with TMA boxes (head_dim_vo "
+                f"{dv}), got page_size={page_size} (the fa2 kernel gathers any page size)")
     if rope:
         return "fa3 has no fused RoPE (pos_encoding_mode='ROPE_LLAMA') and no query / key transform"
     return None
@@ -110,18 +132,21 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
 
 
 @functools.lru_cache(maxsize=256)      # serving loops reuse each layer's K/V buffers
-def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str) -> bytes:
-    """The tensor map of a K or V array: dims (HEAD_DIM, tokens, heads), element strides s_tok /
-    s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's descriptors expect."""
-    return jit.tensor_map_16bit(ptr, (HEAD_DIM, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (64, block_n, 1),
+def kv_tensor_map(ptr: int, head_dim: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int,
+                  fn: str) -> bytes:
+    """The tensor map of a K or V array: dims (head_dim, tokens, heads) (K: head_dim_qk, V: head_dim_vo),
+    element strides s_tok / s_head, box (64, block_n, 1) with the 128-byte swizzle the kernel's
+    descriptors expect."""
+    return jit.tensor_map_16bit(ptr, (head_dim, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (64, block_n, 1),
                                 "the fa3 kernel", fn)
 
 
 @functools.lru_cache(maxsize=256)
-def paged_tensor_map(ptr: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int, fn: str) -> bytes:
-    """The tensor map of a paged K or V cache: dims (HEAD_DIM, page_size, heads, pages), element
-    strides (slot, head, page), box (64, box, 1, 1) with the 128-byte swizzle."""
-    return jit.tensor_map_16bit(ptr, (HEAD_DIM, page_size, max(heads, 1), max(num_pages, 1)), strides, (64, box, 1, 1),
+def paged_tensor_map(ptr: int, head_dim: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int,
+                     fn: str) -> bytes:
+    """The tensor map of a paged K or V cache: dims (head_dim, page_size, heads, pages) (K: head_dim_qk,
+    V: head_dim_vo), element strides (slot, head, page), box (64, box, 1, 1) with the 128-byte swizzle."""
+    return jit.tensor_map_16bit(ptr, (head_dim, page_size, max(heads, 1), max(num_pages, 1)), strides, (64, box, 1, 1),
                                 "the fa3 paged kernel", fn)
 
 
@@ -134,10 +159,11 @@ META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "par
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
            single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None) -> None:
-    """One launch. k / v: device tensors; k_strides / v_strides = (token, head) element strides;
+    """One launch. k / v: device tensors (K with spec.head_dim_qk columns, V with spec.head_dim_vo);
+    k_strides / v_strides = (token, head) element strides, or (slot, head, page) when paged;
     ``meta`` = the plan's device pointers by parameter name (qo_indptr, kv_indptr, work, part_o,
     part_lse, kv_chunk; the page table when paged) in batch mode, None for a single request.
-    ``paged`` = (page_size, num_pages, (s_tok, s_head, s_page)): k / v are a paged cache's K and V."""
+    ``paged`` = (page_size, K's num_pages, V's num_pages): k / v are a paged cache's K and V."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
@@ -152,12 +178,13 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
         return
     page_size, box = 0, 0
     if paged is not None:
-        page_size, num_pages, strides = paged
+        page_size, k_pages, v_pages = paged
         box = page_box(page_size, spec.block_n)
-        tk, tv = (paged_tensor_map(x.ptr, page_size, num_kv_heads, num_pages, strides, box, fn) for x in (k, v))
+        tk = paged_tensor_map(k.ptr, spec.head_dim_qk, page_size, num_kv_heads, k_pages, tuple(k_strides), box, fn)
+        tv = paged_tensor_map(v.ptr, spec.head_dim_vo, page_size, num_kv_heads, v_pages, tuple(v_strides), box, fn)
     else:
-        tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn)
-        tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn)
+        tk = kv_tensor_map(k.ptr, spec.head_dim_qk, kv_tokens, num_kv_heads, *k_strides, spec.block_n, fn)
+        tv = kv_tensor_map(v.ptr, spec.head_dim_vo, kv_tokens, num_kv_heads, *v_strides, spec.block_n, fn)
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
                        **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,

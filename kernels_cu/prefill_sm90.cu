@@ -1,20 +1,22 @@
 // prefill_sm90.cu — launched by cuattn/prefill_sm90.py (Sm90PrefillSpec); the Hopper "fa3" backend
 // Parameters: mirrored by prefill_sm90.py PARAMS (by name; tests/test_params.py checks the two agree).
 // (sm_90a only: wgmma, TMA, setmaxnreg).
-// Compile-time: HEAD_DIM (128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (128),
-//   STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1).
-// Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem
-//   1024 (alignment) + (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2 + 64 (mbarriers).
+// Compile-time: HEAD_DIM_QK (q and K columns: 64 | 128 | 256 | 192), HEAD_DIM_VO (V and out columns: 64 |
+//   128 | 256; 192 pairs with 128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (keys per
+//   tile: 128, 64 for head_dim 256), STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1).
+// Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
+//   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES.
 //
 // One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
 // Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of K and V tiles,
-// BLOCK_N x 64 boxes with the 128-byte swizzle, into STAGES smem buffers each, completing on
+// BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into STAGES
+// smem buffers each, completing on
 // "full" mbarriers; it waits on "empty" mbarriers before reusing a buffer); warpgroups 1 and 2 are
 // consumers, 64 query rows each. A consumer stages its Q rows with cp.async (once), then per K/V
-// tile: S = Q K^T by wgmma m64n128k16 (A and B from smem), mask, online softmax in registers
+// tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16 steps (A and B from smem), mask, online softmax in registers
 // (base 2, log2 e folded into the scale), P converted to 16-bit in registers as the A operand of
-// O += P V (wgmma, V from smem read N-major through the descriptor). setmaxnreg moves registers
+// O += P V (wgmma m64n{D_VO}k16, V from smem read N-major through the descriptor). setmaxnreg moves registers
 // from the producer (40) to the consumers (232).
 // Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup
@@ -25,10 +27,10 @@
 // the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
 // tile, kv piece, partial slot) as in prefill.cu (split-KV pieces, cuattn_prefill_sm90_merge)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets). K / V rows are addressed
-// through the tensor maps (dims: HEAD_DIM, tokens, kv heads): keys past a request's kv_len are
+// through the tensor maps (dims: K's or V's head dim, tokens, kv heads): keys past a request's kv_len are
 // masked in S (the TMA zero-fills rows past the tensor's end).
 // PAGED = 1: K / V are a paged cache (page CSR kv_indptr / kv_indices / kv_last_page_len) and the
-// tensor maps have dims (HEAD_DIM, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
+// tensor maps have dims (head dim, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
 // min(page_size, BLOCK_N) dividing both: a tile is BLOCK_N / page_box boxes, each from its own page,
 // landing page_box rows apart (multiples of 1024 bytes, so the 128-byte swizzle is the contiguous
 // tile's). Rows past the request's end (the last page's free slots, boxes past the last page) hold
@@ -52,31 +54,40 @@ using namespace cuattn;
 typedef DTYPE dtype_t;
 #define NEG_INF __int_as_float(0xff800000)
 
-static_assert(HEAD_DIM == 128, "prefill_sm90: head_dim 128 only");
-static_assert(BLOCK_N == 128, "prefill_sm90: wgmma m64n128 for S and O");
-static_assert(STAGES >= 2, "the pipeline needs two stages");
-
-constexpr int D = HEAD_DIM;
+// -- tile geometry, all of it from HEAD_DIM_QK, HEAD_DIM_VO, BLOCK_N and STAGES (prefill_sm90.py
+//    Sm90PrefillSpec.smem_bytes mirrors SMEM_BYTES)
+constexpr int D_QK = HEAD_DIM_QK;                   // q / K columns: S = Q K^T over D_QK / 16 k-steps
+constexpr int D_VO = HEAD_DIM_VO;                   // V / out columns: O is m64n{D_VO}, D_VO / 2 floats per thread
 constexpr int WG_ROWS = 64;                         // rows per consumer warpgroup (wgmma m64)
 constexpr int NUM_CONSUMERS = 2;
 constexpr int BLOCK_M = WG_ROWS * NUM_CONSUMERS;
 constexpr int NUM_THREADS = 128 * (NUM_CONSUMERS + 1);
-constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
-constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;    // one K or V tile: D / 64 column blocks
-constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements
+constexpr int S_REGS = BLOCK_N / 2, O_REGS = D_VO / 2;   // accumulator floats per thread: S tile, O
+constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements of a K or V tile
+constexpr uint32_t Q_BYTES = BLOCK_M * D_QK * 2;    // D_QK / 64 column blocks of BLOCK_M * 128 bytes
+constexpr uint32_t K_TILE_BYTES = (D_QK / 64) * HALF_BYTES;
+constexpr uint32_t V_TILE_BYTES = (D_VO / 64) * HALF_BYTES;
+constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) + 32 * STAGES;
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 
-// -- smem byte offset of 16-byte chunk c (0..D/8) of row r in a swizzled [rows][D] tile of `rows` rows
+static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
+              "prefill_sm90: head dims of whole 64-column blocks, V's at most K's (split-KV rows: head_dim_qk floats)");
+static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
+static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
+static_assert(STAGES >= 2, "the pipeline needs two stages");
+static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles exceed 227 KiB of shared memory");
+
+// -- smem byte offset of 16-byte chunk c (0..D_QK/8) of row r in a swizzled [rows][D] tile of `rows` rows
 __device__ __forceinline__ uint32_t swz128(int rows, int r, int c) {
   return uint32_t((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16));
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90(
-    const __grid_constant__ TmaDesc tmap_k,  // K: dims (D, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
-    const __grid_constant__ TmaDesc tmap_v,  // V: the same
-    const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D] (strides q_s_tok, q_s_head)
-    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D] (strides o_s_tok, o_s_head)
+    const __grid_constant__ TmaDesc tmap_k,  // K: dims (D_QK, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
+    const __grid_constant__ TmaDesc tmap_v,  // V: the same with D_VO
+    const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D_QK] (strides q_s_tok, q_s_head)
+    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D_VO] (strides o_s_tok, o_s_head)
     float* __restrict__ lse,                 // [nnz_qo, num_qo_heads] or nullptr
     const int32_t* __restrict__ qo_indptr,   // [batch + 1] (batch mode)
     const int32_t* __restrict__ kv_indptr,   // [batch + 1] token offsets (batch mode), page offsets (PAGED)
@@ -84,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int32_t* __restrict__ kv_last_page_len,  // [batch] (PAGED)
     int page_size, int page_shift, int page_box,   // PAGED: page_shift = log2(page_size) or -1
     const int32_t* __restrict__ work,        // [num_work, WORK_COLS], or nullptr: single
-    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D] split items' partial rows
+    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D_VO] split items' partial rows
     float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
     const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
     int single_qo_len, int single_kv_len, int group, int num_qo_heads,
@@ -92,8 +103,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   extern __shared__ uint8_t smem_raw[];
   const variant::Params vp = CUATTN_VARIANT_PARAMS;
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
-  const uint32_t sQ = base, sK = sQ + Q_BYTES, sV = sK + STAGES * TILE_BYTES;
-  const uint32_t bars = sV + STAGES * TILE_BYTES;   // fullK, fullV, emptyK, emptyV: STAGES each
+  const uint32_t sQ = base, sK = sQ + Q_BYTES, sV = sK + STAGES * K_TILE_BYTES;
+  const uint32_t bars = sV + STAGES * V_TILE_BYTES;   // fullK, fullV, emptyK, emptyV: STAGES each
 #define FULL_K(s) (bars + 8 * (s))
 #define FULL_V(s) (bars + 8 * (STAGES + (s)))
 #define EMPTY_K(s) (bars + 8 * (2 * STAGES + (s)))
@@ -163,30 +174,30 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           const int k_in = min(tok + j * page_box, kv_len - 1);
           page[j] = j * page_box < BLOCK_N ? pages[page_shift >= 0 ? k_in >> page_shift : k_in / page_size] : 0;
         }
-#define PAGED_BOXES(buf, map, bar)                                                                \
+#define PAGED_BOXES(buf, map, bar, dim)                                                           \
   _Pragma("unroll") for (int j = 0; j < MAX_BOXES; ++j)                                           \
     if (j * page_box < BLOCK_N) {                                                                 \
       const int key = tok + j * page_box;                                                         \
       const int slot = key < kv_len ? (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0; \
-      _Pragma("unroll") for (int h = 0; h < D / 64; ++h)                                          \
+      _Pragma("unroll") for (int h = 0; h < (dim) / 64; ++h)                                      \
           tma_load_4d((buf) + h * HALF_BYTES + j * page_box * 128, &(map), h * 64, slot, kvh, page[j], (bar)); \
     }
         mbar_wait(EMPTY_K(s), ph ^ 1);
-        mbar_arrive_expect_tx(FULL_K(s), TILE_BYTES);
-        PAGED_BOXES(sK + s * TILE_BYTES, tmap_k, FULL_K(s))
+        mbar_arrive_expect_tx(FULL_K(s), K_TILE_BYTES);
+        PAGED_BOXES(sK + s * K_TILE_BYTES, tmap_k, FULL_K(s), D_QK)
         mbar_wait(EMPTY_V(s), ph ^ 1);
-        mbar_arrive_expect_tx(FULL_V(s), TILE_BYTES);
-        PAGED_BOXES(sV + s * TILE_BYTES, tmap_v, FULL_V(s))
+        mbar_arrive_expect_tx(FULL_V(s), V_TILE_BYTES);
+        PAGED_BOXES(sV + s * V_TILE_BYTES, tmap_v, FULL_V(s), D_VO)
 #undef PAGED_BOXES
 #else
         mbar_wait(EMPTY_K(s), ph ^ 1);
-        mbar_arrive_expect_tx(FULL_K(s), TILE_BYTES);
+        mbar_arrive_expect_tx(FULL_K(s), K_TILE_BYTES);
 #pragma unroll
-        for (int h = 0; h < D / 64; ++h) tma_load_3d(sK + s * TILE_BYTES + h * HALF_BYTES, &tmap_k, h * 64, tok, kvh, FULL_K(s));
+        for (int h = 0; h < D_QK / 64; ++h) tma_load_3d(sK + s * K_TILE_BYTES + h * HALF_BYTES, &tmap_k, h * 64, tok, kvh, FULL_K(s));
         mbar_wait(EMPTY_V(s), ph ^ 1);
-        mbar_arrive_expect_tx(FULL_V(s), TILE_BYTES);
+        mbar_arrive_expect_tx(FULL_V(s), V_TILE_BYTES);
 #pragma unroll
-        for (int h = 0; h < D / 64; ++h) tma_load_3d(sV + s * TILE_BYTES + h * HALF_BYTES, &tmap_v, h * 64, tok, kvh, FULL_V(s));
+        for (int h = 0; h < D_VO / 64; ++h) tma_load_3d(sV + s * V_TILE_BYTES + h * HALF_BYTES, &tmap_v, h * 64, tok, kvh, FULL_V(s));
 #endif
       }
     }
@@ -202,10 +213,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   // -- stage this warpgroup's 64 Q rows (rows past the request are zeros)
   {
-    const int c = wt % 16;
+    constexpr int CHUNKS = D_QK / 8;       // 16-byte chunks per row
 #pragma unroll
-    for (int j = 0; j < WG_ROWS / 8; ++j) {
-      const int r = wg * WG_ROWS + wt / 16 + 8 * j;
+    for (int j = 0; j < WG_ROWS * CHUNKS / 128; ++j) {
+      const int r = wg * WG_ROWS + (wt + 128 * j) / CHUNKS, c = (wt + 128 * j) % CHUNKS;
       const int pr = row0 + r;
       const bool ok = pr < packed_rows;
       const dtype_t* src = ok ? q + (q_base + pr / group) * q_s_tok + (kvh * group + pr % group) * q_s_head + c * 8 : q;
@@ -225,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   if (variant::HAS_KV_BEGIN)
     kv_full = variant::kv_begin(vp, req, min(qo_len - 1, (row0 + (wg + 1) * WG_ROWS - 1) / group) + causal_shift,
                                 qo_len, kv_len);
-  float acc[64];
+  float acc[O_REGS];
   float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};
   variant::RowState rs[2];                 // the variant's per-row state, once per row
 #pragma unroll
@@ -235,33 +246,33 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
                                qo_len, kv_len);
   }
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
   uint32_t p[BLOCK_N / 16][4];
 
   // -- S = Q K(t)^T issued (not waited for)
-  auto issue_qk = [&](float (&s)[64], int t) {
-    const uint32_t sKs = sK + (t % STAGES) * TILE_BYTES;
+  auto issue_qk = [&](float (&s)[S_REGS], int t) {
+    const uint32_t sKs = sK + (t % STAGES) * K_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D_QK / 16; ++kk) {
       const uint64_t da = wgmma_desc(sQ + (kk / 4) * (BLOCK_M * 128) + wg * (WG_ROWS * 128) + (kk % 4) * 32, 16, 1024);
       const uint64_t db = wgmma_desc(sKs + (kk / 4) * HALF_BYTES + (kk % 4) * 32, 16, 1024);
-      wgmma_m64n128k16_ss<dtype_t>(s, da, db, kk > 0);
+      wgmma_m64k16_ss<BLOCK_N, dtype_t>(s, da, db, kk > 0);
     }
     wgmma_commit();
   };
   // -- O += P V(t) issued (not waited for)
   auto issue_pv = [&](int t) {
-    const uint32_t sVs = sV + (t % STAGES) * TILE_BYTES;
+    const uint32_t sVs = sV + (t % STAGES) * V_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      wgmma_m64n128k16_rs_tb<dtype_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
+      wgmma_m64k16_rs_tb<D_VO, dtype_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
     wgmma_commit();
   };
   // -- tile t of S: the variant's logits transform (every tile) and the masks (causal on diagonal
   //    tiles, the window below kv_full, a variant mask on every tile)
-  auto mask_tile = [&](float (&s)[64], int t) {
+  auto mask_tile = [&](float (&s)[S_REGS], int t) {
     const int kv0 = kv_lo + t * BLOCK_N;
     if (!variant::HAS_TRANSFORM && !variant::HAS_MASK && kv0 + BLOCK_N <= mask_from &&
         !(variant::HAS_KV_BEGIN && kv0 < kv_full))
@@ -288,10 +299,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   };
   // -- online softmax (base 2): m, l updated, S becomes P (fp32), corr = rescale factor of O
   //    (without softmax: the transformed logits are the weights, dropped keys 0)
-  auto softmax = [&](float (&s)[64], float (&corr)[2]) {
+  auto softmax = [&](float (&s)[S_REGS], float (&corr)[2]) {
     if (!variant::USE_SOFTMAX) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
+      for (int i = 0; i < S_REGS; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
       corr[0] = corr[1] = 1.f;
       return;
     }
@@ -303,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < D_VO / 8; ++n) {
       acc[4 * n + 0] *= corr[0];
       acc[4 * n + 1] *= corr[0];
       acc[4 * n + 2] *= corr[1];
@@ -311,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
   };
   // -- P (fp32 accumulator layout) -> 16-bit A fragments, one per 16 keys
-  auto pack_p = [&](const float (&s)[64]) {
+  auto pack_p = [&](const float (&s)[S_REGS]) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       p[kk][0] = pack2<dtype_t>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -327,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   if (num_tiles > 0) {
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
-      float s[64], corr[2];
+      float s[S_REGS], corr[2];
       mbar_wait(FULL_K(0), 0);
       issue_qk(s, 0);
       wgmma_wait<0>();
@@ -338,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       pack_p(s);
     }
     for (int t = 1; t < num_tiles; ++t) {
-      float s[64], corr[2];
+      float s[S_REGS], corr[2];
       const int ps = (t - 1) % STAGES;
       mbar_wait(FULL_K(t % STAGES), (t / STAGES) & 1);
       issue_qk(s, t);
@@ -362,9 +373,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
       const int valid = kv_len - (kv_lo + lt * BLOCK_N);
       if (valid < BLOCK_N) {
-        const uint32_t sVs = sV + (lt % STAGES) * TILE_BYTES;
-        for (int i = wt; i < (BLOCK_N - valid) * (D / 8); i += 128) {
-          const int r = valid + i / (D / 8), c = i % (D / 8);      // row, 16-byte chunk (any order within a row)
+        const uint32_t sVs = sV + (lt % STAGES) * V_TILE_BYTES;
+        for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
+          const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
                        "r"(0) : "memory");
         }
@@ -394,10 +405,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int head = kvh * group + pr % group;
     const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
     if (item.slot >= 0)
-      store_partial_row<D>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+      store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
                            finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink), pair);
     else
-      store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+      store_output_row<D_VO>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
                           finish_row(vp, m_i[h], l, req, pr / group, head, true), pair);
   }
 #undef FULL_K
@@ -410,5 +421,5 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(
     const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)
     const int32_t* __restrict__ qo_indptr, const float* __restrict__ part_o, const float* __restrict__ part_lse,
     dtype_t* __restrict__ o, float* __restrict__ lse, int group, int64_t o_s_tok, int64_t o_s_head) {
-  merge_pieces<D, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
+  merge_pieces<D_VO, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
 }
