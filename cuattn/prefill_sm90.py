@@ -72,7 +72,7 @@ class Sm90PrefillSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
-                f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}") + \
+                f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}", f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + \
             tuple(f"-D{v}" for v in self.tuning)
 
     @property

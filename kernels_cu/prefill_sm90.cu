@@ -5,19 +5,21 @@
 //   128 | 256; 192 pairs with 128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (keys per
 //   tile: 128, 64 for head_dim 256), STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1).
 // Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
-//   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES.
+//   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES,
+//   checked against the launcher's SPEC_SMEM_BYTES.
 //
 // One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
 // Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of K and V tiles,
-// BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into STAGES
-// smem buffers each, completing on
-// "full" mbarriers; it waits on "empty" mbarriers before reusing a buffer); warpgroups 1 and 2 are
-// consumers, 64 query rows each. A consumer stages its Q rows with cp.async (once), then per K/V
-// tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16 steps (A and B from smem), mask, online softmax in registers
-// (base 2, log2 e folded into the scale), P converted to 16-bit in registers as the A operand of
-// O += P V (wgmma m64n{D_VO}k16, V from smem read N-major through the descriptor). setmaxnreg moves registers
-// from the producer (40) to the consumers (232).
+// BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into
+// STAGES smem buffers each, completing on "full" mbarriers; it waits on "empty" mbarriers before
+// reusing a buffer); warpgroups 1 and 2 are consumers, 64 query rows each. A consumer stages its Q
+// rows with cp.async (once), then per K/V tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16
+// k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
+// scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
+// from smem read N-major through the descriptor). setmaxnreg moves registers from the producer (40)
+// to the consumers (232): S takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at
+// D_VO 256).
 // Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup
 // pipelining); O is rescaled once that product has landed. (+4-16% over the plain loop, which was
@@ -27,8 +29,8 @@
 // the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
 // tile, kv piece, partial slot) as in prefill.cu (split-KV pieces, cuattn_prefill_sm90_merge)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets). K / V rows are addressed
-// through the tensor maps (dims: K's or V's head dim, tokens, kv heads): keys past a request's kv_len are
-// masked in S (the TMA zero-fills rows past the tensor's end).
+// through the tensor maps (dims: K's or V's head dim, tokens, kv heads): keys past a request's kv_len
+// are masked in S (the TMA zero-fills rows past the tensor's end).
 // PAGED = 1: K / V are a paged cache (page CSR kv_indptr / kv_indices / kv_last_page_len) and the
 // tensor maps have dims (head dim, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
 // min(page_size, BLOCK_N) dividing both: a tile is BLOCK_N / page_box boxes, each from its own page,
@@ -77,6 +79,7 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles exceed 227 KiB of shared memory");
+static_assert(SMEM_BYTES == SPEC_SMEM_BYTES, "prefill_sm90.py Sm90PrefillSpec.smem_bytes (the launch's) must be SMEM_BYTES");
 
 // -- smem byte offset of 16-byte chunk c (0..D_QK/8) of row r in a swizzled [rows][D] tile of `rows` rows
 __device__ __forceinline__ uint32_t swz128(int rows, int r, int c) {

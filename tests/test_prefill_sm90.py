@@ -18,14 +18,51 @@ from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poi
 # ============================================================================ CPU (CI)
 
 
+NEW_DIMS = [(64, 64), (256, 256), (192, 128)]      # (head_dim_qk, head_dim_vo) beside 128
+
+
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    assert len({s.name for s in specs}) == len(specs) == 8      # f16 / bf16 x full / causal x contiguous / paged
-    for spec in specs:
-        assert spec.archs == ("sm_90a",)
+    # hd128: f16 / bf16 x full / causal x contiguous / paged; other dims: f16 / bf16 paged causal
+    assert len({s.name for s in specs}) == len(specs) == 8 + 2 * len(NEW_DIMS)
+    assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
+    # the other head dims' contiguous non-causal kernels (first use) too: both axes the shipped ones fix
+    extra = [prefill_sm90.make_spec("bf16", False, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in NEW_DIMS]
+    jit.precompile([(spec, "sm_90a") for spec in specs + extra])     # over the cores; checked below
+    for spec in specs + extra:
+        assert spec.archs == ("sm_90a",) and spec.smem_bytes <= 227 * 1024, spec.name
         compiled = jit.compile_kernel(spec, "sm_90a")
         res = compiled.resources["cuattn_prefill_sm90"]
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack_frame"] == 0, (spec.name, res)
+
+
+def test_sm90_spec_geometry_follows_the_head_dims():
+    for (dk, dv), bn, name in (((64, 64), 128, "prefill_sm90_hd64_qf16_causal_paged_bm128_bn128_s2"),
+                               ((128, 128), 128, "prefill_sm90_hd128_qf16_causal_paged_bm128_bn128_s2"),
+                               ((256, 256), 64, "prefill_sm90_hd256_qf16_causal_paged_bm128_bn64_s2"),
+                               ((192, 128), 128, "prefill_sm90_hd192v128_qf16_causal_paged_bm128_bn128_s2")):
+        spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
+        assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.name) == (dk, dv, bn, name)
+        assert f"-DHEAD_DIM_QK={dk}" in spec.defines() and f"-DHEAD_DIM_VO={dv}" in spec.defines()
+        assert spec.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 64
+    assert prefill_sm90.make_spec("f16", False, head_dim_qk=64) == prefill_sm90.make_spec("f16", False, head_dim_qk=64,
+                                                                                          head_dim_vo=64)
+
+
+def test_sm90_smem_mirror_is_checked_at_compile_time():
+    """The launch sizes shared memory from spec.smem_bytes: a spec that disagrees with the kernel's
+    SMEM_BYTES must not compile."""
+    import dataclasses
+    from cuattn.errors import CompileError
+
+    @dataclasses.dataclass(frozen=True)
+    class Wrong(prefill_sm90.Sm90PrefillSpec):
+        @property
+        def smem_bytes(self) -> int:
+            return super().smem_bytes - 1024
+    spec = Wrong("f16", False, 256, 256, 64)
+    with pytest.raises(CompileError, match="smem_bytes"):
+        jit.compile_kernel(spec, "sm_90a")
 
 
 def test_sm90_specs_are_shipped_for_sm90a_only():
@@ -36,16 +73,24 @@ def test_sm90_specs_are_shipped_for_sm90a_only():
 
 
 def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
-    q = np.zeros((4, 4, 64), np.float16)
-    with pytest.raises(UnsupportedError, match="head_dim 128 only, got head_dim=64"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
+    reason = prefill_sm90.unsupported_reason
+    assert reason("sm_90a", 96, "f16", False, False) == (
+        "fa3 has kernels for head_dim 64, 128, 256 and head_dim_qk / head_dim_vo 192 / 128, got head_dim=96")
+    assert reason("sm_90a", 128, "f16", False, False, head_dim_vo=64).endswith(
+        "got head_dim_qk=128, head_dim_vo=64")
+    for dk, dv in prefill_sm90.HEAD_DIMS:
+        assert reason("sm_90a", dk, "bf16", False, True, page_size=16, head_dim_vo=dv) is None
     q = np.zeros((4, 4, 128), np.float16)
     with pytest.raises(UnsupportedError, match="custom-mask"):
         cuattn.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones((4, 4), bool), backend="fa3")
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128"):
+    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128 or a multiple of 128"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 128, 5)
+    # head_dim 256 tiles are 64 keys: pages of 192 box (3 tiles of 64), pages of 96 do not
+    assert reason("sm_90a", 256, "f16", False, True, page_size=192) is None
+    assert "pages of 16, 32, 64 or a multiple of 64 keys" in reason("sm_90a", 256, "f16", False, True, page_size=96)
+    assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192)
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
     # auto never picks fa3 off sm_90, with a mask, or pages it cannot box
@@ -53,8 +98,21 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
         args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
     for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):
-        assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
-                                       **kw) == "fa3"
+        for dk, dv in prefill_sm90.HEAD_DIMS:
+            assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=dk, head_dim_vo=dv, dtype="bf16",
+                                           custom_mask=False, **kw) == "fa3", (dk, dv, kw)
+
+
+def test_fa3_plans_the_new_head_dims_and_runs_numpy_inputs_on_the_reference():
+    rng = np.random.default_rng(3)
+    qo_indptr, kv_indptr = np.array([0, 5, 12], np.int32), np.array([0, 9, 40], np.int32)
+    for dk, dv in NEW_DIMS:
+        q = rand(rng, (12, 4, dk), np.float16)
+        k, v = rand(rng, (40, 2, dk), np.float16), rand(rng, (40, 2, dv), np.float16)
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+        w.plan(qo_indptr, kv_indptr, 4, 2, dk, dv, causal=True)
+        ref_o, _ = oracle_batch(q, [k[:9], k[9:]], [v[:9], v[9:]], qo_indptr, True)
+        assert rel_err(w.run(q, k, v), ref_o) < 5e-3
 
 
 def test_fa3_numpy_inputs_run_the_reference():
