@@ -262,3 +262,104 @@ def test_fa3_paged_prefill_reads_pages_by_tma_boxes(page_size, layout, form, cau
     got = cp.asnumpy(out)
     assert np.isfinite(got).all() and rel_err(got, ref_o) < 5e-3
     assert np.abs(cp.asnumpy(lse) - ref_s).max() < 1e-3
+
+
+# ---------------------------------------------------------------------------- head_dim 64, 256, 192 / 128 (sm_90)
+# One q dtype per head-dim pair, causal: the single and ragged cases share one contiguous kernel, the
+# paged ones run the shipped paged kernels (3 first-use compiles in all).
+DIM_DTYPE = {(64, 64): "float16", (256, 256): "bfloat16", (192, 128): "bfloat16"}
+DIM_IDS = [f"hd{dk}" + (f"v{dv}" if dv != dk else "") for dk, dv in DIM_DTYPE]
+
+
+def _dims_inputs(rng, qo_lens, kv_lens, hq, hkv, dk, dv, dtype):
+    dt = DTYPES[dtype]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, dk), dt)
+    k, v = rand(rng, (kv_indptr[-1], hkv, dk), dt), rand(rng, (kv_indptr[-1], hkv, dv), dt)
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    return q, k, v, qo_indptr, kv_indptr, ks, vs
+
+
+def _check_dims(out, lse, ref_o, ref_s, dtype):
+    """Every element finite and within the dtype's tolerance of the largest reference magnitude, the
+    norm-relative error, and the LSE."""
+    o = _from_dev(out, DTYPES[dtype]).astype(np.float64)
+    assert o.shape == ref_o.shape and np.isfinite(o).all(), "unwritten or non-finite output"
+    assert rel_err(o, ref_o) < TOL[dtype]
+    assert np.abs(o - ref_o).max() < 4 * TOL[dtype] * np.abs(ref_o).max()
+    assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims", list(DIM_DTYPE), ids=DIM_IDS)
+def test_fa3_head_dims_single_chunked_prefill_matches_oracle(dims, launches):
+    """Causal, qo_len < kv_len (a chunk after a cached prefix, bottom-right aligned), GQA group 4, auto."""
+    dk, dv = dims
+    dtype = DIM_DTYPE[dims]
+    q, k, v, _, _, _, _ = _dims_inputs(np.random.default_rng(dk), [300], [1100], 32, 8, dk, dv, dtype)
+    _poison_pool(q.size * 8)
+    out, lse = cuattn.single_prefill_with_kv_cache(_to_dev(q), _to_dev(k), _to_dev(v), causal=True, return_lse=True)
+    assert launches, "auto did not pick fa3"
+    ref_o, ref_s = dense_attention(q, k, v, causal=True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims", list(DIM_DTYPE), ids=DIM_IDS)
+def test_fa3_head_dims_ragged_batch_matches_oracle(dims, launches):
+    """Requests shorter and longer than a tile, an empty one, and one with qo_len > kv_len (fully
+    masked rows: 0 and LSE -inf); auto reports fa3."""
+    dk, dv = dims
+    dtype = DIM_DTYPE[dims]
+    q, k, v, qo_indptr, kv_indptr, ks, vs = _dims_inputs(np.random.default_rng(dk + 1), [1, 17, 300, 0, 129],
+                                                         [54, 97, 1037, 33, 100], 16, 4, dk, dv, dtype)
+    out = _nan_like((qo_indptr[-1], 16, dv), DTYPES[dtype])
+    lse = _cp().full((qo_indptr[-1], 16), np.nan, np.float32)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(qo_indptr, kv_indptr, 16, 4, dk, dv, causal=True, q_data_type=dtype)
+    w.run(_to_dev(q), _to_dev(k), _to_dev(v), out=out, lse=lse)
+    assert w.backend == "fa3" and launches
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
+
+
+DIM_PAGED = [   # (head dims, q dtype, page_size, layout, one cache array or a (k, v) pair, fixed_split_size)
+    ((64, 64), "float16", 16, "NHD", "one", None), ((64, 64), "bfloat16", 64, "HND", "pair", None),
+    ((256, 256), "bfloat16", 16, "NHD", "one", None), ((256, 256), "float16", 64, "HND", "pair", 128),
+    ((192, 128), "bfloat16", 16, "NHD", "pair", None), ((192, 128), "float16", 64, "HND", "pair", 256),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims,dtype,page_size,layout,form,split", DIM_PAGED,
+                         ids=[f"hd{d[0]}{f'v{d[1]}' if d[1] != d[0] else ''}-{t}-ps{p}-{lay}-{f}-{s}"
+                              for d, t, p, lay, f, s in DIM_PAGED])
+def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout, form, split, launches):
+    """Paged K/V in random page order, free slots and spare pages NaN (they must not leak), causal with
+    qo_len < kv_len and one request with qo_len > kv_len; split-KV (fixed_split_size) where given."""
+    from .test_prefill_dtypes import to_pages
+    dk, dv = dims
+    hq, hkv = 32, 8
+    q, k, v, qo_indptr, kv_indptr, ks, vs = _dims_inputs(np.random.default_rng(page_size + dk), [300, 1, 77, 129],
+                                                         [300, 1500, 1037, 100], hq, hkv, dk, dv, dtype)
+    kp, indptr, indices, last = to_pages(k, kv_indptr, page_size, perm_seed=dk, layout=layout)
+    vp, _, v_indices, _ = to_pages(v, kv_indptr, page_size, perm_seed=dk, layout=layout)
+    assert np.array_equal(indices, v_indices)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, dk, page_size, head_dim_vo=dv, causal=True,
+           q_data_type=dtype, fixed_split_size=split)
+    assert w.backend == "fa3" and "_paged" in w.describe()
+    if split:
+        assert f"pieces of {split} keys" in w.describe()
+    cache = _to_dev(np.stack((kp, vp), axis=1)) if form == "one" else (_to_dev(kp), _to_dev(vp))
+    out = _nan_like((qo_indptr[-1], hq, dv), DTYPES[dtype])
+    lse = _cp().full((qo_indptr[-1], hq), np.nan, np.float32)
+    w.run(_to_dev(q), cache, out=out, lse=lse)
+    assert launches
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
