@@ -226,8 +226,8 @@ def test_run_rejects_wrong_q_shape_and_unplanned_run():
 
 def test_unsupported_options_raise():
     q = np.zeros((4, 4, 64), np.float16)
-    with pytest.raises(UnsupportedError, match="fa3"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
+    with pytest.raises(UnsupportedError, match="fa3"):     # fa3 has no custom-mask kernel
+        cuattn.single_prefill_with_kv_cache(q, q, q, custom_mask=np.ones((4, 4), bool), backend="fa3")
     with pytest.raises(UnsupportedError, match="use_fp16_qk_reduction"):
         cuattn.single_prefill_with_kv_cache(q, q, q, use_fp16_qk_reduction=True)
     with pytest.raises(ValueError, match="backend must be"):

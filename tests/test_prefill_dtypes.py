@@ -492,8 +492,11 @@ def test_split_head_dims_refusals_name_the_argument():
         w.plan(qo, kv, 4, 4, 192, 128.0)
     with pytest.raises(UnsupportedError, match="need head_dim_vo == head_dim_qk"):
         w.plan(qo, kv, 4, 4, 192, 128, pos_encoding_mode="ROPE_LLAMA", rotary_dim=64)
-    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 has a kernel for head_dim 128 only"):
-        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
+    # fa3 has a 192 / 128 kernel (tests/test_prefill_sm90.py), without a custom mask as at every head_dim
+    cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
+    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 has no custom-mask kernel"):
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128,
+                                                                        custom_mask=np.ones(36, bool))
     w.plan(qo, kv, 4, 4, 192, 128)
     x = np.zeros((9, 4, 192), np.float16)
     with pytest.raises(ValueError, match="v must have the shape of k .* with head_dim_vo=128"):
