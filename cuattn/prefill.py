@@ -173,13 +173,14 @@ def select_backend(backend: str, fn: str) -> str:
 
 def resolve_backend(backend: str, fn: str, *, arch: str | None, head_dim: int, dtype: str | None,
                     custom_mask: bool, paged: bool, rope: bool = False, page_size: int | None = None,
-                    dtype_kv: str | None = None) -> str:
+                    dtype_kv: str | None = None, head_dim_vo: int | None = None) -> str:
     """"fa2" or "fa3" for one call. backend="fa3" where fa3 has no kernel raises UnsupportedError naming
     the case; ``arch`` None checks everything but the device. ``dtype_kv``: the KV short name when it is
-    not q's (fa3 reads 16-bit K/V of q's type or fp8)."""
+    not q's (fa3 reads 16-bit K/V of q's type or fp8); ``head_dim_vo``: V's head_dim (None: head_dim)."""
     if backend == "fa2":
         return "fa2"
-    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size, dtype_kv)
+    reason = prefill_sm90.unsupported_reason(arch, head_dim, dtype, custom_mask, paged, rope, page_size, dtype_kv,
+                                             head_dim_vo)
     if backend == "fa3":
         if reason is not None:
             raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
@@ -310,7 +311,8 @@ class _BatchPrefillBase:
                      for s in (False, True)}                # (support.check passed)
             resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
                             custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
-                            page_size=page_size, dtype_kv=kv_short)   # fa3 asked where it has none
+                            page_size=page_size, dtype_kv=kv_short,
+                            head_dim_vo=head_dim_vo)   # fa3 asked where it has none
             if key is not None:
                 _plan.memo_put(self._configs, key, (bound, head_dim_vo, q_dt, kv_dt, kv_short, specs))
         spec = specs[small_q]
@@ -324,7 +326,8 @@ class _BatchPrefillBase:
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
                                        dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_qk_transform,
-                                       page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv)
+                                       page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv,
+                                       head_dim_vo=plan["head_dim_vo"])
         return self.backend
 
     def _require_plan(self, fn):
@@ -353,7 +356,8 @@ class _BatchPrefillBase:
         if hit is None or hit[0] is not plan.spec:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv)
+                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv,
+                plan["head_dim"], plan["head_dim_vo"])
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
             _, backend, spec = hit
@@ -704,11 +708,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=kv.v, k_strides=None, v_strides=None,
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=vv.v, k_strides=strides,
+                                    v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page),
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
                                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                                     sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"], pdl=pdl,
-                                    paged=(kv.page_size, kv.num_pages, strides), scales=scales)
+                                    paged=(kv.page_size, kv.num_pages, vv.num_pages), scales=scales)
         else:
             if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
                     or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):

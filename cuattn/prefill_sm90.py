@@ -5,9 +5,10 @@ when the backend resolves to "fa3" (``prefill.resolve_backend``). Kept in its ow
 portable launcher, because it pairs with its own CUDA file and launches with tensor maps
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 
-Cases with a kernel: head_dim 128, fp16 / bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the
-TMA, converted to f16 in smem), k_scale / v_scale of any value, causal or not, any GQA group, contiguous
-K/V (NHD or HND: the tensor map takes both strides) or pages the TMA can box, no custom mask, device
+Cases with a kernel: head_dim 64, 128, 256, or head_dim_qk / head_dim_vo 192 / 128 (``HEAD_DIMS``), fp16 /
+bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the TMA, converted to f16 in smem; head_dim 64 and 128
+only, ``FP8_HEAD_DIMS``), k_scale / v_scale of any value, causal or not, any GQA group, contiguous K/V (NHD
+or HND: the tensor map takes both strides) or pages a TMA box covers (``page_box``), custom masks (a variant), device
 sm_90; every attention variant, the fused RoPE and query / key transforms included (16-bit K/V).
 ``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
 """
@@ -25,7 +26,8 @@ from .params import Params
 _SOURCE = "prefill_sm90.cu"
 _ENTRY = "cuattn_prefill_sm90"
 ARCH = "sm_90a"
-HEAD_DIM = 128
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))   # (head_dim_qk, head_dim_vo) with a kernel
+FP8_HEAD_DIMS = ((64, 64), (128, 128))   # ... with an fp8 K/V kernel (prefill_sm90.cu LoadTile, SMEM_BYTES)
 BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
@@ -37,12 +39,19 @@ PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_i
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
 
 
+def tile_n(head_dim_vo: int) -> int:
+    """Keys per K/V tile: 128, or 64 where O's accumulator is 128 floats per thread (head_dim_vo 256):
+    S (block_n / 2 floats) and O (head_dim_vo / 2) share a consumer's 232 registers."""
+    return 128 if head_dim_vo <= 128 else 64
+
+
 @dataclass(frozen=True)
 class Sm90PrefillSpec:
     dtype: str                 # "f16" | "bf16"
     causal: bool
-    head_dim: int = HEAD_DIM
-    block_n: int = 128         # keys per K/V tile
+    head_dim_qk: int = 128     # q / K columns (HEAD_DIMS)
+    head_dim_vo: int = 128     # V / out columns
+    block_n: int = 128         # keys per K/V tile (tile_n)
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
@@ -55,8 +64,9 @@ class Sm90PrefillSpec:
     block_m = BLOCK_M
 
     @property
-    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2"
-        return (f"prefill_sm90_hd{self.head_dim}_q{self.dtype}_{'causal' if self.causal else 'full'}"
+    def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2", "prefill_sm90_hd192v128_..."
+        vo = f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""
+        return (f"prefill_sm90_hd{self.head_dim_qk}{vo}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_paged' if self.paged else ''}{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
@@ -66,66 +76,92 @@ class Sm90PrefillSpec:
         return self.variant.prelude(f"{self.name}.cu")
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DHEAD_DIM={self.head_dim}", f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}",
-                f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}",
-                f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}") + tuple(f"-D{v}" for v in self.tuning)
+        return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
+                f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
+                f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
+                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
         return 1 if self.dtype_kv else 2
 
     @property
+    def k_xform(self) -> bool:     # the kernel's K_XFORM: producer warps transform each K tile (READY_K)
+        return self.variant.has_rope or self.variant.has("key_transform")
+
+    @property
     def smem_bytes(self) -> int:
-        """Alignment slack + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers (+ STAGES "K tile
-        transformed" mbarriers with a query / key transform); fp8: + STAGES (K + V) staging tiles + 4
-        STAGES mbarriers (224 KiB at head_dim 128: within sm_90's 227 KiB)."""
-        bars = 5 if self.variant.has_qk_transform else 4
-        tiles = (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * 2 + 8 * bars * self.stages
+        """prefill_sm90.cu's SMEM_BYTES (the kernel checks the two agree at compile time): alignment slack
+        + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8: + STAGES (K + V) staging tiles + 4
+        STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a key transform (16-bit K/V
+        only): + STAGES "K tile transformed" mbarriers."""
+        kv_cols = self.head_dim_qk + self.head_dim_vo
+        total = 1024 + self.block_m * self.head_dim_qk * 2 + self.stages * self.block_n * kv_cols * 2
+        bars = 4 * self.stages
         if self.dtype_kv:
-            tiles += 2 * self.stages * self.block_n * self.head_dim + 32 * self.stages
-        return 1024 + tiles
+            total += self.stages * self.block_n * kv_cols
+            bars += 4 * self.stages
+        elif self.k_xform:
+            bars += self.stages
+        return total + 8 * bars
 
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
-              paged: bool = False, dtype_kv: str = "") -> Sm90PrefillSpec:
-    """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one."""
-    return Sm90PrefillSpec(dtype, bool(causal), variant=variant, paged=bool(paged),
-                           dtype_kv="" if dtype_kv == dtype else dtype_kv)
+              paged: bool = False, dtype_kv: str = "", head_dim_qk: int = 128,
+              head_dim_vo: int | None = None) -> Sm90PrefillSpec:
+    """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one; ``head_dim_vo``
+    None: ``head_dim_qk``."""
+    dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
+    return Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
+                           paged=bool(paged), dtype_kv="" if dtype_kv == dtype else dtype_kv)
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
-    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): every 16-bit case,
-    and for fp8 K/V what serving runs (paged, causal or not, both formats; contiguous fp8 compiles on
-    first use)."""
+    """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): head_dim 128, fp16 /
+    bf16, causal or not, contiguous or paged; for fp8 K/V at head_dim 128 and the other head dims what
+    serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill). 22
+    specs; the rest compile on first use (~1.5 s each)."""
     return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
-        [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8]
+        [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8] + \
+        [make_spec(t, True, paged=True, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in HEAD_DIMS if dk != 128
+         for t in ("f16", "bf16")]
 
 
 def page_box(page_size: int, block_n: int = 128) -> int | None:
     """Keys per TMA box of a paged tile: min(page_size, block_n) when it divides both (page sizes 16,
-    32, 64, 128 and multiples of 128), else None (no fa3 kernel: the fa2 gather path)."""
+    32, 64 and multiples of block_n; 128 too where block_n is 128), else None (no fa3 kernel: the fa2
+    gather path)."""
     box = min(page_size, block_n)
     return box if box >= 16 and page_size % box == 0 and block_n % box == 0 else None
 
 
 def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custom_mask: bool,
                        paged: bool, rope: bool = False, page_size: int | None = None,
-                       dtype_kv: str | None = None) -> str | None:
+                       dtype_kv: str | None = None, head_dim_vo: int | None = None) -> str | None:
     """Why backend "fa3" has no kernel for a case (None: it has one). ``arch`` None: not checked.
-    ``dtype_kv``: the KV short name when it is not q's ("e4m3", "e5m2", "f32"). ``rope`` (the fused RoPE
-    or a query / key transform) limits nothing by itself: fa3 runs them on 16-bit K/V."""
+    ``head_dim`` is q's and K's, ``head_dim_vo`` (None: the same) V's and the output's. ``dtype_kv``: the
+    KV short name when it is not q's ("e4m3", "e5m2", "f32"). ``rope`` (the fused RoPE or a query / key
+    transform) limits nothing by itself: fa3 runs them on 16-bit K/V."""
+    dv = head_dim if head_dim_vo is None else head_dim_vo
     if arch is not None and arch != ARCH:
         return f"the fa3 kernel needs an sm_90 GPU (wgmma, TMA); this device compiles for {arch}"
-    if head_dim != HEAD_DIM:
-        return f"fa3 has a kernel for head_dim 128 only, got head_dim={head_dim}"
+    if (head_dim, dv) not in HEAD_DIMS:
+        got = f"head_dim={head_dim}" if dv == head_dim else f"head_dim_qk={head_dim}, head_dim_vo={dv}"
+        return (f"fa3 has kernels for head_dim 64, 128, 256 and head_dim_qk / head_dim_vo 192 / 128, got {got}")
     if dtype not in ("f16", "bf16"):
         return f"fa3 has a kernel for float16 / bfloat16 only, got {dtype}"
     if dtype_kv not in (None, "", dtype) and dtype_kv not in KV_FP8:
         return (f"fa3 reads K/V of q's dtype or fp8 (float8_e4m3fn / float8_e5m2) only, got an {dtype_kv} KV cache "
                 f"(the fa2 kernel reads it)")
-    if paged and page_size is not None and page_box(page_size) is None:
-        return (f"fa3 reads pages of 16, 32, 64, 128 or a multiple of 128 keys with TMA boxes, got page_size="
-                f"{page_size} (the fa2 kernel gathers any page size)")
+    if dtype_kv in KV_FP8 and (head_dim, dv) not in FP8_HEAD_DIMS:
+        got = f"head_dim={head_dim}" if dv == head_dim else f"head_dim_qk={head_dim}, head_dim_vo={dv}"
+        return (f"fa3 reads an fp8 KV cache at head_dim 64 and 128 only, got {got} (head_dim 256: the fp8 "
+                f"staging tiles and the 16-bit ones do not fit 227 KiB of shared memory; 192: the fp8 converter "
+                f"reads rows of 64 or a multiple of 128 bytes; the fa2 kernel reads it)")
+    if paged and page_size is not None and page_box(page_size, tile_n(dv)) is None:
+        sizes = ", ".join(str(s) for s in (16, 32, 64, 128) if s <= tile_n(dv))
+        return (f"fa3 reads pages of {sizes} or a multiple of {tile_n(dv)} keys with TMA boxes (head_dim_vo "
+                f"{dv}), got page_size={page_size} (the fa2 kernel gathers any page size)")
     return None
 
 
@@ -134,28 +170,29 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
 
 def box_cols(head_dim: int, elem_bytes: int) -> int:
     """Columns per TMA box row: 128 bytes (64 16-bit or 128 fp8 elements; the kernel's swizzle), or a whole
-    narrower fp8 row (head_dim 64: 64 bytes, 64-byte swizzle); the kernel's LOAD_COLS."""
+    narrower fp8 row (head_dim 64: 64 bytes, 64-byte swizzle); the kernel's LoadTile<head_dim>::COLS."""
     return min(128 // elem_bytes, head_dim)
 
 
 @functools.lru_cache(maxsize=256)      # serving loops reuse each layer's K/V buffers
-def kv_tensor_map(ptr: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int, fn: str,
-                  elem_bytes: int = 2) -> bytes:
+def kv_tensor_map(ptr: int, head_dim: int, tokens: int, heads: int, s_tok: int, s_head: int, block_n: int,
+                  fn: str, elem_bytes: int = 2) -> bytes:
     """The tensor map of a K or V array of ``elem_bytes`` elements (2: fp16 / bf16, 1: fp8): dims
-    (HEAD_DIM, tokens, heads), element strides s_tok / s_head, box (box_cols, block_n, 1) with the swizzle
-    of box_cols * elem_bytes bytes the kernel expects."""
-    cols = box_cols(HEAD_DIM, elem_bytes)
-    return jit.tensor_map(ptr, (HEAD_DIM, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (cols, block_n, 1),
+    (head_dim, tokens, heads) (K: head_dim_qk, V: head_dim_vo), element strides s_tok / s_head, box
+    (box_cols, block_n, 1) with the swizzle of box_cols * elem_bytes bytes the kernel expects."""
+    cols = box_cols(head_dim, elem_bytes)
+    return jit.tensor_map(ptr, (head_dim, max(tokens, 1), max(heads, 1)), (s_tok, s_head), (cols, block_n, 1),
                           "the fa3 kernel", fn, elem_bytes=elem_bytes, swizzle_bytes=cols * elem_bytes)
 
 
 @functools.lru_cache(maxsize=256)
-def paged_tensor_map(ptr: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int, fn: str,
-                     elem_bytes: int = 2) -> bytes:
-    """The tensor map of a paged K or V cache: dims (HEAD_DIM, page_size, heads, pages), element
-    strides (slot, head, page), box (box_cols, box, 1, 1), swizzled as ``kv_tensor_map``'s."""
-    cols = box_cols(HEAD_DIM, elem_bytes)
-    return jit.tensor_map(ptr, (HEAD_DIM, page_size, max(heads, 1), max(num_pages, 1)), strides, (cols, box, 1, 1),
+def paged_tensor_map(ptr: int, head_dim: int, page_size: int, heads: int, num_pages: int, strides: tuple, box: int,
+                     fn: str, elem_bytes: int = 2) -> bytes:
+    """The tensor map of a paged K or V cache: dims (head_dim, page_size, heads, pages) (K: head_dim_qk,
+    V: head_dim_vo), element strides (slot, head, page), box (box_cols, box, 1, 1), swizzled as
+    ``kv_tensor_map``'s."""
+    cols = box_cols(head_dim, elem_bytes)
+    return jit.tensor_map(ptr, (head_dim, page_size, max(heads, 1), max(num_pages, 1)), strides, (cols, box, 1, 1),
                           "the fa3 paged kernel", fn, elem_bytes=elem_bytes, swizzle_bytes=cols * elem_bytes)
 
 
@@ -169,11 +206,12 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
            single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None,
            scales=(fp8.ONE, fp8.ONE)) -> None:
-    """One launch. k / v: device tensors (of ``spec.kv_bytes`` elements: an fp8 cache may be uint8);
-    k_strides / v_strides = (token, head) element strides; ``meta`` = the plan's device pointers by
-    parameter name (qo_indptr, kv_indptr, work, part_o, part_lse, kv_chunk; the page table when paged) in
-    batch mode, None for a single request. ``paged`` = (page_size, num_pages, (s_tok, s_head, s_page)): k / v
-    are a paged cache's K and V. ``scales`` = run()'s (k, v) fp8.Scale."""
+    """One launch. k / v: device tensors (K with spec.head_dim_qk columns, V with spec.head_dim_vo; of
+    ``spec.kv_bytes`` elements: an fp8 cache may be uint8); k_strides / v_strides = (token, head) element
+    strides, or (slot, head, page) when paged; ``meta`` = the plan's device pointers by parameter name
+    (qo_indptr, kv_indptr, work, part_o, part_lse, kv_chunk; the page table when paged) in batch mode, None
+    for a single request. ``paged`` = (page_size, K's num_pages, V's num_pages): k / v are a paged cache's
+    K and V. ``scales`` = run()'s (k, v) fp8.Scale."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
@@ -188,13 +226,15 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
         return
     page_size, box = 0, 0
     if paged is not None:
-        page_size, num_pages, strides = paged
+        page_size, k_pages, v_pages = paged
         box = page_box(page_size, spec.block_n)
-        tk, tv = (paged_tensor_map(x.ptr, page_size, num_kv_heads, num_pages, strides, box, fn, spec.kv_bytes)
-                  for x in (k, v))
+        tk = paged_tensor_map(k.ptr, spec.head_dim_qk, page_size, num_kv_heads, k_pages, tuple(k_strides), box, fn,
+                              spec.kv_bytes)
+        tv = paged_tensor_map(v.ptr, spec.head_dim_vo, page_size, num_kv_heads, v_pages, tuple(v_strides), box, fn,
+                              spec.kv_bytes)
     else:
-        tk = kv_tensor_map(k.ptr, kv_tokens, num_kv_heads, k_strides[0], k_strides[1], spec.block_n, fn, spec.kv_bytes)
-        tv = kv_tensor_map(v.ptr, kv_tokens, num_kv_heads, v_strides[0], v_strides[1], spec.block_n, fn, spec.kv_bytes)
+        tk = kv_tensor_map(k.ptr, spec.head_dim_qk, kv_tokens, num_kv_heads, *k_strides, spec.block_n, fn, spec.kv_bytes)
+        tv = kv_tensor_map(v.ptr, spec.head_dim_vo, kv_tokens, num_kv_heads, *v_strides, spec.block_n, fn, spec.kv_bytes)
     launcher = jit.get_launcher(spec, _ENTRY, ctx.device, PARAMS.kinds + spec.variant.arg_kinds, spec.smem_bytes)
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
                        **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,

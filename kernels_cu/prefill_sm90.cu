@@ -1,22 +1,27 @@
 // prefill_sm90.cu — launched by cuattn/prefill_sm90.py (Sm90PrefillSpec); the Hopper "fa3" backend
 // Parameters: mirrored by prefill_sm90.py PARAMS (by name; tests/test_params.py checks the two agree).
 // (sm_90a only: wgmma, TMA, setmaxnreg).
-// Compile-time: HEAD_DIM (128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (128),
-//   STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1), KV_FP8 (0: K/V of DTYPE, 1: e4m3, 2: e5m2).
-// Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem
-//   1024 (alignment) + (BLOCK_M + 2 STAGES BLOCK_N) * HEAD_DIM * 2 + 32 STAGES (mbarriers)
-//   (+ 2 STAGES BLOCK_N HEAD_DIM + 32 STAGES when KV_FP8: the fp8 staging tiles and their mbarriers).
+// Compile-time: HEAD_DIM_QK (q and K columns: 64 | 128 | 256 | 192), HEAD_DIM_VO (V and out columns: 64 |
+//   128 | 256; 192 pairs with 128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (keys per
+//   tile: 128, 64 for head_dim 256), STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1), KV_FP8 (0: K/V of
+//   DTYPE, 1: e4m3, 2: e5m2; head dims 64 and 128 only), SPEC_SMEM_BYTES (the launcher's smem).
+// Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
+//   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
+//   (mbarriers) (+ STAGES BLOCK_N (HEAD_DIM_QK + HEAD_DIM_VO) + 32 STAGES with KV_FP8: the fp8 staging
+//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K), checked against SPEC_SMEM_BYTES.
 //
 // One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
 // Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of K and V tiles,
-// BLOCK_N x 64 boxes with the 128-byte swizzle, into STAGES smem buffers each, completing on
-// "full" mbarriers; it waits on "empty" mbarriers before reusing a buffer); warpgroups 1 and 2 are
-// consumers, 64 query rows each. A consumer stages its Q rows with cp.async (once), then per K/V
-// tile: S = Q K^T by wgmma m64n128k16 (A and B from smem), mask, online softmax in registers
-// (base 2, log2 e folded into the scale), P converted to 16-bit in registers as the A operand of
-// O += P V (wgmma, V from smem read N-major through the descriptor). setmaxnreg moves registers
-// from the producer (40) to the consumers (232).
+// BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into
+// STAGES smem buffers each, completing on "full" mbarriers; it waits on "empty" mbarriers before
+// reusing a buffer); warpgroups 1 and 2 are consumers, 64 query rows each. A consumer stages its Q
+// rows with cp.async (once), then per K/V tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16
+// k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
+// scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
+// from smem read N-major through the descriptor). setmaxnreg moves registers from the producer (40)
+// to the consumers (232): S takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at
+// D_VO 256).
 // Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup
 // pipelining); O is rescaled once that product has landed. (+4-16% over the plain loop, which was
@@ -26,10 +31,10 @@
 // the longest causal tiles start first); otherwise work[WORK_COLS * blockIdx.x + {0..3}] = (request,
 // tile, kv piece, partial slot) as in prefill.cu (split-KV pieces, cuattn_prefill_sm90_merge)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets). K / V rows are addressed
-// through the tensor maps (dims: HEAD_DIM, tokens, kv heads): keys past a request's kv_len are
-// masked in S (the TMA zero-fills rows past the tensor's end).
+// through the tensor maps (dims: K's or V's head dim, tokens, kv heads): keys past a request's kv_len
+// are masked in S (the TMA zero-fills rows past the tensor's end).
 // PAGED = 1: K / V are a paged cache (page CSR kv_indptr / kv_indices / kv_last_page_len) and the
-// tensor maps have dims (HEAD_DIM, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
+// tensor maps have dims (head dim, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
 // min(page_size, BLOCK_N) dividing both: a tile is BLOCK_N / page_box boxes, each from its own page,
 // landing page_box rows apart (multiples of 1024 bytes, so the 128-byte swizzle is the contiguous
 // tile's). Rows past the request's end (the last page's free slots, boxes past the last page) hold
@@ -51,8 +56,8 @@
 // (k_scales ? k_scales[kv head or 0] : 1), likewise v (a CTA has one kv head: scalars here). The key
 // factor joins the softmax scale (or, before a logits transform / without softmax, multiplies the raw
 // dot products), the value factor each output row at the store (partial rows too: the merge is linear).
-// KV_FP8: the TMA loads fp8 K / V tiles (half the bytes; boxes of F8_COLS = min(D, 128) byte-columns,
-// F8_COLS-byte swizzle) into STAGES fp8 staging buffers each ("loaded" mbarriers; "free" ones when the
+// KV_FP8: the TMA loads fp8 K / V tiles (half the bytes; boxes of min(D_QK or D_VO, 128) byte-columns, a
+// swizzle of as many bytes: LoadTile) into STAGES fp8 staging buffers each ("loaded" mbarriers; "free" ones when the
 // converters are done reading). Warps 1..3 of the producer warpgroup convert each staged tile into the
 // 16-bit swizzled tile the wgmma path reads (common/dtypes.cuh fp8x2_to_f16x2: f16, e4m3 times 2^-8,
 // which joins the scales), V rows past the request's end as zeros, then arrive on the "full" mbarrier
@@ -86,24 +91,28 @@ constexpr bool Q_CONVERT = !SameType<dtype_t, mma_t>::value;   // bf16 q with fp
 constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;
 #define NEG_INF __int_as_float(0xff800000)
 
-static_assert(HEAD_DIM == 128, "prefill_sm90: head_dim 128 only");
-static_assert(BLOCK_N == 128, "prefill_sm90: wgmma m64n128 for S and O");
-static_assert(STAGES >= 2, "the pipeline needs two stages");
-
-constexpr int D = HEAD_DIM;
+// -- tile geometry, all of it from HEAD_DIM_QK, HEAD_DIM_VO, BLOCK_N and STAGES (prefill_sm90.py
+//    Sm90PrefillSpec.smem_bytes mirrors SMEM_BYTES)
+constexpr int D_QK = HEAD_DIM_QK;                   // q / K columns: S = Q K^T over D_QK / 16 k-steps
+constexpr int D_VO = HEAD_DIM_VO;                   // V / out columns: O is m64n{D_VO}, D_VO / 2 floats per thread
 constexpr int WG_ROWS = 64;                         // rows per consumer warpgroup (wgmma m64)
 constexpr int NUM_CONSUMERS = 2;
 constexpr int BLOCK_M = WG_ROWS * NUM_CONSUMERS;
 constexpr int NUM_THREADS = 128 * (NUM_CONSUMERS + 1);
-constexpr uint32_t Q_BYTES = BLOCK_M * D * 2;
-constexpr uint32_t TILE_BYTES = BLOCK_N * D * 2;    // one K or V tile: D / 64 column blocks
-constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements
+constexpr int S_REGS = BLOCK_N / 2, O_REGS = D_VO / 2;   // accumulator floats per thread: S tile, O
+constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements of a K or V tile
+constexpr uint32_t Q_BYTES = BLOCK_M * D_QK * 2;    // D_QK / 64 column blocks of BLOCK_M * 128 bytes
+constexpr uint32_t K_TILE_BYTES = (D_QK / 64) * HALF_BYTES;
+constexpr uint32_t V_TILE_BYTES = (D_VO / 64) * HALF_BYTES;
 // -- query / key transforms (see the header); plain attention: both false, today's code
 constexpr bool Q_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_QUERY_TRANSFORM;
 constexpr bool K_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_KEY_TRANSFORM;
 constexpr int XFORM_THREADS = 96;                   // producer warps 1..3
-static_assert(XFORM_THREADS % (D / 16) == 0 && 128 % (D / 16) == 0, "RoPE: a fixed chunk pair per thread");
-static_assert(!(K_XFORM && KV_FP8), "query / key transforms need a 16-bit KV cache (READY_K shares fp8's barrier slots)");
+// RoPE: rotary_dim is a power of two <= D_QK, so its rotary_dim / 16 chunks divide this largest one
+constexpr int ROPE_MAX_CHUNKS = D_QK >= 256 ? 16 : D_QK >= 128 ? 8 : D_QK >= 64 ? 4 : D_QK >= 32 ? 2 : 1;
+static_assert(XFORM_THREADS % ROPE_MAX_CHUNKS == 0 && 128 % ROPE_MAX_CHUNKS == 0, "RoPE: a fixed chunk pair per thread");
+static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
+              "query / key transforms need a 16-bit KV cache (READY_K shares fp8's barrier slots; a bf16 q is f16 in smem)");
 // setmaxnreg: the producer warpgroup's count (the RoPE transform keeps its chunk's frequencies, 32
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
@@ -111,21 +120,38 @@ constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : K_XFORM ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 constexpr int CONVERT_WARPS = 3;                    // KV_FP8: producer warps 1..3
-#if KV_FP8
-// -- the TMA's K / V tiles: fp8 staging, converted by CONVERT_WARPS warps of the producer warpgroup
-constexpr int F8_COLS = D < 128 ? D : 128;          // byte-columns per box row (and swizzle bytes)
-static_assert((F8_COLS == 64 || F8_COLS == 128) && D % F8_COLS == 0, "fp8 K/V: head_dim 64 or a multiple of 128");
-constexpr int LOAD_STAGES = STAGES;                 // fp8 staging buffers per K and per V
-constexpr int LOAD_COLS = F8_COLS, LOAD_ROW_BYTES = F8_COLS;
-constexpr uint32_t LOAD_TILE_BYTES = BLOCK_N * D, LOAD_BLOCK_BYTES = BLOCK_N * F8_COLS;
-#else
-// -- the TMA's K / V tiles: the 16-bit tiles themselves
-constexpr int LOAD_STAGES = STAGES;
-constexpr int LOAD_COLS = 64, LOAD_ROW_BYTES = 128;
-constexpr uint32_t LOAD_TILE_BYTES = TILE_BYTES, LOAD_BLOCK_BYTES = HALF_BYTES;
-#endif
+constexpr int LOAD_STAGES = STAGES;                 // fp8 staging buffers per K and per V (KV_FP8)
+// -- how the TMA lands a K tile (DIM = D_QK) or a V tile (DIM = D_VO): KV_FP8, an fp8 staging tile that
+//    CONVERT_WARPS warps of the producer warpgroup convert (boxes of min(DIM, 128) byte-columns, a swizzle
+//    of as many bytes); otherwise the 16-bit tile itself (64 columns, 128-byte swizzle)
+template <int DIM>
+struct LoadTile {
+  static constexpr int COLS = KV_FP8 ? (DIM < 128 ? DIM : 128) : 64;   // elements per box row
+  static constexpr int ROW_BYTES = KV_FP8 ? COLS : 128;
+  static constexpr int BLOCKS = DIM / COLS;                             // column blocks (boxes per row)
+  static constexpr uint32_t BLOCK_BYTES = BLOCK_N * ROW_BYTES;
+  static constexpr uint32_t BYTES = BLOCKS * BLOCK_BYTES;
+  static_assert(DIM % COLS == 0 && (COLS == 64 || COLS == 128),
+                "fp8 K/V: head_dim 64 or a multiple of 128 (one fp8 box is 64 or 128 bytes wide)");
+};
+typedef LoadTile<D_QK> LoadK;
+typedef LoadTile<D_VO> LoadV;
+static_assert(KV_FP8 || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_TILE_BYTES), "16-bit: the TMA fills the tiles");
+// -- shared memory: Q, STAGES 16-bit K and V tiles, (KV_FP8) STAGES fp8 K and V staging tiles, the mbarriers
+constexpr int NUM_BARS = 4 * STAGES + (KV_FP8 ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0);
+constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) +
+                                (KV_FP8 ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS;
 
-// -- smem byte offset of 16-byte chunk c (0..D/8) of row r in a swizzled [rows][D] tile of `rows` rows
+static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
+              "prefill_sm90: head dims of whole 64-column blocks, V's at most K's (split-KV rows: head_dim_qk floats)");
+static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
+static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
+static_assert(STAGES >= 2, "the pipeline needs two stages");
+static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles (fp8: and their staging) exceed 227 KiB "
+              "of shared memory");
+static_assert(SMEM_BYTES == SPEC_SMEM_BYTES, "prefill_sm90.py Sm90PrefillSpec.smem_bytes (the launch's) must be SMEM_BYTES");
+
+// -- smem byte offset of 16-byte chunk c (0..D/8) of row r in a swizzled [rows][D] tile of `rows` rows (any D)
 __device__ __forceinline__ uint32_t swz128(int rows, int r, int c) {
   return uint32_t((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16));
 }
@@ -140,18 +166,20 @@ __device__ __forceinline__ void sts128(uint32_t a, uint4 x) {
 }
 
 #if KV_FP8
-// -- one staged fp8 tile (column blocks of BLOCK_N rows x F8_COLS bytes, the TMA's F8_COLS-byte swizzle:
-//    16-byte chunk c of row r at c ^ (address bits 7.. of the row)) -> the 16-bit tile (swz128), rows >=
-//    `valid` as zeros. Thread ct (0 .. 32 CONVERT_WARPS) takes 16-byte fp8 chunks u = ct + k 32
-//    CONVERT_WARPS: row (u / 8 CH) * 8 + u % 8, chunk (u / 8) % CH, so the 8 lanes of each quarter warp
+// -- one staged fp8 tile of DIM columns (column blocks of BLOCK_N rows x F8 = LoadTile<DIM>::COLS bytes, the
+//    TMA's F8-byte swizzle: 16-byte chunk c of row r at c ^ (address bits 7.. of the row)) -> the 16-bit tile
+//    (swz128), rows >= `valid` as zeros. Thread ct (0 .. 32 CONVERT_WARPS) takes 16-byte fp8 chunks u = ct +
+//    k 32 CONVERT_WARPS: row (u / 8 CH) * 8 + u % 8, chunk (u / 8) % CH, so the 8 lanes of each quarter warp
 //    read 8 rows of one chunk (8 distinct bank groups) and write two 16-bit chunks each likewise.
+template <int DIM>
 __device__ __forceinline__ void convert_fp8_tile(uint32_t src, uint32_t dst, int ct, int valid) {
-  constexpr int CH = D / 16, BCH = F8_COLS / 16;     // 16-byte fp8 chunks per row, per column block
+  constexpr int F8 = LoadTile<DIM>::COLS;
+  constexpr int CH = DIM / 16, BCH = F8 / 16;        // 16-byte fp8 chunks per row, per column block
 #pragma unroll 2
   for (int u = ct; u < BLOCK_N * CH; u += 32 * CONVERT_WARPS) {
     const int j = u % 8, c = (u / 8) % CH, r = (u / (8 * CH)) * 8 + j;
     const int cc = c % BCH;
-    uint4 x = lds128(src + (c / BCH) * (BLOCK_N * F8_COLS) + r * F8_COLS + ((cc ^ ((r * F8_COLS / 128) % BCH)) * 16));
+    uint4 x = lds128(src + (c / BCH) * (BLOCK_N * F8) + r * F8 + ((cc ^ ((r * F8 / 128) % BCH)) * 16));
     if (r >= valid) x = make_uint4(0u, 0u, 0u, 0u);  // zero bits are 0 in both formats
     sts128(dst + swz128(BLOCK_N, r, 2 * c),
            make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.x), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.x),
@@ -164,10 +192,10 @@ __device__ __forceinline__ void convert_fp8_tile(uint32_t src, uint32_t dst, int
 #endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90(
-    const __grid_constant__ TmaDesc tmap_k,  // K: dims (D, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
-    const __grid_constant__ TmaDesc tmap_v,  // V: the same
-    const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D] (strides q_s_tok, q_s_head)
-    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D] (strides o_s_tok, o_s_head)
+    const __grid_constant__ TmaDesc tmap_k,  // K: dims (D_QK, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
+    const __grid_constant__ TmaDesc tmap_v,  // V: the same with D_VO
+    const dtype_t* __restrict__ q,           // [nnz_qo, num_qo_heads, D_QK] (strides q_s_tok, q_s_head)
+    dtype_t* __restrict__ o,                 // [nnz_qo, num_qo_heads, D_VO] (strides o_s_tok, o_s_head)
     float* __restrict__ lse,                 // [nnz_qo, num_qo_heads] or nullptr
     const int32_t* __restrict__ qo_indptr,   // [batch + 1] (batch mode)
     const int32_t* __restrict__ kv_indptr,   // [batch + 1] token offsets (batch mode), page offsets (PAGED)
@@ -175,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int32_t* __restrict__ kv_last_page_len,  // [batch] (PAGED)
     int page_size, int page_shift, int page_box,   // PAGED: page_shift = log2(page_size) or -1
     const int32_t* __restrict__ work,        // [num_work, WORK_COLS], or nullptr: single
-    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D] split items' partial rows
+    float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D_VO] split items' partial rows
     float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
     const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
     int single_qo_len, int single_kv_len, int group, int num_qo_heads,
@@ -187,12 +215,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   extern __shared__ uint8_t smem_raw[];
   const variant::Params vp = CUATTN_VARIANT_PARAMS;
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
-  const uint32_t sQ = base, sK = sQ + Q_BYTES, sV = sK + STAGES * TILE_BYTES;
+  const uint32_t sQ = base, sK = sQ + Q_BYTES, sV = sK + STAGES * K_TILE_BYTES;
 #if KV_FP8
-  const uint32_t sK8 = sV + STAGES * TILE_BYTES, sV8 = sK8 + LOAD_STAGES * LOAD_TILE_BYTES;   // fp8 staging
-  const uint32_t bars = sV8 + LOAD_STAGES * LOAD_TILE_BYTES;
+  const uint32_t sK8 = sV + STAGES * V_TILE_BYTES, sV8 = sK8 + LOAD_STAGES * LoadK::BYTES;   // fp8 staging
+  const uint32_t bars = sV8 + LOAD_STAGES * LoadV::BYTES;
 #else
-  const uint32_t bars = sV + STAGES * TILE_BYTES;
+  const uint32_t bars = sV + STAGES * V_TILE_BYTES;
 #endif
   // fullK, fullV, emptyK, emptyV: STAGES each; readyK (K_XFORM): STAGES (the 16-bit tiles: written, released by the consumers);
   // KV_FP8: loadedK, loadedV, freeK, freeV: LOAD_STAGES each (the staging tiles: landed, read by the converters)
@@ -205,15 +233,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #define FREE_K(s) (bars + 8 * (4 * STAGES + 2 * LOAD_STAGES + (s)))
 #define FREE_V(s) (bars + 8 * (4 * STAGES + 3 * LOAD_STAGES + (s)))
 #if KV_FP8   // where the TMA lands, the barrier it completes, the one that frees its buffer
-#define LOAD_DST_K(s) (sK8 + (s) * LOAD_TILE_BYTES)
-#define LOAD_DST_V(s) (sV8 + (s) * LOAD_TILE_BYTES)
+#define LOAD_DST_K(s) (sK8 + (s) * LoadK::BYTES)
+#define LOAD_DST_V(s) (sV8 + (s) * LoadV::BYTES)
 #define LOAD_BAR_K(s) LOADED_K(s)
 #define LOAD_BAR_V(s) LOADED_V(s)
 #define LOAD_FREE_K(s) FREE_K(s)
 #define LOAD_FREE_V(s) FREE_V(s)
 #else
-#define LOAD_DST_K(s) (sK + (s) * TILE_BYTES)
-#define LOAD_DST_V(s) (sV + (s) * TILE_BYTES)
+#define LOAD_DST_K(s) (sK + (s) * K_TILE_BYTES)
+#define LOAD_DST_V(s) (sV + (s) * V_TILE_BYTES)
 #define LOAD_BAR_K(s) FULL_K(s)
 #define LOAD_BAR_V(s) FULL_V(s)
 #define LOAD_FREE_K(s) EMPTY_K(s)
@@ -296,33 +324,33 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           const int k_in = min(tok + j * page_box, kv_len - 1);
           page[j] = j * page_box < BLOCK_N ? pages[page_shift >= 0 ? k_in >> page_shift : k_in / page_size] : 0;
         }
-#define PAGED_BOXES(buf, map, bar)                                                                \
+#define PAGED_BOXES(buf, map, bar, L)                                                             \
   _Pragma("unroll") for (int j = 0; j < MAX_BOXES; ++j)                                           \
     if (j * page_box < BLOCK_N) {                                                                 \
       const int key = tok + j * page_box;                                                         \
       const int slot = key < kv_len ? (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0; \
-      _Pragma("unroll") for (int h = 0; h < D / LOAD_COLS; ++h)                                   \
-          tma_load_4d((buf) + h * LOAD_BLOCK_BYTES + j * page_box * LOAD_ROW_BYTES, &(map), h * LOAD_COLS, slot, kvh, \
+      _Pragma("unroll") for (int h = 0; h < L::BLOCKS; ++h)                                          \
+          tma_load_4d((buf) + h * L::BLOCK_BYTES + j * page_box * L::ROW_BYTES, &(map), h * L::COLS, slot, kvh, \
                       page[j], (bar));                                                                     \
     }
         mbar_wait(LOAD_FREE_K(s), ph ^ 1);
-        mbar_arrive_expect_tx(LOAD_BAR_K(s), LOAD_TILE_BYTES);
-        PAGED_BOXES(LOAD_DST_K(s), tmap_k, LOAD_BAR_K(s))
+        mbar_arrive_expect_tx(LOAD_BAR_K(s), LoadK::BYTES);
+        PAGED_BOXES(LOAD_DST_K(s), tmap_k, LOAD_BAR_K(s), LoadK)
         mbar_wait(LOAD_FREE_V(s), ph ^ 1);
-        mbar_arrive_expect_tx(LOAD_BAR_V(s), LOAD_TILE_BYTES);
-        PAGED_BOXES(LOAD_DST_V(s), tmap_v, LOAD_BAR_V(s))
+        mbar_arrive_expect_tx(LOAD_BAR_V(s), LoadV::BYTES);
+        PAGED_BOXES(LOAD_DST_V(s), tmap_v, LOAD_BAR_V(s), LoadV)
 #undef PAGED_BOXES
 #else
         mbar_wait(LOAD_FREE_K(s), ph ^ 1);
-        mbar_arrive_expect_tx(LOAD_BAR_K(s), LOAD_TILE_BYTES);
+        mbar_arrive_expect_tx(LOAD_BAR_K(s), LoadK::BYTES);
 #pragma unroll
-        for (int h = 0; h < D / LOAD_COLS; ++h)
-          tma_load_3d(LOAD_DST_K(s) + h * LOAD_BLOCK_BYTES, &tmap_k, h * LOAD_COLS, tok, kvh, LOAD_BAR_K(s));
+        for (int h = 0; h < LoadK::BLOCKS; ++h)
+          tma_load_3d(LOAD_DST_K(s) + h * LoadK::BLOCK_BYTES, &tmap_k, h * LoadK::COLS, tok, kvh, LOAD_BAR_K(s));
         mbar_wait(LOAD_FREE_V(s), ph ^ 1);
-        mbar_arrive_expect_tx(LOAD_BAR_V(s), LOAD_TILE_BYTES);
+        mbar_arrive_expect_tx(LOAD_BAR_V(s), LoadV::BYTES);
 #pragma unroll
-        for (int h = 0; h < D / LOAD_COLS; ++h)
-          tma_load_3d(LOAD_DST_V(s) + h * LOAD_BLOCK_BYTES, &tmap_v, h * LOAD_COLS, tok, kvh, LOAD_BAR_V(s));
+        for (int h = 0; h < LoadV::BLOCKS; ++h)
+          tma_load_3d(LOAD_DST_V(s) + h * LoadV::BLOCK_BYTES, &tmap_v, h * LoadV::COLS, tok, kvh, LOAD_BAR_V(s));
 #endif
       }
     }
@@ -336,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         const uint32_t ph8 = (t / LOAD_STAGES) & 1, ph = (t / STAGES) & 1;
         mbar_wait(LOADED_K(s8), ph8);
         mbar_wait(EMPTY_K(s), ph ^ 1);
-        convert_fp8_tile(sK8 + s8 * LOAD_TILE_BYTES, sK + s * TILE_BYTES, ct, BLOCK_N);   // keys past the end: masked in S
+        convert_fp8_tile<D_QK>(sK8 + s8 * LoadK::BYTES, sK + s * K_TILE_BYTES, ct, BLOCK_N);   // keys past the end: masked in S
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
@@ -345,7 +373,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         }
         mbar_wait(LOADED_V(s8), ph8);
         mbar_wait(EMPTY_V(s), ph ^ 1);
-        convert_fp8_tile(sV8 + s8 * LOAD_TILE_BYTES, sV + s * TILE_BYTES, ct, kv_len - (kv_lo + t * BLOCK_N));
+        convert_fp8_tile<D_VO>(sV8 + s8 * LoadV::BYTES, sV + s * V_TILE_BYTES, ct,
+                               kv_len - (kv_lo + t * BLOCK_N));   // V rows past the end: zeros
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
@@ -363,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       const RopeCols rc = rope_cols(vp, xt % (vp.rotary_dim / 16), XFORM_THREADS / (vp.rotary_dim / 16));
 #endif
       for (int t = 0; t < num_tiles; ++t) {
-        const uint32_t sKs = sK + (t % STAGES) * TILE_BYTES;
+        const uint32_t sKs = sK + (t % STAGES) * K_TILE_BYTES;
         const int kv0 = kv_lo + t * BLOCK_N;   // the tile's first key in the request (split pieces: absolute)
         const auto addr = [&](int r, int c) { return sKs + swz128(BLOCK_N, r, c); };
         mbar_wait(FULL_K(t % STAGES), (t / STAGES) & 1);
@@ -373,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #endif
 #if CUATTN_VARIANT_QK
         if (variant::HAS_KEY_TRANSFORM)   // (rows past the request, masked in S, as its last key: kv_idx < kv_len)
-          transform_rows<dtype_t, D>(addr, BLOCK_N, xt, XFORM_THREADS, [&](int r, int j, float2 x) {
+          transform_rows<dtype_t, D_QK>(addr, BLOCK_N, xt, XFORM_THREADS, [&](int r, int j, float2 x) {
             return variant::key_transform(vp, x, j, req, min(kv0 + r, kv_len - 1), kvh);
           });
 #endif
@@ -394,10 +423,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   // -- stage this warpgroup's 64 Q rows (rows past the request are zeros)
   {
-    const int c = wt % 16;
+    constexpr int CHUNKS = D_QK / 8;       // 16-byte chunks per row
 #pragma unroll
-    for (int j = 0; j < WG_ROWS / 8; ++j) {
-      const int r = wg * WG_ROWS + wt / 16 + 8 * j;
+    for (int j = 0; j < WG_ROWS * CHUNKS / 128; ++j) {
+      const int r = wg * WG_ROWS + (wt + 128 * j) / CHUNKS, c = (wt + 128 * j) % CHUNKS;
       const int pr = row0 + r;
       const bool ok = pr < packed_rows;
       const dtype_t* src = ok ? q + (q_base + pr / group) * q_s_tok + (kvh * group + pr % group) * q_s_head + c * 8 : q;
@@ -407,8 +436,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     cp_async_wait<0>();
     if (Q_CONVERT) {                       // -- bf16 q -> f16 in place (fp8 K/V): the chunks this thread copied
 #pragma unroll
-      for (int j = 0; j < WG_ROWS / 8; ++j) {
-        const uint32_t a = sQ + swz128(BLOCK_M, wg * WG_ROWS + wt / 16 + 8 * j, c);
+      for (int j = 0; j < WG_ROWS * CHUNKS / 128; ++j) {
+        const uint32_t a = sQ + swz128(BLOCK_M, wg * WG_ROWS + (wt + 128 * j) / CHUNKS, (wt + 128 * j) % CHUNKS);
         sts128(a, convert8<dtype_t, mma_t>(lds128(a)));
       }
     }
@@ -426,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #endif
 #if CUATTN_VARIANT_QK
       if (variant::HAS_QUERY_TRANSFORM)
-        transform_rows<dtype_t, D>(addr, WG_ROWS, wt, 128, [&](int r, int j, float2 x) {
+        transform_rows<dtype_t, D_QK>(addr, WG_ROWS, wt, 128, [&](int r, int j, float2 x) {
           const int pr = packed(r);
           return variant::query_transform(vp, x, j, req, pr / group + causal_shift, kvh * group + pr % group);
         });
@@ -452,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   if (variant::HAS_KV_BEGIN)
     kv_full = variant::kv_begin(vp, req, min(qo_len - 1, (row0 + (wg + 1) * WG_ROWS - 1) / group) + causal_shift,
                                 qo_len, kv_len);
-  float acc[64];
+  float acc[O_REGS];
   float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};
   variant::RowState rs[2];                 // the variant's per-row state, once per row
 #pragma unroll
@@ -462,36 +491,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
                                qo_len, kv_len);
   }
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
   uint32_t p[BLOCK_N / 16][4];
 
   // -- S = Q K(t)^T issued (not waited for)
-  auto issue_qk = [&](float (&s)[64], int t) {
-    const uint32_t sKs = sK + (t % STAGES) * TILE_BYTES;
+  auto issue_qk = [&](float (&s)[S_REGS], int t) {
+    const uint32_t sKs = sK + (t % STAGES) * K_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D_QK / 16; ++kk) {
       const uint64_t da = wgmma_desc(sQ + (kk / 4) * (BLOCK_M * 128) + wg * (WG_ROWS * 128) + (kk % 4) * 32, 16, 1024);
       const uint64_t db = wgmma_desc(sKs + (kk / 4) * HALF_BYTES + (kk % 4) * 32, 16, 1024);
-      wgmma_m64n128k16_ss<mma_t>(s, da, db, kk > 0);
+      wgmma_m64k16_ss<BLOCK_N, mma_t>(s, da, db, kk > 0);
     }
     wgmma_commit();
   };
   // -- O += P V(t) issued (not waited for)
   auto issue_pv = [&](int t) {
-    const uint32_t sVs = sV + (t % STAGES) * TILE_BYTES;
+    const uint32_t sVs = sV + (t % STAGES) * V_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      wgmma_m64n128k16_rs_tb<mma_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
+      wgmma_m64k16_rs_tb<D_VO, mma_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
     wgmma_commit();
   };
   // -- tile t of S: the variant's logits transform (every tile) and the masks (causal on diagonal
   //    tiles, the window below kv_full, a variant mask on every tile)
-  auto mask_tile = [&](float (&s)[64], int t) {
+  auto mask_tile = [&](float (&s)[S_REGS], int t) {
     if (K_FIRST) {                         // -- the key scale before a transform (raw dot products)
 #pragma unroll
-      for (int i = 0; i < 64; ++i) s[i] *= k_fac;
+      for (int i = 0; i < S_REGS; ++i) s[i] *= k_fac;
     }
     const int kv0 = kv_lo + t * BLOCK_N;
     if (!variant::HAS_TRANSFORM && !variant::HAS_MASK && kv0 + BLOCK_N <= mask_from &&
@@ -519,10 +548,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   };
   // -- online softmax (base 2): m, l updated, S becomes P (fp32), corr = rescale factor of O
   //    (without softmax: the transformed logits are the weights, dropped keys 0)
-  auto softmax = [&](float (&s)[64], float (&corr)[2]) {
+  auto softmax = [&](float (&s)[S_REGS], float (&corr)[2]) {
     if (!variant::USE_SOFTMAX) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
+      for (int i = 0; i < S_REGS; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
       corr[0] = corr[1] = 1.f;
       return;
     }
@@ -534,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < D_VO / 8; ++n) {
       acc[4 * n + 0] *= corr[0];
       acc[4 * n + 1] *= corr[0];
       acc[4 * n + 2] *= corr[1];
@@ -542,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
   };
   // -- P (fp32 accumulator layout) -> 16-bit A fragments, one per 16 keys
-  auto pack_p = [&](const float (&s)[64]) {
+  auto pack_p = [&](const float (&s)[S_REGS]) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       p[kk][0] = pack2<mma_t>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -558,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   if (num_tiles > 0) {
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
-      float s[64], corr[2];
+      float s[S_REGS], corr[2];
       mbar_wait(K_LANDED(0), 0);
       issue_qk(s, 0);
       wgmma_wait<0>();
@@ -569,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       pack_p(s);
     }
     for (int t = 1; t < num_tiles; ++t) {
-      float s[64], corr[2];
+      float s[S_REGS], corr[2];
       const int ps = (t - 1) % STAGES;
       mbar_wait(K_LANDED(t % STAGES), (t / STAGES) & 1);
       issue_qk(s, t);
@@ -593,9 +622,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
       const int valid = kv_len - (kv_lo + lt * BLOCK_N);
       if (valid < BLOCK_N) {
-        const uint32_t sVs = sV + (lt % STAGES) * TILE_BYTES;
-        for (int i = wt; i < (BLOCK_N - valid) * (D / 8); i += 128) {
-          const int r = valid + i / (D / 8), c = i % (D / 8);      // row, 16-byte chunk (any order within a row)
+        const uint32_t sVs = sV + (lt % STAGES) * V_TILE_BYTES;
+        for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
+          const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
                        "r"(0) : "memory");
         }
@@ -628,11 +657,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int head = kvh * group + pr % group;
     const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
     if (item.slot >= 0)
-      store_partial_row<D>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
-                           scaled(finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink)), pair);
+      store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+                              scaled(finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink)), pair);
     else
-      store_output_row<D>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
-                          scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
+      store_output_row<D_VO>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+                             scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
   }
 #undef FULL_K
 #undef FULL_V
@@ -656,5 +685,5 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(
     const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)
     const int32_t* __restrict__ qo_indptr, const float* __restrict__ part_o, const float* __restrict__ part_lse,
     dtype_t* __restrict__ o, float* __restrict__ lse, int group, int64_t o_s_tok, int64_t o_s_head) {
-  merge_pieces<D, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
+  merge_pieces<D_VO, BLOCK_M>(merge, qo_indptr, part_o, part_lse, o, lse, group, o_s_tok, o_s_head);
 }

@@ -226,8 +226,9 @@ def test_run_rejects_wrong_q_shape_and_unplanned_run():
 
 def test_unsupported_options_raise():
     q = np.zeros((4, 4, 64), np.float16)
-    with pytest.raises(UnsupportedError, match="fa3"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
+    k32 = np.zeros((4, 4, 64), np.float32)
+    with pytest.raises(UnsupportedError, match="fa3 reads K/V of q's dtype or fp8"):     # fp32 K/V: fa2 only
+        cuattn.single_prefill_with_kv_cache(q, k32, k32, backend="fa3")
     with pytest.raises(UnsupportedError, match="use_fp16_qk_reduction"):
         cuattn.single_prefill_with_kv_cache(q, q, q, use_fp16_qk_reduction=True)
     with pytest.raises(ValueError, match="backend must be"):

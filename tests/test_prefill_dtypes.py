@@ -492,8 +492,12 @@ def test_split_head_dims_refusals_name_the_argument():
         w.plan(qo, kv, 4, 4, 192, 128.0)
     with pytest.raises(UnsupportedError, match="need head_dim_vo == head_dim_qk"):
         w.plan(qo, kv, 4, 4, 192, 128, pos_encoding_mode="ROPE_LLAMA", rotary_dim=64)
-    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 has a kernel for head_dim 128 only"):
-        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
+    # fa3 has a 192 / 128 kernel (tests/test_prefill_sm90.py), custom masks included, but no fp8 one
+    cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128)
+    cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128, custom_mask=np.ones(36, bool))
+    with pytest.raises(UnsupportedError, match="backend='fa3': fa3 reads an fp8 KV cache at head_dim 64 and 128 only"):
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(qo, kv, 4, 4, 192, 128,
+                                                                        kv_data_type="float8_e4m3fn")
     w.plan(qo, kv, 4, 4, 192, 128)
     x = np.zeros((9, 4, 192), np.float16)
     with pytest.raises(ValueError, match="v must have the shape of k .* with head_dim_vo=128"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, plan, prefill, prefill_sm90
+from cuattn import jit, plan, prefill, prefill_sm90, variants
 from cuattn.errors import UnsupportedError
 
 from .conftest import gpu_cc
@@ -18,15 +18,52 @@ from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poi
 # ============================================================================ CPU (CI)
 
 
+NEW_DIMS = [(64, 64), (256, 256), (192, 128)]      # (head_dim_qk, head_dim_vo) beside 128
+
+
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    assert len({s.name for s in specs}) == len(specs) == 16     # f16 / bf16 x full / causal x contiguous / paged,
-    #                                                           and paged fp8 (e4m3 / e5m2): tests/test_prefill_dtypes.py
-    for spec in specs:
-        assert spec.archs == ("sm_90a",)
+    # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_dtypes.py);
+    # other dims: f16 / bf16 paged causal
+    assert len({s.name for s in specs}) == len(specs) == 8 + 8 + 2 * len(NEW_DIMS)
+    assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
+    # the other head dims' contiguous non-causal kernels (first use) too: both axes the shipped ones fix
+    extra = [prefill_sm90.make_spec("bf16", False, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in NEW_DIMS]
+    jit.precompile([(spec, "sm_90a") for spec in specs + extra])     # over the cores; checked below
+    for spec in specs + extra:
+        assert spec.archs == ("sm_90a",) and spec.smem_bytes <= 227 * 1024, spec.name
         compiled = jit.compile_kernel(spec, "sm_90a")
         res = compiled.resources["cuattn_prefill_sm90"]
         assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack_frame"] == 0, (spec.name, res)
+
+
+def test_sm90_spec_geometry_follows_the_head_dims():
+    for (dk, dv), bn, name in (((64, 64), 128, "prefill_sm90_hd64_qf16_causal_paged_bm128_bn128_s2"),
+                               ((128, 128), 128, "prefill_sm90_hd128_qf16_causal_paged_bm128_bn128_s2"),
+                               ((256, 256), 64, "prefill_sm90_hd256_qf16_causal_paged_bm128_bn64_s2"),
+                               ((192, 128), 128, "prefill_sm90_hd192v128_qf16_causal_paged_bm128_bn128_s2")):
+        spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
+        assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.name) == (dk, dv, bn, name)
+        assert f"-DHEAD_DIM_QK={dk}" in spec.defines() and f"-DHEAD_DIM_VO={dv}" in spec.defines()
+        assert spec.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 64
+    assert prefill_sm90.make_spec("f16", False, head_dim_qk=64) == prefill_sm90.make_spec("f16", False, head_dim_qk=64,
+                                                                                          head_dim_vo=64)
+
+
+def test_sm90_smem_mirror_is_checked_at_compile_time():
+    """The launch sizes shared memory from spec.smem_bytes: a spec that disagrees with the kernel's
+    SMEM_BYTES must not compile."""
+    import dataclasses
+    from cuattn.errors import CompileError
+
+    @dataclasses.dataclass(frozen=True)
+    class Wrong(prefill_sm90.Sm90PrefillSpec):
+        @property
+        def smem_bytes(self) -> int:
+            return super().smem_bytes - 1024
+    spec = Wrong("f16", False, 256, 256, 64)
+    with pytest.raises(CompileError, match="smem_bytes"):
+        jit.compile_kernel(spec, "sm_90a")
 
 
 def test_sm90_specs_are_shipped_for_sm90a_only():
@@ -37,13 +74,21 @@ def test_sm90_specs_are_shipped_for_sm90a_only():
 
 
 def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
-    q = np.zeros((4, 4, 64), np.float16)
-    with pytest.raises(UnsupportedError, match="head_dim 128 only, got head_dim=64"):
-        cuattn.single_prefill_with_kv_cache(q, q, q, backend="fa3")
+    reason = prefill_sm90.unsupported_reason
+    assert reason("sm_90a", 96, "f16", False, False) == (
+        "fa3 has kernels for head_dim 64, 128, 256 and head_dim_qk / head_dim_vo 192 / 128, got head_dim=96")
+    assert reason("sm_90a", 128, "f16", False, False, head_dim_vo=64).endswith(
+        "got head_dim_qk=128, head_dim_vo=64")
+    for dk, dv in prefill_sm90.HEAD_DIMS:
+        assert reason("sm_90a", dk, "bf16", False, True, page_size=16, head_dim_vo=dv) is None
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128"):
+    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128 or a multiple of 128"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 128, 5)
+    # head_dim 256 tiles are 64 keys: pages of 192 box (3 tiles of 64), pages of 96 do not
+    assert reason("sm_90a", 256, "f16", False, True, page_size=192) is None
+    assert "pages of 16, 32, 64 or a multiple of 64 keys" in reason("sm_90a", 256, "f16", False, True, page_size=96)
+    assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192)
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
     # auto never picks fa3 off sm_90 or pages it cannot box (a custom mask is a variant: tests/test_mask_variant.py)
@@ -51,8 +96,106 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
         args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
     for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):
-        assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
-                                       **kw) == "fa3"
+        for dk, dv in prefill_sm90.HEAD_DIMS:
+            assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=dk, head_dim_vo=dv, dtype="bf16",
+                                           custom_mask=False, **kw) == "fa3", (dk, dv, kw)
+
+
+# -- fp8 K/V and query / key transforms at every head dim (the merged features)
+
+def _query_only():
+    return variants.Composite((cuattn.Variant("q_half", query_transform="return make_float2(x.x * 0.5f, x.y * 0.5f);"),))
+
+
+def _feature_grid():
+    """(spec, what): every head-dim pair x 16-bit / e4m3 (where fa3 takes fp8; bf16 q: converted to f16,
+    and f16 q) x contiguous / paged x plain / fused RoPE / a user key transform / a query-only transform
+    (where the API allows transforms: a 16-bit cache, head_dim_vo == head_dim_qk), causal."""
+    from .test_qk_transform import KEY_SCALE
+    out = []
+    rope = variants.resolve("f", num_qo_heads=8, head_dim=64, pos_encoding_mode="ROPE_LLAMA").composite
+    for dk, dv in prefill_sm90.HEAD_DIMS:      # (the RoPE's rotary_dim is a run-time parameter)
+        xforms = [variants.DEFAULT] + ([rope, variants.Composite((KEY_SCALE,)), _query_only()] if dk == dv else [])
+        for paged in (False, True):
+            out += [prefill_sm90.make_spec("bf16", True, v, paged, "", dk, dv) for v in xforms]
+            if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:
+                out += [prefill_sm90.make_spec(t, True, paged=paged, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
+                        for t in ("bf16", "f16")]
+    return out
+
+
+def test_sm90_feature_grid_compiles_without_spills():
+    """Each spec compiles for sm_90a (the kernel checks spec.smem_bytes, fp8 staging tiles and READY_K
+    mbarriers included, against its SMEM_BYTES at compile time) without spills."""
+    specs = _feature_grid()
+    assert len({s.name for s in specs}) == len(specs) == 3 * 2 * 4 + 2 + 2 * 2 * 2
+    jit.precompile([(spec, "sm_90a") for spec in specs])     # over the cores; checked below
+    for spec in specs:
+        assert spec.smem_bytes <= 227 * 1024, spec.name
+        res = jit.compile_kernel(spec, "sm_90a").resources["cuattn_prefill_sm90"]
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack_frame"] == 0, (spec.name, res)
+
+
+def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
+    from .test_qk_transform import KEY_SCALE
+    for dk, dv in prefill_sm90.HEAD_DIMS:
+        plain = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
+        bn = plain.block_n
+        assert plain.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 8 * 4 * 2
+        if dk == dv:     # READY_K: STAGES more mbarriers where producer warps transform K; none for q alone
+            for v, extra in ((variants.Composite((KEY_SCALE,)), 16), (_query_only(), 0)):
+                assert prefill_sm90.make_spec("f16", True, v, head_dim_qk=dk).smem_bytes == plain.smem_bytes + extra
+        if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:   # + STAGES fp8 K and V staging tiles, 4 STAGES mbarriers
+            f8 = prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e5m2", head_dim_qk=dk, head_dim_vo=dv)
+            assert f8.smem_bytes == plain.smem_bytes + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
+            assert "-DKV_FP8=2" in f8.defines() and f"-DSPEC_SMEM_BYTES={f8.smem_bytes}" in f8.defines()
+
+
+def test_fa3_refuses_fp8_at_head_dims_its_staging_cannot_hold():
+    """fp8 K/V on fa3: head_dim 64 and 128. head_dim 256 (the fp8 staging tiles do not fit shared memory
+    beside the 16-bit ones) and 192 / 128 (the converter reads rows of 64 or a multiple of 128 bytes):
+    refused by name (auto runs fa2), and the kernel refuses those specs at compile time too."""
+    from cuattn.errors import CompileError
+    reason = prefill_sm90.unsupported_reason
+    ind, last = np.array([0, 1], np.int32), np.array([3], np.int32)
+    qo = np.array([0, 4], np.int32)
+    for dk, dv in prefill_sm90.FP8_HEAD_DIMS:
+        for paged in (False, True):
+            assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=dk, head_dim_vo=dv, dtype="bf16",
+                                           custom_mask=False, paged=paged, page_size=16, dtype_kv="e4m3") == "fa3"
+        cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3").plan(
+            qo, ind, np.array([0], np.int32), last, 4, 4, dk, 16, head_dim_vo=dv, kv_data_type="float8_e4m3fn")
+    for (dk, dv), why, kernel_says in (((256, 256), "do not fit 227 KiB of shared memory", "exceed 227 KiB"),
+                                       ((192, 128), "rows of 64 or a multiple of 128 bytes",
+                                        "fp8 K/V: head_dim 64 or a multiple of 128")):
+        r = reason("sm_90a", dk, "f16", False, True, page_size=16, dtype_kv="e5m2", head_dim_vo=dv)
+        assert r.startswith("fa3 reads an fp8 KV cache at head_dim 64 and 128 only, got ") and why in r, r
+        assert reason("sm_90a", dk, "f16", False, True, page_size=16, dtype_kv="f16", head_dim_vo=dv) is None
+        for paged in (False, True):
+            assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=dk, head_dim_vo=dv, dtype="f16",
+                                           custom_mask=False, paged=paged, page_size=16, dtype_kv="e4m3") == "fa2"
+        with pytest.raises(UnsupportedError, match="backend='fa3': fa3 reads an fp8 KV cache at head_dim 64 and 128"):
+            cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3").plan(
+                qo, ind, np.array([0], np.int32), last, 4, 4, dk, 16, head_dim_vo=dv, kv_data_type="float8_e4m3fn")
+        with pytest.raises(UnsupportedError, match="fa3 reads an fp8 KV cache"):
+            cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3").plan(
+                qo, qo, 4, 4, dk, dv, kv_data_type="float8_e5m2")
+        cuattn.BatchPrefillWithRaggedKVCacheWrapper().plan(qo, qo, 4, 4, dk, dv, kv_data_type="float8_e5m2")  # auto
+        spec = prefill_sm90.Sm90PrefillSpec("f16", True, dk, dv, prefill_sm90.tile_n(dv), paged=True, dtype_kv="e4m3")
+        with pytest.raises(CompileError, match=kernel_says):
+            jit.compile_kernel(spec, "sm_90a")
+
+
+def test_fa3_plans_the_new_head_dims_and_runs_numpy_inputs_on_the_reference():
+    rng = np.random.default_rng(3)
+    qo_indptr, kv_indptr = np.array([0, 5, 12], np.int32), np.array([0, 9, 40], np.int32)
+    for dk, dv in NEW_DIMS:
+        q = rand(rng, (12, 4, dk), np.float16)
+        k, v = rand(rng, (40, 2, dk), np.float16), rand(rng, (40, 2, dv), np.float16)
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+        w.plan(qo_indptr, kv_indptr, 4, 2, dk, dv, causal=True)
+        ref_o, _ = oracle_batch(q, [k[:9], k[9:]], [v[:9], v[9:]], qo_indptr, True)
+        assert rel_err(w.run(q, k, v), ref_o) < 5e-3
 
 
 def test_fa3_numpy_inputs_run_the_reference():
@@ -202,3 +345,188 @@ def test_fa3_paged_prefill_reads_pages_by_tma_boxes(page_size, layout, form, cau
     got = cp.asnumpy(out)
     assert np.isfinite(got).all() and rel_err(got, ref_o) < 5e-3
     assert np.abs(cp.asnumpy(lse) - ref_s).max() < 1e-3
+
+
+# ---------------------------------------------------------------------------- head_dim 64, 256, 192 / 128 (sm_90)
+# One q dtype per head-dim pair, causal: the single and ragged cases share one contiguous kernel, the
+# paged ones run the shipped paged kernels (3 first-use compiles in all).
+DIM_DTYPE = {(64, 64): "float16", (256, 256): "bfloat16", (192, 128): "bfloat16"}
+DIM_IDS = [f"hd{dk}" + (f"v{dv}" if dv != dk else "") for dk, dv in DIM_DTYPE]
+
+
+def _dims_inputs(rng, qo_lens, kv_lens, hq, hkv, dk, dv, dtype):
+    dt = DTYPES[dtype]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, dk), dt)
+    k, v = rand(rng, (kv_indptr[-1], hkv, dk), dt), rand(rng, (kv_indptr[-1], hkv, dv), dt)
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    return q, k, v, qo_indptr, kv_indptr, ks, vs
+
+
+def _check_dims(out, lse, ref_o, ref_s, dtype):
+    """Every element finite and within the dtype's tolerance of the largest reference magnitude, the
+    norm-relative error, and the LSE."""
+    o = _from_dev(out, DTYPES[dtype]).astype(np.float64)
+    assert o.shape == ref_o.shape and np.isfinite(o).all(), "unwritten or non-finite output"
+    assert rel_err(o, ref_o) < TOL[dtype]
+    assert np.abs(o - ref_o).max() < 4 * TOL[dtype] * np.abs(ref_o).max()
+    assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims", list(DIM_DTYPE), ids=DIM_IDS)
+def test_fa3_head_dims_single_chunked_prefill_matches_oracle(dims, launches):
+    """Causal, qo_len < kv_len (a chunk after a cached prefix, bottom-right aligned), GQA group 4, auto."""
+    dk, dv = dims
+    dtype = DIM_DTYPE[dims]
+    q, k, v, _, _, _, _ = _dims_inputs(np.random.default_rng(dk), [300], [1100], 32, 8, dk, dv, dtype)
+    _poison_pool(q.size * 8)
+    out, lse = cuattn.single_prefill_with_kv_cache(_to_dev(q), _to_dev(k), _to_dev(v), causal=True, return_lse=True)
+    assert launches, "auto did not pick fa3"
+    ref_o, ref_s = dense_attention(q, k, v, causal=True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims", list(DIM_DTYPE), ids=DIM_IDS)
+def test_fa3_head_dims_ragged_batch_matches_oracle(dims, launches):
+    """Requests shorter and longer than a tile, an empty one, and one with qo_len > kv_len (fully
+    masked rows: 0 and LSE -inf); auto reports fa3."""
+    dk, dv = dims
+    dtype = DIM_DTYPE[dims]
+    q, k, v, qo_indptr, kv_indptr, ks, vs = _dims_inputs(np.random.default_rng(dk + 1), [1, 17, 300, 0, 129],
+                                                         [54, 97, 1037, 33, 100], 16, 4, dk, dv, dtype)
+    out = _nan_like((qo_indptr[-1], 16, dv), DTYPES[dtype])
+    lse = _cp().full((qo_indptr[-1], 16), np.nan, np.float32)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(qo_indptr, kv_indptr, 16, 4, dk, dv, causal=True, q_data_type=dtype)
+    w.run(_to_dev(q), _to_dev(k), _to_dev(v), out=out, lse=lse)
+    assert w.backend == "fa3" and launches
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
+
+
+DIM_PAGED = [   # (head dims, q dtype, page_size, layout, one cache array or a (k, v) pair, fixed_split_size)
+    ((64, 64), "float16", 16, "NHD", "one", None), ((64, 64), "bfloat16", 64, "HND", "pair", None),
+    ((256, 256), "bfloat16", 16, "NHD", "one", None), ((256, 256), "float16", 64, "HND", "pair", 128),
+    ((192, 128), "bfloat16", 16, "NHD", "pair", None), ((192, 128), "float16", 64, "HND", "pair", 256),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dims,dtype,page_size,layout,form,split", DIM_PAGED,
+                         ids=[f"hd{d[0]}{f'v{d[1]}' if d[1] != d[0] else ''}-{t}-ps{p}-{lay}-{f}-{s}"
+                              for d, t, p, lay, f, s in DIM_PAGED])
+def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout, form, split, launches):
+    """Paged K/V in random page order, free slots and spare pages NaN (they must not leak), causal with
+    qo_len < kv_len and one request with qo_len > kv_len; split-KV (fixed_split_size) where given."""
+    from .test_prefill_dtypes import to_pages
+    dk, dv = dims
+    hq, hkv = 32, 8
+    q, k, v, qo_indptr, kv_indptr, ks, vs = _dims_inputs(np.random.default_rng(page_size + dk), [300, 1, 77, 129],
+                                                         [300, 1500, 1037, 100], hq, hkv, dk, dv, dtype)
+    kp, indptr, indices, last = to_pages(k, kv_indptr, page_size, perm_seed=dk, layout=layout)
+    vp, _, v_indices, _ = to_pages(v, kv_indptr, page_size, perm_seed=dk, layout=layout)
+    assert np.array_equal(indices, v_indices)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, dk, page_size, head_dim_vo=dv, causal=True,
+           q_data_type=dtype, fixed_split_size=split)
+    assert w.backend == "fa3" and "_paged" in w.describe()
+    if split:
+        assert f"pieces of {split} keys" in w.describe()
+    cache = _to_dev(np.stack((kp, vp), axis=1)) if form == "one" else (_to_dev(kp), _to_dev(vp))
+    out = _nan_like((qo_indptr[-1], hq, dv), DTYPES[dtype])
+    lse = _cp().full((qo_indptr[-1], hq), np.nan, np.float32)
+    w.run(_to_dev(q), cache, out=out, lse=lse)
+    assert launches
+    ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+    _check_dims(out, lse, ref_o, ref_s, dtype)
+
+
+# -- fp8 K/V at head_dim 64, query / key transforms at head_dim 64 and 256 (auto picks fa3 for both)
+
+@pytest.mark.gpu
+@sm90
+def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches):
+    """fp8 at head_dim 64 (64-byte fp8 boxes and swizzle): paged e4m3 with a bf16 q (converted to f16),
+    page 16 in random order with NaN bits in free slots and spare pages, per-head scales; paged e5m2, f16
+    q, split-KV pieces of 256 keys, 1-element device scales; ragged e5m2 non-causal, scalar scales."""
+    from .test_prefill_dtypes import (FP8_NAME, _check, _dev, _dev_scale, _oracle, _poisoned, paged_fp8_case,
+                                      ragged_fp8_case)
+    hq, hkv, d = 16, 4, 64
+    for qo_lens, kv_lens, kv, qdt, sk, split in (([17, 1, 300], [54, 97, 1300], "e4m3", "bfloat16", "head", None),
+                                                 ([40, 300], [3000, 700], "e5m2", "float16", "one", 256)):
+        c = paged_fp8_case(qo_lens, kv_lens, 16, hq, hkv, d, kv, qdt, sk, seed=len(qo_lens) + 64)
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper()                  # auto
+        w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], hq, hkv, d, 16, causal=True, q_data_type=qdt,
+               kv_data_type=FP8_NAME[kv], fixed_split_size=split)
+        assert w.backend == "fa3" and (split is None or f"pieces of {split} keys" in w.describe())
+        rows = int(c["qo_indptr"][-1])
+        out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
+        w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+              v_scale=_dev_scale(c["scales"][1]))
+        spec = w._plan["run_spec"]
+        assert (spec.head_dim_qk, spec.head_dim_vo, spec.dtype_kv) == (d, d, kv)
+        ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+        _check(out, lse, ref_o, ref_s, qdt)
+    c = ragged_fp8_case([37, 200], [97, 200], hq, hkv, d, "e5m2", "float16", "tensor", seed=65)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()                     # auto
+    w.plan(c["qo_indptr"], c["kv_indptr"], hq, hkv, d, causal=False, kv_data_type="float8_e5m2")
+    out, lse = _poisoned((237, hq, d), "float16"), _cp().full((237, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), _dev(c["k"]), _dev(c["v"]), out=out, lse=lse, k_scale=c["scales"][0], v_scale=c["scales"][1])
+    assert w.backend == "fa3" and launches
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], False)
+    _check(out, lse, ref_o, ref_s, "float16")
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 256])
+def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
+    """The fused RoPE (rotary_dim = head_dim, rope_scale 2) over a ragged fp16 batch in split-KV pieces;
+    over pages of 16 (random order, NaN in free slots and spare pages) the per-head key scale (key hook
+    alone) and the fused RoPE with rotary_dim = head_dim / 2; GQA group 4, causal, qo_len < kv_len."""
+    from .test_qk_transform import KEY_SCALE, THETA, _batch_oracle
+    from .test_variants import _paged_case
+    cp = _cp()
+    rng = np.random.default_rng(60 + d)
+    qlens, lens, hq, hkv = [1, 37, 300, 5], [54, 500, 1333, 5], 16, 4
+    qo_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, d), np.float16)
+    k, v = rand(rng, (kv_indptr[-1], hkv, d), np.float16), rand(rng, (kv_indptr[-1], hkv, d), np.float16)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()                     # auto
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=True, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0,
+           rope_theta=THETA, fixed_split_size=256)
+    out, lse = _nan_like(q.shape, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
+    w.run(cp.asarray(q), cp.asarray(k), cp.asarray(v), out=out, lse=lse)
+    assert w.backend == "fa3" and launches
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(lens))]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(lens))]
+    want, want_lse = _batch_oracle(q, ks, vs, qo_indptr, d, 2.0)
+    _check_dims(out, lse, want, want_lse, "float16")
+    # -- paged, page 16
+    indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, 16, hkv, d)
+    spare = np.setdiff1d(np.arange(kc.shape[0]), indices)
+    kc[spare], vc[spare] = np.nan, np.nan
+    for b in range(len(lens)):
+        kc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
+        vc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
+    ks, vs = [k for k, _ in per_req], [v for _, v in per_req]
+    scale = np.array([0.5, 2.0, 1.0, 0.25], np.float32)
+    runs = [(dict(variant=KEY_SCALE), (cp.asarray(scale),),
+             _batch_oracle(q, [k.astype(np.float64) * scale[None, :, None] for k in ks], vs, qo_indptr)),
+            (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=THETA, rotary_dim=d // 2), (),
+             _batch_oracle(q, ks, vs, qo_indptr, d // 2))]
+    for opts, args, (want, want_lse) in runs:
+        wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()                 # auto
+        wp.plan(qo_indptr, indptr, indices, last, hq, hkv, d, 16, causal=True, **opts)
+        out, lse = _nan_like(q.shape, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
+        wp.run(cp.asarray(q), (cp.asarray(kc), cp.asarray(vc)), *args, out=out, lse=lse)
+        assert wp.backend == "fa3" and wp._plan["run_spec"].head_dim_qk == d, opts
+        _check_dims(out, lse, want, want_lse, "float16")
