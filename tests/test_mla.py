@@ -567,17 +567,23 @@ def test_mla_gpu_zero_length_kv_gives_zeros_and_minus_inf():
 
 @pytest.mark.gpu
 def test_mla_gpu_cuda_graph_replays_after_replan():
+    graph_replay_after_replan(16, "auto", 15)
+
+
+def graph_replay_after_replan(heads, backend, seed):
+    """A captured run() replays a later plan with other lengths and other pieces (tests/test_mla_sm90.py
+    runs it on the Hopper kernel too)."""
     cp = _cp()
-    heads, ps = 16, 16
-    c0 = mla_case(15, [1, 1], [3000, 40], ps, heads=heads)      # splits (2 items on 132 SMs)
-    c1 = mla_case(16, [1, 1], [41, 5000], ps, heads=heads)      # other lengths, other pieces
+    ps = 16
+    c0 = mla_case(seed, [1, 1], [3000, 40], ps, heads=heads)      # splits (2 items on 132 SMs at 16 heads)
+    c1 = mla_case(seed + 1, [1, 1], [41, 5000], ps, heads=heads)  # other lengths, other pieces
     pages = max(len(c0["ckv"]), len(c1["ckv"]))
     ckv = cp.zeros((pages, ps, CKV), np.float16)
     kpe = cp.zeros((pages, ps, KPE), np.float16)
     qn, qp = cp.zeros(c0["qn"].shape, np.float16), cp.zeros(c0["qp"].shape, np.float16)
     out = _nan(c0["qn"].shape, np.float16)
     lse = cp.full(c0["qn"].shape[:2], np.nan, np.float32)
-    w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True)
+    w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True, backend=backend)
 
     def load(c):
         ckv[:len(c["ckv"])] = cp.asarray(c["ckv"])

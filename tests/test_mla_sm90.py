@@ -10,7 +10,7 @@ from cuattn import UnsupportedError, cli, jit, mla, mla_sm90
 
 from .conftest import gpu_cc
 from .oracle import rel_err
-from .test_mla import BF16, CKV, KPE, SCALE, _cp, _dev, _nan, check_gpu, mla_case, planned
+from .test_mla import BF16, CKV, KPE, SCALE, _cp, _dev, _nan, check_gpu, graph_replay_after_replan, mla_case, planned
 from .test_params import c_signature
 
 # ============================================================================ CPU (CI)
@@ -170,47 +170,5 @@ def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(entries):
 @pytest.mark.gpu
 @sm90
 def test_mla_fa3_cuda_graph_replays_after_replan(entries):
-    cp = _cp()
-    heads, ps = 128, 16
-    c0 = mla_case(35, [1, 1], [3000, 40], ps, heads=heads)      # splits (4 items on 132 SMs)
-    c1 = mla_case(36, [1, 1], [41, 5000], ps, heads=heads)      # other lengths, other pieces
-    pages = max(len(c0["ckv"]), len(c1["ckv"]))
-    ckv, kpe = cp.zeros((pages, ps, CKV), np.float16), cp.zeros((pages, ps, KPE), np.float16)
-    qn, qp = cp.zeros(c0["qn"].shape, np.float16), cp.zeros(c0["qp"].shape, np.float16)
-    out = _nan(c0["qn"].shape, np.float16)
-    lse = cp.full(c0["qn"].shape[:2], np.nan, np.float32)
-    w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True, backend="fa3")
-
-    def load(c):
-        ckv[:len(c["ckv"])] = cp.asarray(c["ckv"])
-        kpe[:len(c["kpe"])] = cp.asarray(c["kpe"])
-        qn[...] = cp.asarray(c["qn"])
-        qp[...] = cp.asarray(c["qp"])
-        out.fill(np.nan)
-        lse.fill(np.nan)
-
-    def plan(c):
-        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, CKV, KPE, ps, False, SCALE,
-               "float16", "float16")
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Device().synchronize()
-    with stream:
-        load(c0)
-        plan(c0)
-        assert "pieces of" in w.describe()
-        w.run(qn, qp, ckv, kpe, out=out, lse=lse)      # warm-up: compiles, sets the shared-memory limit
-        stream.begin_capture()
-        w.run(qn, qp, ckv, kpe, out=out, lse=lse)
-        graph = stream.end_capture()
-        load(c0)
-        graph.launch()
-    stream.synchronize()
-    check_gpu(c0, False, np.float16, out, lse, lse_base_e=False)
-    with stream:
-        plan(c1)
-        load(c1)
-        graph.launch()
-    stream.synchronize()
-    check_gpu(c1, False, np.float16, out, lse, lse_base_e=False)
+    graph_replay_after_replan(128, "fa3", 35)
     assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
