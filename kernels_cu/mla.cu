@@ -85,14 +85,12 @@ typedef T kv_t;
 #endif
 
 #if KV_FP8
-// -- two fp8 values (bytes picked by prmt selector SEL) -> two T in one register, element 0 low
+// -- two f16 values from fp8 (dtypes.cuh fp8x8_to_f16x8) -> two T in one register, element 0 low
 __device__ __forceinline__ uint32_t f16x2_as(uint32_t h, f16) { return h; }
 __device__ __forceinline__ uint32_t f16x2_as(uint32_t h, bf16) {   // exact for fp8-born values
   const float2 f = unpack2<f16>(h);
   return pack2<bf16>(f.x, f.y);
 }
-template <int SEL>
-__device__ __forceinline__ uint32_t fp8x2_to_t(uint32_t x) { return f16x2_as(fp8x2_to_f16x2<KV_FP8, SEL>(x), T{}); }
 
 // -- the staged fp8 tile (BLOCK_N plain rows of D_QK bytes) -> the DTYPE tile (rows of PITCH): each step
 //    converts 8 values (8 bytes in, 16 bytes out), so a warp's loads and stores cover contiguous bytes
@@ -101,8 +99,9 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stg, T* dst) {
   for (int i = int(threadIdx.x); i < BLOCK_N * CHUNKS; i += THREADS) {
     const int r = i / CHUNKS, c = i % CHUNKS;
     const uint2 x = *reinterpret_cast<const uint2*>(stg + r * D_QK + c * 8);
+    const uint4 h = fp8x8_to_f16x8<KV_FP8>(x.x, x.y);
     *reinterpret_cast<uint4*>(dst + r * PITCH + c * 8) =
-        make_uint4(fp8x2_to_t<0x1404>(x.x), fp8x2_to_t<0x3424>(x.x), fp8x2_to_t<0x1404>(x.y), fp8x2_to_t<0x3424>(x.y));
+        make_uint4(f16x2_as(h.x, T{}), f16x2_as(h.y, T{}), f16x2_as(h.z, T{}), f16x2_as(h.w, T{}));
   }
 }
 #endif

@@ -277,12 +277,8 @@ __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uin
   for (int i = int(threadIdx.x); i < BLOCK_N * RCH; i += NUM_THREADS) {
     const int r = i / RCH, c = i % RCH;
     const uint4 x = *reinterpret_cast<const uint4*>(smem + src + i * 16);
-    const uint4 lo = make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.x), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.x),
-                                fp8x2_to_f16x2<KV_FP8, 0x1404>(x.y), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.y));
-    const uint4 hi = make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.z), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.z),
-                                fp8x2_to_f16x2<KV_FP8, 0x1404>(x.w), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.w));
-    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = lo;
-    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = hi;
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = fp8x8_to_f16x8<KV_FP8>(x.x, x.y);
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = fp8x8_to_f16x8<KV_FP8>(x.z, x.w);
   }
 }
 #elif KV_F32

@@ -181,12 +181,8 @@ __device__ __forceinline__ void convert_fp8_tile(uint32_t src, uint32_t dst, int
     const int cc = c % BCH;
     uint4 x = lds128(src + (c / BCH) * (BLOCK_N * F8) + r * F8 + ((cc ^ ((r * F8 / 128) % BCH)) * 16));
     if (r >= valid) x = make_uint4(0u, 0u, 0u, 0u);  // zero bits are 0 in both formats
-    sts128(dst + swz128(BLOCK_N, r, 2 * c),
-           make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.x), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.x),
-                      fp8x2_to_f16x2<KV_FP8, 0x1404>(x.y), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.y)));
-    sts128(dst + swz128(BLOCK_N, r, 2 * c + 1),
-           make_uint4(fp8x2_to_f16x2<KV_FP8, 0x1404>(x.z), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.z),
-                      fp8x2_to_f16x2<KV_FP8, 0x1404>(x.w), fp8x2_to_f16x2<KV_FP8, 0x3424>(x.w)));
+    sts128(dst + swz128(BLOCK_N, r, 2 * c), fp8x8_to_f16x8<KV_FP8>(x.x, x.y));
+    sts128(dst + swz128(BLOCK_N, r, 2 * c + 1), fp8x8_to_f16x8<KV_FP8>(x.z, x.w));
   }
 }
 #endif

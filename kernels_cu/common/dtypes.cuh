@@ -84,6 +84,12 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
   if (FMT == 1) return (y & 0x80008000u) | ((y >> 1) & 0x3fff3fffu);
   return y;
 }
+// 8 fp8 values (two words, in memory order) -> 8 f16 values (one 16-byte chunk, in memory order)
+template <int FMT>
+__device__ __forceinline__ uint4 fp8x8_to_f16x8(uint32_t a, uint32_t b) {
+  return make_uint4(fp8x2_to_f16x2<FMT, 0x1404>(a), fp8x2_to_f16x2<FMT, 0x3424>(a), fp8x2_to_f16x2<FMT, 0x1404>(b),
+                    fp8x2_to_f16x2<FMT, 0x3424>(b));
+}
 template <int FMT> struct Fp8F16Factor { static constexpr float value = FMT == 1 ? 256.f : 1.f; };
 
 // 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
