@@ -16,6 +16,7 @@ printed, labelled as not from this run. JSON goes to benchmarks/results/ (or --o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -309,10 +310,8 @@ def _with_variant(var):
     from cuattn import prefill
     orig = prefill._ORIG_MAKE_SPEC = getattr(prefill, "_ORIG_MAKE_SPEC", prefill.make_spec)
 
-    def make(d, t, c, m, p):
-        s = orig(d, t, c, m, p)
-        return prefill.PrefillSpec(s.head_dim, s.dtype, s.causal, s.custom_mask, s.paged, s.num_mma_q,
-                                   s.block_n, s.stages, tuning=tuple(var))
+    def make(*args, **kw):
+        return dataclasses.replace(orig(*args, **kw), tuning=tuple(var))
     prefill.make_spec = make if var else orig
 
 
@@ -488,8 +487,8 @@ def sweep_variants(args, hq, hkv, mm):
     sweep = []
     orig_make = prefill.make_spec
     for var in (VARIANTS_PAGED if args.variants == "paged" else VARIANTS):
-        prefill.make_spec = lambda d, t, c, m, p, var=var: prefill.PrefillSpec(d, t, bool(c), bool(m), bool(p), *var[:3],
-                                                                              variant=tuple(var[3:]))
+        prefill.make_spec = lambda *a, var=var, **kw: dataclasses.replace(
+            orig_make(*a, **kw), num_mma_q=var[0], block_n=var[1], stages=var[2], tuning=tuple(var[3:]))
         try:
             res = [run_case(1, 16384, c, hq, hkv, 128, "float16", 7, args.page_size, None) for c in (False, True)]
             rg = run_case(8, 2048, False, hq, hkv, 128, "float16", 7, args.page_size, None)
