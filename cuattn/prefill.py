@@ -357,7 +357,7 @@ class _BatchPrefillBase:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
                 arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv,
-                plan["head_dim"], plan["head_dim_vo"])
+                plan["head_dim"], plan["head_dim_vo"], plan.page_size if paged else None)
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
             _, backend, spec = hit
@@ -706,7 +706,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
-        if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box)
+        if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=vv.v, k_strides=strides,
                                     v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page),

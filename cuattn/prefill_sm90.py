@@ -21,6 +21,7 @@ import numpy as np
 
 
 from . import fp8, jit, variants
+from .errors import UnsupportedError
 from .params import Params
 
 _SOURCE = "prefill_sm90.cu"
@@ -32,7 +33,8 @@ BLOCK_M = 128
 NUM_THREADS = 384
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
-                               "kv_last_page_len:p page_size:i page_shift:i page_box:i work:p part_o:p part_lse:p "
+                               "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
+                               "v_s_row:q v_s_head:q page_rows:i work:p part_o:p part_lse:p "
                                "kv_chunk:p single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
@@ -55,7 +57,8 @@ class Sm90PrefillSpec:
     stages: int = 2            # K/V tiles in flight (TMA pipeline depth)
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
-    paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0)
+    paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
+    gather: bool = False       # ... rows gathered by the producer warpgroup with cp.async (any page size; 16-bit)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
@@ -67,7 +70,8 @@ class Sm90PrefillSpec:
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2", "prefill_sm90_hd192v128_..."
         vo = f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""
         return (f"prefill_sm90_hd{self.head_dim_qk}{vo}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"{'_paged' if self.paged else ''}{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
+                f"{'_gather' if self.gather else '_paged' if self.paged else ''}"
+                f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
                 f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
@@ -78,7 +82,7 @@ class Sm90PrefillSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
-                f"-DSTAGES={self.stages}", f"-DPAGED={int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
+                f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
                 f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
@@ -108,20 +112,34 @@ class Sm90PrefillSpec:
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
               paged: bool = False, dtype_kv: str = "", head_dim_qk: int = 128,
-              head_dim_vo: int | None = None) -> Sm90PrefillSpec:
+              head_dim_vo: int | None = None, page_size: int | None = None,
+              gather: bool | None = None) -> Sm90PrefillSpec:
     """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one; ``head_dim_vo``
-    None: ``head_dim_qk``."""
+    None: ``head_dim_qk``. ``gather`` None: the producer ``use_gather`` picks for a paged cache of
+    ``page_size`` (None: TMA boxes)."""
     dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
+    kv = "" if dtype_kv == dtype else dtype_kv
+    if gather is None:
+        gather = bool(paged) and page_size is not None and use_gather(page_size, tile_n(dv), kv)
     return Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
-                           paged=bool(paged), dtype_kv="" if dtype_kv == dtype else dtype_kv)
+                           paged=bool(paged), gather=bool(gather), dtype_kv=kv)
+
+
+def use_gather(page_size: int, block_n: int, dtype_kv: str = "") -> bool:
+    """The paged producer for a 16-bit cache of ``page_size``: the cp.async gather where no TMA box fits
+    (``page_box`` None: pages of 1, 5, ..); fp8 caches always take TMA boxes (the converters read the
+    staged tiles)."""
+    return not dtype_kv and page_box(page_size, block_n) is None
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): head_dim 128, fp16 /
     bf16, causal or not, contiguous or paged; for fp8 K/V at head_dim 128 and the other head dims what
-    serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill). 22
-    specs; the rest compile on first use (~1.5 s each)."""
+    serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill; the
+    gather producer at head_dim 128: pages of 1, SGLang's default). 26 specs; the rest compile on first use
+    (~1.5 s each)."""
     return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
+        [make_spec(t, c, paged=True, page_size=1) for t in ("f16", "bf16") for c in (False, True)] + \
         [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8] + \
         [make_spec(t, True, paged=True, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in HEAD_DIMS if dk != 128
          for t in ("f16", "bf16")]
@@ -158,10 +176,13 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return (f"fa3 reads an fp8 KV cache at head_dim 64 and 128 only, got {got} (head_dim 256: the fp8 "
                 f"staging tiles and the 16-bit ones do not fit 227 KiB of shared memory; 192: the fp8 converter "
                 f"reads rows of 64 or a multiple of 128 bytes; the fa2 kernel reads it)")
-    if paged and page_size is not None and page_box(page_size, tile_n(dv)) is None:
+    if paged and page_size is not None and rope and head_dim == 256 and use_gather(page_size, tile_n(dv)):
+        return (f"fa3 gathers pages of {page_size} keys (no TMA box fits them) with no query / key transform or "
+                f"fused RoPE at head_dim 256 (the producer's registers: it spills; the fa2 kernel runs it)")
+    if paged and page_size is not None and dtype_kv in KV_FP8 and page_box(page_size, tile_n(dv)) is None:
         sizes = ", ".join(str(s) for s in (16, 32, 64, 128) if s <= tile_n(dv))
-        return (f"fa3 reads pages of {sizes} or a multiple of {tile_n(dv)} keys with TMA boxes (head_dim_vo "
-                f"{dv}), got page_size={page_size} (the fa2 kernel gathers any page size)")
+        return (f"fa3 reads fp8 pages of {sizes} or a multiple of {tile_n(dv)} keys (TMA boxes; head_dim_vo "
+                f"{dv}), got page_size={page_size} (16-bit caches: any page size; the fa2 kernel reads it)")
     return None
 
 
@@ -198,6 +219,23 @@ def paged_tensor_map(ptr: int, head_dim: int, page_size: int, heads: int, num_pa
 
 # ---------------------------------------------------------------------------- launch
 
+_NO_MAP = bytes(128)     # the tensor-map parameters of a gather spec (its producer reads the caches by pointer)
+
+
+def gather_args(k, v, k_strides, v_strides, paged: tuple, kv_bytes: int, fn: str) -> dict:
+    """The gather producer's cache parameters: pointers, byte strides of a slot and a head, and the page
+    stride in slots (K's and V's must agree: one row index serves both). Rows are addressed as page *
+    page_rows + slot in int32."""
+    (ks, kh, kp), (vs, vh, vp) = k_strides, v_strides
+    num_pages = max(paged[1], paged[2])
+    if kp % ks or vp * ks != kp * vs or num_pages * (kp // ks) >= 2 ** 31:
+        raise UnsupportedError(f"{fn}: the fa3 gather addresses rows as page * (page stride / slot stride) + slot "
+                               f"in int32: the page strides must be multiples of the slot strides, with the "
+                               f"same ratio for K and V and num_pages * ratio < 2**31; got K {kp}/{ks}, V {vp}/{vs}")
+    return dict(k_cache=k.ptr, v_cache=v.ptr, k_s_row=ks * kv_bytes, k_s_head=kh * kv_bytes, v_s_row=vs * kv_bytes,
+                v_s_head=vh * kv_bytes, page_rows=kp // ks)
+
+
 META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "part_o", "part_lse",
         "kv_chunk")   # the plan's pointers
 
@@ -225,7 +263,12 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
                            ).fill(-np.inf)
         return
     page_size, box = 0, 0
-    if paged is not None:
+    gather = dict(k_cache=0, v_cache=0, k_s_row=0, k_s_head=0, v_s_row=0, v_s_head=0, page_rows=0)
+    if spec.gather:
+        page_size = paged[0]
+        tk = tv = _NO_MAP
+        gather = gather_args(k, v, k_strides, v_strides, paged, spec.kv_bytes, fn)
+    elif paged is not None:
         page_size, k_pages, v_pages = paged
         box = page_box(page_size, spec.block_n)
         tk = paged_tensor_map(k.ptr, spec.head_dim_qk, page_size, num_kv_heads, k_pages, tuple(k_strides), box, fn,
@@ -239,7 +282,7 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
                        **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,
                        page_shift=page_size.bit_length() - 1 if page_size and page_size & (page_size - 1) == 0 else -1,
-                       page_box=box, single_qo_len=single[0],
+                       page_box=box, **gather, single_qo_len=single[0],
                        single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
                        q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
                        k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,

@@ -25,7 +25,7 @@ def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
     # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_dtypes.py);
     # other dims: f16 / bf16 paged causal
-    assert len({s.name for s in specs}) == len(specs) == 8 + 8 + 2 * len(NEW_DIMS)
+    assert len({s.name for s in specs}) == len(specs) == 8 + 4 + 8 + 2 * len(NEW_DIMS)   # (+ hd128 gather)
     assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
     # the other head dims' contiguous non-causal kernels (first use) too: both axes the shipped ones fix
     extra = [prefill_sm90.make_spec("bf16", False, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in NEW_DIMS]
@@ -81,21 +81,37 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
         "got head_dim_qk=128, head_dim_vo=64")
     for dk, dv in prefill_sm90.HEAD_DIMS:
         assert reason("sm_90a", dk, "bf16", False, True, page_size=16, head_dim_vo=dv) is None
+    # 16-bit pages a TMA box cannot hold (1, 5, 96 at head_dim 256): the cp.async gather producer (no query /
+    # key transform at head_dim 256 there); fp8 pages need the boxes
+    for dk, dv in prefill_sm90.HEAD_DIMS:
+        for ps in (1, 5, 24):
+            assert reason("sm_90a", dk, "f16", False, True, page_size=ps, head_dim_vo=dv) is None
+            r = reason("sm_90a", dk, "f16", False, True, True, page_size=ps, head_dim_vo=dv)
+            assert r is None if dk != 256 else "no query / key transform" in r
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32, 64, 128 or a multiple of 128"):
+    with pytest.raises(UnsupportedError, match="fa3 reads fp8 pages of 16, 32, 64, 128 or a multiple of 128"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
-               np.array([4], np.int32), 4, 4, 128, 5)
-    # head_dim 256 tiles are 64 keys: pages of 192 box (3 tiles of 64), pages of 96 do not
+               np.array([4], np.int32), 4, 4, 128, 5, kv_data_type="float8_e4m3fn")
+    # head_dim 256 tiles are 64 keys: pages of 192 box (3 tiles of 64), pages of 96 do not (gathered)
     assert reason("sm_90a", 256, "f16", False, True, page_size=192) is None
-    assert "pages of 16, 32, 64 or a multiple of 64 keys" in reason("sm_90a", 256, "f16", False, True, page_size=96)
-    assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192)
+    assert reason("sm_90a", 256, "f16", False, True, page_size=96) is None
+    assert "fp8 pages of 16, 32, 64, 128 or a multiple of 128 keys" in reason("sm_90a", 64, "f16", False, True,
+                                                                              page_size=96, dtype_kv="e4m3")
+    assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192, dtype_kv="e5m2")
+    for ps, gather in ((1, True), (5, True), (16, False), (24, True), (64, False), (256, False)):
+        spec = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps)
+        assert spec.gather is gather and ("_gather" in spec.name) is gather and "-DPAGED=%d" % (2 if gather else 1) in \
+            spec.defines()
+    assert not prefill_sm90.make_spec("f16", True, paged=True, page_size=1, dtype_kv="e4m3").gather
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
     # auto never picks fa3 off sm_90 or pages it cannot box (a custom mask is a variant: tests/test_mask_variant.py)
-    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", paged=True, page_size=5)):
-        args = dict(head_dim=128, dtype="f16", custom_mask=False, paged=False) | kw
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", paged=True, page_size=5, dtype_kv="e4m3"),
+               dict(arch="sm_90a", paged=True, page_size=1, rope=True, head_dim=256)):
+        args = dict(dict(head_dim=128, dtype="f16", custom_mask=False, paged=False), **kw)
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
-    for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256)):
+    for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256),
+               dict(paged=True, page_size=1), dict(paged=True, page_size=5)):
         for dk, dv in prefill_sm90.HEAD_DIMS:
             assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=dk, head_dim_vo=dv, dtype="bf16",
                                            custom_mask=False, **kw) == "fa3", (dk, dv, kw)
@@ -121,6 +137,10 @@ def _feature_grid():
             if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:
                 out += [prefill_sm90.make_spec(t, True, paged=paged, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
                         for t in ("bf16", "f16")]
+        # the gather producer (pages of 1): plain, a custom mask, the transforms (no RoPE at head_dim 256)
+        out += [prefill_sm90.make_spec("bf16", c, v, True, "", dk, dv, page_size=1)
+                for c, v in ((True, variants.DEFAULT), (False, variants.Composite((variants.CUSTOM_MASK,))))
+                + tuple((True, v) for v in xforms[1:] if not (v is rope and dk == 256))]
     return out
 
 
@@ -128,7 +148,7 @@ def test_sm90_feature_grid_compiles_without_spills():
     """Each spec compiles for sm_90a (the kernel checks spec.smem_bytes, fp8 staging tiles and READY_K
     mbarriers included, against its SMEM_BYTES at compile time) without spills."""
     specs = _feature_grid()
-    assert len({s.name for s in specs}) == len(specs) == 3 * 2 * 4 + 2 + 2 * 2 * 2
+    assert len({s.name for s in specs}) == len(specs) == 3 * 2 * 4 + 2 + 2 * 2 * 2 + 4 * 2 + 3 * 3 - 1   # (+ gather)
     jit.precompile([(spec, "sm_90a") for spec in specs])     # over the cores; checked below
     for spec in specs:
         assert spec.smem_bytes <= 227 * 1024, spec.name
@@ -313,6 +333,9 @@ def test_fa3_close_to_fa2_and_auto_reports_its_choice():
 PAGED_CASES = [   # (page_size, layout, one array or a (k, v) pair, causal, fixed_split_size)
     (16, "NHD", "one", True, None), (32, "HND", "pair", False, None), (64, "NHD", "pair", True, 256),
     (128, "HND", "one", True, None), (256, "NHD", "one", False, 128),
+    # the cp.async gather producer: pages no TMA box fits, and (forced) pages one does
+    (1, "NHD", "one", True, None), (5, "HND", "pair", False, 256), (3, "NHD", "pair", True, None),
+    ("16g", "HND", "one", True, 512), ("64g", "NHD", "pair", False, None),
 ]
 
 
@@ -320,11 +343,15 @@ PAGED_CASES = [   # (page_size, layout, one array or a (k, v) pair, causal, fixe
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size,layout,form,causal,split", PAGED_CASES,
                          ids=[f"ps{p}-{lay}-{f}-{'causal' if c else 'full'}-{s}" for p, lay, f, c, s in PAGED_CASES])
-def test_fa3_paged_prefill_reads_pages_by_tma_boxes(page_size, layout, form, causal, split):
-    """The Hopper kernel over a paged cache in random page order: a TMA box per page; the slots past
-    each request's last key hold NaN (a serving cache's free slots hold anything) and must not leak."""
+def test_fa3_paged_prefill_reads_pages_by_tma_boxes_or_gathers(page_size, layout, form, causal, split, monkeypatch):
+    """The Hopper kernel over a paged cache in random page order: a TMA box per page, or the gather
+    producer (pages no box fits; "16g": forced on pages one does); the slots past each request's last
+    key hold NaN (a serving cache's free slots hold anything) and must not leak."""
     import cupy as cp
     from .test_prefill import _paged_inputs, oracle_batch, rand
+    if isinstance(page_size, str):
+        page_size = int(page_size[:-1])
+        monkeypatch.setattr(prefill_sm90, "use_gather", lambda *a: True)
     rng = np.random.default_rng(page_size)
     qo_lens, kv_lens = [200, 1, 77, 129], [200, 3000, 1037, 129 + page_size // 2]
     cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, page_size, 8, 128, layout)
@@ -335,7 +362,7 @@ def test_fa3_paged_prefill_reads_pages_by_tma_boxes(page_size, layout, form, cau
     q = rand(rng, (qo_indptr[-1], 32, 128), np.float16)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
     w.plan(qo_indptr, indptr, indices, last, 32, 8, 128, page_size, causal=causal, fixed_split_size=split)
-    assert w.backend == "fa3" and "_paged" in w.describe()
+    assert w.backend == "fa3" and ("_gather" if prefill_sm90.use_gather(page_size, 128) else "_paged") in w.describe()
     cd = cp.asarray(cache)
     kv = cd if form == "one" else (cp.ascontiguousarray(cd[:, 0]), cp.ascontiguousarray(cd[:, 1]))
     out = cp.full(q.shape, np.nan, np.float16)
@@ -414,6 +441,8 @@ DIM_PAGED = [   # (head dims, q dtype, page_size, layout, one cache array or a (
     ((64, 64), "float16", 16, "NHD", "one", None), ((64, 64), "bfloat16", 64, "HND", "pair", None),
     ((256, 256), "bfloat16", 16, "NHD", "one", None), ((256, 256), "float16", 64, "HND", "pair", 128),
     ((192, 128), "bfloat16", 16, "NHD", "pair", None), ((192, 128), "float16", 64, "HND", "pair", 256),
+    ((64, 64), "bfloat16", 1, "NHD", "one", None), ((256, 256), "float16", 5, "HND", "pair", 256),
+    ((192, 128), "float16", 1, "HND", "one", None),      # the gather producer (pages no TMA box fits)
 ]
 
 
@@ -436,7 +465,7 @@ def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, dk, page_size, head_dim_vo=dv, causal=True,
            q_data_type=dtype, fixed_split_size=split)
-    assert w.backend == "fa3" and "_paged" in w.describe()
+    assert w.backend == "fa3" and ("_gather" if page_size in (1, 5) else "_paged") in w.describe()
     if split:
         assert f"pieces of {split} keys" in w.describe()
     cache = _to_dev(np.stack((kp, vp), axis=1)) if form == "one" else (_to_dev(kp), _to_dev(vp))
@@ -489,7 +518,7 @@ def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches):
 @pytest.mark.parametrize("d", [64, 256])
 def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
     """The fused RoPE (rotary_dim = head_dim, rope_scale 2) over a ragged fp16 batch in split-KV pieces;
-    over pages of 16 (random order, NaN in free slots and spare pages) the per-head key scale (key hook
+    over pages of 16 and 1 (random order, NaN in free slots and spare pages) the per-head key scale (key hook
     alone) and the fused RoPE with rotary_dim = head_dim / 2; GQA group 4, causal, qo_len < kv_len."""
     from .test_qk_transform import KEY_SCALE, THETA, _batch_oracle
     from .test_variants import _paged_case
@@ -510,23 +539,46 @@ def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
     vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(lens))]
     want, want_lse = _batch_oracle(q, ks, vs, qo_indptr, d, 2.0)
     _check_dims(out, lse, want, want_lse, "float16")
-    # -- paged, page 16
-    indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, 16, hkv, d)
-    spare = np.setdiff1d(np.arange(kc.shape[0]), indices)
-    kc[spare], vc[spare] = np.nan, np.nan
-    for b in range(len(lens)):
-        kc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
-        vc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
-    ks, vs = [k for k, _ in per_req], [v for _, v in per_req]
-    scale = np.array([0.5, 2.0, 1.0, 0.25], np.float32)
-    runs = [(dict(variant=KEY_SCALE), (cp.asarray(scale),),
-             _batch_oracle(q, [k.astype(np.float64) * scale[None, :, None] for k in ks], vs, qo_indptr)),
-            (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=THETA, rotary_dim=d // 2), (),
-             _batch_oracle(q, ks, vs, qo_indptr, d // 2))]
-    for opts, args, (want, want_lse) in runs:
-        wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()                 # auto
-        wp.plan(qo_indptr, indptr, indices, last, hq, hkv, d, 16, causal=True, **opts)
-        out, lse = _nan_like(q.shape, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
-        wp.run(cp.asarray(q), (cp.asarray(kc), cp.asarray(vc)), *args, out=out, lse=lse)
-        assert wp.backend == "fa3" and wp._plan["run_spec"].head_dim_qk == d, opts
-        _check_dims(out, lse, want, want_lse, "float16")
+    # -- paged, page 16 (TMA boxes) and, at head_dim 64, page 1 (the gather producer: its warps 1..3 transform K)
+    for ps in ((16, 1) if d == 64 else (16,)):
+        indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, ps, hkv, d)
+        spare = np.setdiff1d(np.arange(kc.shape[0]), indices)
+        kc[spare], vc[spare] = np.nan, np.nan
+        for b in range(len(lens)):
+            kc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
+            vc[indices[indptr[b + 1] - 1], last[b]:] = np.nan
+        ks, vs = [k for k, _ in per_req], [v for _, v in per_req]
+        scale = np.array([0.5, 2.0, 1.0, 0.25], np.float32)
+        runs = [(dict(variant=KEY_SCALE), (cp.asarray(scale),),
+                 _batch_oracle(q, [k.astype(np.float64) * scale[None, :, None] for k in ks], vs, qo_indptr)),
+                (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=THETA, rotary_dim=d // 2), (),
+                 _batch_oracle(q, ks, vs, qo_indptr, d // 2))]
+        for opts, args, (want, want_lse) in runs:
+            wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()                 # auto
+            wp.plan(qo_indptr, indptr, indices, last, hq, hkv, d, ps, causal=True, **opts)
+            out, lse = _nan_like(q.shape, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
+            wp.run(cp.asarray(q), (cp.asarray(kc), cp.asarray(vc)), *args, out=out, lse=lse)
+            assert wp.backend == "fa3" and wp._plan["run_spec"].head_dim_qk == d, opts
+            assert ("_gather" in wp.describe()) == (ps == 1)
+            _check_dims(out, lse, want, want_lse, "float16")
+
+
+@pytest.mark.gpu
+@sm90
+def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
+    """compute-sanitizer memcheck over small paged fa3 batches (pages of 1 and 5: the gather; 16: TMA
+    boxes), CuPy's pool off, no spare page past the last request's: no invalid access, no error."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = os.path.join(os.path.dirname(__file__), "sanitize_paged_fa3.py")
+    r = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, script],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
+    assert "_gather" in r.stdout and "_paged" in r.stdout

@@ -1,0 +1,29 @@
+"""Run by tests/test_prefill_sm90.py under compute-sanitizer memcheck (not a test itself): small paged
+fa3 prefill batches, TMA boxes and the cp.async gather, with CuPy's memory pool off so every array is its
+own allocation (the pool would hide out-of-bounds accesses inside its blocks). Exits 0 when each output is
+finite; memcheck's own report decides the test."""
+import numpy as np
+
+import cupy as cp
+
+import cuattn
+
+cp.cuda.set_allocator(None)
+rng = np.random.default_rng(5)
+hq, hkv, d = 8, 2, 128
+for page_size, causal in ((1, True), (5, False), (16, True)):
+    kv_lens, qo_lens = [37, 130, 3], [5, 130, 1]
+    pages = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages)                       # no spare page: a read past a request's pages leaves the array
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rng.permutation(num_pages).astype(np.int32)
+    last = np.array([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    cache = cp.asarray(rng.standard_normal((num_pages, 2, page_size, hkv, d)).astype(np.float16))
+    q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal)
+    out = w.run(q, cache)
+    cp.cuda.Device().synchronize()
+    assert bool(cp.isfinite(out).all()), page_size
+    print(page_size, w.describe().splitlines()[1])
