@@ -522,6 +522,8 @@ def main():
     ap.add_argument("--gather", default="auto", choices=("auto", "always"),
                     help="fa3 paged producer: auto (TMA boxes where a page fits one, else the cp.async gather) or "
                          "always the gather (an A/B of the two at pages of 16)")
+    ap.add_argument("--fa3-stages", type=int, default=0, help="experiment: K/V stages of every fa3 spec (0: the spec's)")
+    ap.add_argument("--fa3-tuning", nargs="*", default=[], help="experiment: -D defines for every fa3 spec")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
@@ -529,6 +531,14 @@ def main():
     if args.gather == "always":
         from cuattn import prefill_sm90
         prefill_sm90.use_gather = lambda page_size, block_n, dtype_kv="": not dtype_kv
+    if args.fa3_stages or args.fa3_tuning:      # experiments: every fa3 spec with these stages / defines
+        from cuattn import prefill_sm90
+        made = prefill_sm90.make_spec
+
+        def make_spec(*a, **kw):
+            spec = made(*a, **kw)
+            return dataclasses.replace(spec, stages=args.fa3_stages or spec.stages, tuning=tuple(args.fa3_tuning))
+        prefill_sm90.make_spec = make_spec
     dev = cp.cuda.Device(0)
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     env = dict(gpu=name, sm=dev.compute_capability, cupy=cp.__version__, nvrtc="%d.%d" % jit.nvrtc_version(),

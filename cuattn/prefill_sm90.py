@@ -15,6 +15,7 @@ sm_90; every attention variant, the fused RoPE and query / key transforms includ
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))   # (head_dim_qk, hea
 FP8_HEAD_DIMS = ((64, 64), (128, 128))   # ... with an fp8 K/V kernel (prefill_sm90.cu LoadTile, SMEM_BYTES)
 BLOCK_M = 128
 NUM_THREADS = 384
+SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
@@ -115,31 +117,34 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
               head_dim_vo: int | None = None, page_size: int | None = None,
               gather: bool | None = None) -> Sm90PrefillSpec:
     """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one; ``head_dim_vo``
-    None: ``head_dim_qk``. ``gather`` None: the producer ``use_gather`` picks for a paged cache of
-    ``page_size`` (None: TMA boxes)."""
+    None: ``head_dim_qk``. ``gather`` None: the paged producer ``use_gather`` picks (``page_size`` None:
+    any page size). The gather takes 3 K/V stages where they fit shared memory (head_dim 64, 128)."""
     dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
     kv = "" if dtype_kv == dtype else dtype_kv
     if gather is None:
-        gather = bool(paged) and page_size is not None and use_gather(page_size, tile_n(dv), kv)
-    return Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
+        gather = bool(paged) and use_gather(page_size, tile_n(dv), kv, variant.has_rope and head_dim_qk == 256)
+    spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
                            paged=bool(paged), gather=bool(gather), dtype_kv=kv)
+    deeper = dataclasses.replace(spec, stages=3)
+    return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
 
 
-def use_gather(page_size: int, block_n: int, dtype_kv: str = "") -> bool:
-    """The paged producer for a 16-bit cache of ``page_size``: the cp.async gather where no TMA box fits
-    (``page_box`` None: pages of 1, 5, ..); fp8 caches always take TMA boxes (the converters read the
-    staged tiles)."""
-    return not dtype_kv and page_box(page_size, block_n) is None
+def use_gather(page_size: int | None, block_n: int, dtype_kv: str = "", rope_256: bool = False) -> bool:
+    """The paged producer: the cp.async gather for every 16-bit cache (any page size; at pages of 16, 5-12%
+    faster than a TMA box per page on an H100, benchmarks/results/prefill_sm90_notes.md); TMA boxes for fp8
+    caches (the converters read the staged tiles) and for the fused RoPE at head_dim 256 (whose transform
+    and the gather spill the producer's registers; pages no box fits run on fa2 there)."""
+    if dtype_kv:
+        return False
+    return not rope_256 or page_size is None or page_box(page_size, block_n) is None
 
 
 def shipped_specs() -> list[Sm90PrefillSpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): head_dim 128, fp16 /
     bf16, causal or not, contiguous or paged; for fp8 K/V at head_dim 128 and the other head dims what
-    serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill; the
-    gather producer at head_dim 128: pages of 1, SGLang's default). 26 specs; the rest compile on first use
-    (~1.5 s each)."""
+    serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill; 16-bit
+    paged specs gather any page size). 22 specs; the rest compile on first use (~1.5 s each)."""
     return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
-        [make_spec(t, c, paged=True, page_size=1) for t in ("f16", "bf16") for c in (False, True)] + \
         [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8] + \
         [make_spec(t, True, paged=True, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in HEAD_DIMS if dk != 128
          for t in ("f16", "bf16")]
@@ -176,7 +181,7 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
         return (f"fa3 reads an fp8 KV cache at head_dim 64 and 128 only, got {got} (head_dim 256: the fp8 "
                 f"staging tiles and the 16-bit ones do not fit 227 KiB of shared memory; 192: the fp8 converter "
                 f"reads rows of 64 or a multiple of 128 bytes; the fa2 kernel reads it)")
-    if paged and page_size is not None and rope and head_dim == 256 and use_gather(page_size, tile_n(dv)):
+    if paged and page_size is not None and rope and head_dim == 256 and page_box(page_size, tile_n(dv)) is None:
         return (f"fa3 gathers pages of {page_size} keys (no TMA box fits them) with no query / key transform or "
                 f"fused RoPE at head_dim 256 (the producer's registers: it spills; the fa2 kernel runs it)")
     if paged and page_size is not None and dtype_kv in KV_FP8 and page_box(page_size, tile_n(dv)) is None:

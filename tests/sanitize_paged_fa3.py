@@ -1,5 +1,5 @@
 """Run by tests/test_prefill_sm90.py under compute-sanitizer memcheck (not a test itself): small paged
-fa3 prefill batches, TMA boxes and the cp.async gather, with CuPy's memory pool off so every array is its
+fa3 prefill batches, the cp.async gather (16-bit caches) and TMA boxes (an fp8 cache), with CuPy's memory pool off so every array is its
 own allocation (the pool would hide out-of-bounds accesses inside its blocks). Exits 0 when each output is
 finite; memcheck's own report decides the test."""
 import numpy as np
@@ -11,7 +11,7 @@ import cuattn
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(5)
 hq, hkv, d = 8, 2, 128
-for page_size, causal in ((1, True), (5, False), (16, True)):
+for page_size, causal, kv in ((1, True, None), (5, False, None), (16, True, None), (16, True, "float8_e4m3fn")):
     kv_lens, qo_lens = [37, 130, 3], [5, 130, 1]
     pages = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(pages)                       # no spare page: a read past a request's pages leaves the array
@@ -19,10 +19,14 @@ for page_size, causal in ((1, True), (5, False), (16, True)):
     indices = rng.permutation(num_pages).astype(np.int32)
     last = np.array([n - (p - 1) * page_size for n, p in zip(kv_lens, pages)], np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    cache = cp.asarray(rng.standard_normal((num_pages, 2, page_size, hkv, d)).astype(np.float16))
+    shape = (num_pages, 2, page_size, hkv, d)
+    if kv is None:
+        cache = cp.asarray(rng.standard_normal(shape).astype(np.float16))
+    else:                                        # e4m3 bytes of magnitude < 2 (no NaN), random sign
+        cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal)
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv)
     out = w.run(q, cache)
     cp.cuda.Device().synchronize()
     assert bool(cp.isfinite(out).all()), page_size

@@ -159,7 +159,7 @@ def test_prefill_fp8_refusals_name_the_limit():
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 16,
            kv_data_type="float8_e4m3fn")          # fa3 has fp8 kernels (NumPy plan here)
-    with pytest.raises(UnsupportedError, match="fa3 reads pages of 16, 32"):
+    with pytest.raises(UnsupportedError, match="fa3 reads fp8 pages of 16, 32"):
         w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 5,
                kv_data_type="float8_e5m2")
     with pytest.raises(UnsupportedError, match="q dtype float8_e4m3fn has no kernel"):

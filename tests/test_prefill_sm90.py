@@ -25,7 +25,7 @@ def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
     # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_dtypes.py);
     # other dims: f16 / bf16 paged causal
-    assert len({s.name for s in specs}) == len(specs) == 8 + 4 + 8 + 2 * len(NEW_DIMS)   # (+ hd128 gather)
+    assert len({s.name for s in specs}) == len(specs) == 8 + 8 + 2 * len(NEW_DIMS)
     assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
     # the other head dims' contiguous non-causal kernels (first use) too: both axes the shipped ones fix
     extra = [prefill_sm90.make_spec("bf16", False, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in NEW_DIMS]
@@ -38,14 +38,14 @@ def test_sm90_specs_compile_without_spills():
 
 
 def test_sm90_spec_geometry_follows_the_head_dims():
-    for (dk, dv), bn, name in (((64, 64), 128, "prefill_sm90_hd64_qf16_causal_paged_bm128_bn128_s2"),
-                               ((128, 128), 128, "prefill_sm90_hd128_qf16_causal_paged_bm128_bn128_s2"),
-                               ((256, 256), 64, "prefill_sm90_hd256_qf16_causal_paged_bm128_bn64_s2"),
-                               ((192, 128), 128, "prefill_sm90_hd192v128_qf16_causal_paged_bm128_bn128_s2")):
+    for (dk, dv), bn, st, name in (((64, 64), 128, 3, "prefill_sm90_hd64_qf16_causal_gather_bm128_bn128_s3"),
+                                   ((128, 128), 128, 3, "prefill_sm90_hd128_qf16_causal_gather_bm128_bn128_s3"),
+                                   ((256, 256), 64, 2, "prefill_sm90_hd256_qf16_causal_gather_bm128_bn64_s2"),
+                                   ((192, 128), 128, 2, "prefill_sm90_hd192v128_qf16_causal_gather_bm128_bn128_s2")):
         spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
-        assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.name) == (dk, dv, bn, name)
+        assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.stages, spec.name) == (dk, dv, bn, st, name)
         assert f"-DHEAD_DIM_QK={dk}" in spec.defines() and f"-DHEAD_DIM_VO={dv}" in spec.defines()
-        assert spec.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 64
+        assert spec.smem_bytes == 1024 + 128 * dk * 2 + st * bn * (dk + dv) * 2 + 32 * st
     assert prefill_sm90.make_spec("f16", False, head_dim_qk=64) == prefill_sm90.make_spec("f16", False, head_dim_qk=64,
                                                                                           head_dim_vo=64)
 
@@ -98,11 +98,18 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
     assert "fp8 pages of 16, 32, 64, 128 or a multiple of 128 keys" in reason("sm_90a", 64, "f16", False, True,
                                                                               page_size=96, dtype_kv="e4m3")
     assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192, dtype_kv="e5m2")
-    for ps, gather in ((1, True), (5, True), (16, False), (24, True), (64, False), (256, False)):
-        spec = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps)
-        assert spec.gather is gather and ("_gather" in spec.name) is gather and "-DPAGED=%d" % (2 if gather else 1) in \
-            spec.defines()
-    assert not prefill_sm90.make_spec("f16", True, paged=True, page_size=1, dtype_kv="e4m3").gather
+    # the producer: the gather for 16-bit caches (3 stages where they fit), TMA boxes for fp8 and for the RoPE
+    # at head_dim 256 (pages no box fits: fa2 there, above)
+    rope = variants.resolve("f", num_qo_heads=8, head_dim=256, pos_encoding_mode="ROPE_LLAMA").composite
+    for ps in (1, 5, 16, 24, 64, 256):
+        for dk, dv in prefill_sm90.HEAD_DIMS:
+            spec = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, head_dim_qk=dk, head_dim_vo=dv)
+            assert spec.gather and "_gather" in spec.name and "-DPAGED=2" in spec.defines()
+            assert spec.stages == (3 if dk <= 128 else 2) and spec.smem_bytes <= prefill_sm90.SMEM_LIMIT
+            assert not prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, dtype_kv="e4m3", head_dim_qk=dk,
+                                              head_dim_vo=dv).gather
+        r256 = prefill_sm90.make_spec("f16", True, rope, paged=True, page_size=ps, head_dim_qk=256)
+        assert r256.gather is (prefill_sm90.page_box(ps, 64) is None) and ("-DPAGED=1" in r256.defines()) is not r256.gather
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
     # auto never picks fa3 off sm_90 or pages it cannot box (a custom mask is a variant: tests/test_mask_variant.py)
@@ -133,7 +140,7 @@ def _feature_grid():
     for dk, dv in prefill_sm90.HEAD_DIMS:      # (the RoPE's rotary_dim is a run-time parameter)
         xforms = [variants.DEFAULT] + ([rope, variants.Composite((KEY_SCALE,)), _query_only()] if dk == dv else [])
         for paged in (False, True):
-            out += [prefill_sm90.make_spec("bf16", True, v, paged, "", dk, dv) for v in xforms]
+            out += [prefill_sm90.make_spec("bf16", True, v, paged, "", dk, dv, gather=False) for v in xforms]   # boxes
             if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:
                 out += [prefill_sm90.make_spec(t, True, paged=paged, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
                         for t in ("bf16", "f16")]
@@ -159,7 +166,7 @@ def test_sm90_feature_grid_compiles_without_spills():
 def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
     from .test_qk_transform import KEY_SCALE
     for dk, dv in prefill_sm90.HEAD_DIMS:
-        plain = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
+        plain = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv, gather=False)
         bn = plain.block_n
         assert plain.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 8 * 4 * 2
         if dk == dv:     # READY_K: STAGES more mbarriers where producer warps transform K; none for q alone
@@ -333,9 +340,9 @@ def test_fa3_close_to_fa2_and_auto_reports_its_choice():
 PAGED_CASES = [   # (page_size, layout, one array or a (k, v) pair, causal, fixed_split_size)
     (16, "NHD", "one", True, None), (32, "HND", "pair", False, None), (64, "NHD", "pair", True, 256),
     (128, "HND", "one", True, None), (256, "NHD", "one", False, 128),
-    # the cp.async gather producer: pages no TMA box fits, and (forced) pages one does
+    # pages no TMA box fits (the gather takes every 16-bit cache), and TMA boxes forced ("16t": fp8's producer)
     (1, "NHD", "one", True, None), (5, "HND", "pair", False, 256), (3, "NHD", "pair", True, None),
-    ("16g", "HND", "one", True, 512), ("64g", "NHD", "pair", False, None),
+    ("16t", "HND", "one", True, 512), ("64t", "NHD", "pair", False, None),
 ]
 
 
@@ -344,14 +351,14 @@ PAGED_CASES = [   # (page_size, layout, one array or a (k, v) pair, causal, fixe
 @pytest.mark.parametrize("page_size,layout,form,causal,split", PAGED_CASES,
                          ids=[f"ps{p}-{lay}-{f}-{'causal' if c else 'full'}-{s}" for p, lay, f, c, s in PAGED_CASES])
 def test_fa3_paged_prefill_reads_pages_by_tma_boxes_or_gathers(page_size, layout, form, causal, split, monkeypatch):
-    """The Hopper kernel over a paged cache in random page order: a TMA box per page, or the gather
-    producer (pages no box fits; "16g": forced on pages one does); the slots past each request's last
-    key hold NaN (a serving cache's free slots hold anything) and must not leak."""
+    """The Hopper kernel over a paged cache in random page order: the gather producer, or ("16t": forced)
+    a TMA box per page; the slots past each request's last key hold NaN (a serving cache's free slots hold
+    anything) and must not leak."""
     import cupy as cp
     from .test_prefill import _paged_inputs, oracle_batch, rand
     if isinstance(page_size, str):
         page_size = int(page_size[:-1])
-        monkeypatch.setattr(prefill_sm90, "use_gather", lambda *a: True)
+        monkeypatch.setattr(prefill_sm90, "use_gather", lambda *a: False)
     rng = np.random.default_rng(page_size)
     qo_lens, kv_lens = [200, 1, 77, 129], [200, 3000, 1037, 129 + page_size // 2]
     cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, page_size, 8, 128, layout)
@@ -442,7 +449,7 @@ DIM_PAGED = [   # (head dims, q dtype, page_size, layout, one cache array or a (
     ((256, 256), "bfloat16", 16, "NHD", "one", None), ((256, 256), "float16", 64, "HND", "pair", 128),
     ((192, 128), "bfloat16", 16, "NHD", "pair", None), ((192, 128), "float16", 64, "HND", "pair", 256),
     ((64, 64), "bfloat16", 1, "NHD", "one", None), ((256, 256), "float16", 5, "HND", "pair", 256),
-    ((192, 128), "float16", 1, "HND", "one", None),      # the gather producer (pages no TMA box fits)
+    ((192, 128), "float16", 1, "HND", "pair", None),     # the gather producer (pages no TMA box fits)
 ]
 
 
@@ -465,7 +472,7 @@ def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, dk, page_size, head_dim_vo=dv, causal=True,
            q_data_type=dtype, fixed_split_size=split)
-    assert w.backend == "fa3" and ("_gather" if page_size in (1, 5) else "_paged") in w.describe()
+    assert w.backend == "fa3" and "_gather" in w.describe()
     if split:
         assert f"pieces of {split} keys" in w.describe()
     cache = _to_dev(np.stack((kp, vp), axis=1)) if form == "one" else (_to_dev(kp), _to_dev(vp))
@@ -539,7 +546,8 @@ def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
     vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(lens))]
     want, want_lse = _batch_oracle(q, ks, vs, qo_indptr, d, 2.0)
     _check_dims(out, lse, want, want_lse, "float16")
-    # -- paged, page 16 (TMA boxes) and, at head_dim 64, page 1 (the gather producer: its warps 1..3 transform K)
+    # -- paged, pages of 16 and (head_dim 64) 1: the gather producer, whose warps 1..3 transform K tiles
+    #    (the RoPE at head_dim 256: TMA boxes)
     for ps in ((16, 1) if d == 64 else (16,)):
         indptr, indices, last, kc, vc, per_req = _paged_case(rng, lens, ps, hkv, d)
         spare = np.setdiff1d(np.arange(kc.shape[0]), indices)
@@ -559,7 +567,7 @@ def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
             out, lse = _nan_like(q.shape, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
             wp.run(cp.asarray(q), (cp.asarray(kc), cp.asarray(vc)), *args, out=out, lse=lse)
             assert wp.backend == "fa3" and wp._plan["run_spec"].head_dim_qk == d, opts
-            assert ("_gather" in wp.describe()) == (ps == 1)
+            assert ("_gather" in wp.describe()) == (d != 256 or "variant" in opts)
             _check_dims(out, lse, want, want_lse, "float16")
 
 
