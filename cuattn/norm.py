@@ -8,6 +8,7 @@ GPU arrays the kernels of ``kernels_cu/norm.cu`` on the caller's stream. Rows ha
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,11 @@ _MAX_THREADS = 1024
 # is as fast or up to 20% faster (fused add 64 x 4096: 5.3 against 6.4 µs), above it the second up to 2x
 # (rmsnorm 4096 x 8192: 43 against 81 µs); layernorm 512-1024 x 4096 would still gain ~15% from the first.
 _LATENCY_ELEMENTS = 1 << 20
+# layernorm's gamma and beta (float32) are 4x a bf16 row's bytes: read from L2 for every row they bound the
+# kernel by L2 bandwidth (H100: 63% / 75% of the copy ceiling at hidden 4096 / 8192). Large calls up to
+# this hidden stage them in shared memory once per block (64 KB at 8192) and serve several rows a block.
+_STAGED_HIDDEN = 8192
+_LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: the staged form's block
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,20 @@ class NormSpec:
         latency = rows * hidden <= _LATENCY_ELEMENTS
         threads = vectors if latency else -(-vectors // self.max_groups)
         return min(_MAX_THREADS, max(32, -(-threads // 32) * 32))
+
+
+    def layernorm_geometry(self, hidden: int, rows: int) -> tuple[int, int, int]:
+        """(threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm. Large calls
+        with hidden <= _STAGED_HIDDEN stage gamma and beta in shared memory once per block and put
+        several rows in a block (up to _LAYERNORM_BLOCK threads); the others run a row a block with
+        gamma and beta from L2. Shared memory is one of two sizes, so that the function's dynamic
+        limit (raised above 48 KB) never shrinks under another launcher: exact up to 48 KB, else 64 KB."""
+        threads = self.threads(hidden, rows)
+        if rows * hidden <= _LATENCY_ELEMENTS or hidden > _STAGED_HIDDEN:
+            return threads, 1, 0
+        per_block = max(1, min(_LAYERNORM_BLOCK // threads, rows))       # blocks of up to 512 threads
+        smem = 2 * 4 * -(-hidden // _GROUP) * _GROUP
+        return threads, per_block, smem if smem <= 48 * 1024 else 2 * 4 * _STAGED_HIDDEN
 
 
 def shipped_specs() -> list[NormSpec]:
@@ -181,10 +201,13 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     rows, hidden = tx.shape
     if rows:
         spec = NormSpec(arrays.SHORT_NAME[dtype])
-        vec = _aligned((tx, to, tg, tb))
-        launch = jit.get_launcher(spec, "cuattn_layernorm", ctx.device, "pppp" "i" "qq" "f" "i")
-        launch((rows,), spec.threads(hidden, rows), ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, hidden,
-               tx.strides[0], to.strides[0], float(eps), vec)
+        threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        entry = "cuattn_layernorm_staged" if smem else "cuattn_layernorm"
+        launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
+        tiles = -(-rows // per_block)
+        grid = min(tiles, _resident_blocks(spec, entry, ctx.device, threads * per_block, smem)) if smem else tiles
+        launch((grid,), threads * per_block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
+               tx.strides[0], to.strides[0], float(eps), _aligned((tx, to, tg, tb)))
     return arrays.export(ctx, out, dtype)
 
 
@@ -249,6 +272,16 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
                tr.strides[0], float(weight_bias), float(eps), _aligned((tx, tr, tw)),
                pdl=jit.pdl_launch(ctx.device, enable_pdl))
     return None
+
+
+@functools.cache
+def _resident_blocks(spec: NormSpec, entry: str, device: int, block: int, smem: int) -> int:
+    """Blocks of ``block`` threads and ``smem`` dynamic shared bytes the device holds at once (one wave)."""
+    cp = arrays.cupy_module()
+    function = jit.get_function(spec, entry, device)
+    with cp.cuda.Device(device):
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, smem)
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"] * max(1, per_sm)
 
 
 def _rms_scale(x: np.ndarray, weight: np.ndarray, eps: float, weight_bias: float) -> np.ndarray:

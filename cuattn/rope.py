@@ -48,19 +48,15 @@ from .errors import UnsupportedError
 
 _SOURCE = "rope.cu"
 _ENTRIES = {p: f"cuattn_rope_p{p}" for p in (1, 2, 4, 8)}     # pairs a lane owns: 32 * p >= rotary_dim / 2
-_TAIL_ENTRY = "cuattn_rope_tail"
 _DTYPES = {"f16": 0, "bf16": 1}
 _STORAGE = (np.dtype(np.float16), arrays.bfloat16)
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 MAX_ROTARY_DIM = 512               # rope.cu: at most 8 pairs per lane of a warp
 _WARPS = 4                         # rope.cu's block: 4 warps, one token at a time each
-_BLOCKS_PER_SM = 8                 # grid target; beyond it warps loop over tokens
+_MIN_BLOCKS_PER_SM = 4             # rope.cu's __launch_bounds__(128, 4)
 # q k q_out k_out pos_ids indptr offsets cache | nnz batch Hq Hk head_dim rotary_dim interleave idx64
-# vector lanes_per_row | 8 strides, cache stride, cache length | 5 float-float frequency parameters
-_ARG_KINDS = "pppppppp" "iiiiiiiiii" "qqqqqqqqqq" "ffffffffff"
-# q k q_out k_out | nnz Hq Hk head_dim rotary_dim tail_unit | 8 strides
-_TAIL_ARG_KINDS = "pppp" "iiiiii" "qqqqqqqq"
-_TAIL_BLOCK = 256
+# vector lanes_per_row tail_unit | 8 strides, cache stride, cache length | 5 float-float frequency parameters
+_ARG_KINDS = "pppppppp" "iiiiiiiiiii" "qqqqqqqqqq" "ffffffffff"
 
 
 @dataclass(frozen=True)
@@ -79,12 +75,14 @@ class RopeSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DDTYPE={_DTYPES[self.dtype]}",)
 
-    def grid(self, nnz: int, heads: int, num_sms: int) -> tuple[int, int]:
-        """(blocks, head_splits): a warp per token up to the target of resident blocks (warps loop over
-        further tokens); fewer tokens split their heads over more blocks (two heads per warp at least)."""
-        target = _BLOCKS_PER_SM * num_sms
-        blocks = min(-(-nnz // _WARPS), target)
-        return blocks, max(1, min(-(-heads // 2), target // blocks))
+    def grid(self, nnz: int, heads: int, resident_blocks: int) -> tuple[int, int]:
+        """(blocks, head_splits) for ``resident_blocks`` blocks the GPU holds at once (one wave): a warp
+        per token, the tokens spread evenly over the warps of at most one wave (a warp loops over its
+        tokens; a second, partial wave would leave most SMs idle at its end); fewer tokens than that
+        split their heads over more blocks (two heads a warp at least)."""
+        per_warp = -(-nnz // (_WARPS * resident_blocks))            # tokens a warp
+        blocks = -(-nnz // (_WARPS * per_warp))
+        return blocks, max(1, min(-(-heads // 2), resident_blocks // blocks))
 
 
 def shipped_specs() -> list[RopeSpec]:
@@ -333,11 +331,6 @@ def _rotate_host(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rot: int, inte
     return out
 
 
-@functools.cache
-def _num_sms(device: int) -> int:
-    return arrays.cupy_module().cuda.Device(device).attributes["MultiProcessorCount"]
-
-
 def _device_view(t: arrays.Tensor, head_size: int | None, name: str, fn: str) -> tuple[tuple, tuple]:
     """(shape, element strides) of a device q/k (or output) as (nnz, num_heads, head_dim)."""
     shape = _heads_shape(t.shape, head_size, name, fn)
@@ -356,21 +349,43 @@ def _device_index(t: arrays.Tensor, name: str, fn: str, length: int | None = Non
 
 
 def _lane_pairs(rotary_dim: int) -> int:
-    """rope.cu's P: the pairs a lane owns, the fewest with 32 * P >= rotary_dim / 2."""
+    """rope.cu's P for 2-byte accesses: the pairs a lane owns, the fewest with 32 * P >= rotary_dim / 2."""
     return next(p for p in _ENTRIES if 32 * p >= rotary_dim // 2)
 
 
-def _vector_layout(rotary_dim: int, strides: list) -> tuple[int, int]:
-    """(P, lanes_per_row) for rope.cu: 8 pairs a lane in 16-byte accesses, several rows a warp, where
-    rotary_dim / 16 lanes divide a warp and the strides are 16-byte multiples; else the fewest pairs
-    that let one warp cover a row (measured on an H100: 4-byte accesses, one row a warp, reached 73% of
-    the copy ceiling at 4096 x 32:8 x 128)."""
+class _Layout(NamedTuple):
+    pairs: int             # rope.cu's P (its entry)
+    lanes_per_row: int     # vector: lanes serving a row (copy lanes included); 32 for 2-byte accesses
+    access: int            # bytes a vector access needs every pointer aligned to; 0: 2-byte accesses only
+
+
+def _vector_layout(rotary_dim: int, head_dim: int, interleave: bool, cover_tail: bool, strides: list) -> _Layout:
+    """rope.cu's lane layout: the most pairs a lane (P of 8, 4, 2, 1) whose accesses (2P elements, in
+    runs of P for NeoX) the strides allow and whose rotary_dim / 2 / P lanes fit a warp; the returning
+    forms with rotary_dim < head_dim add lanes that copy the tail (2P elements each) where the tail
+    splits into such runs and the row's lanes still fit a warp (else rope.cu copies tails after each
+    row). Otherwise (no P fits) one warp a row in coalesced 2-byte accesses."""
     half = rotary_dim // 2
-    if half % 8 == 0 and 32 % (half // 8) == 0 and all(s % 16 == 0 for s in strides):
-        return 8, half // 8
-    pairs = _lane_pairs(rotary_dim)
-    lanes = half // pairs
-    return pairs, lanes if half % pairs == 0 and lanes and 32 % lanes == 0 else 32
+    for p in (8, 4, 2, 1):
+        access = min((4 if interleave else 2) * p, 16)
+        if half % p or half // p > 32 or any(s % access for s in strides):
+            continue
+        lanes = half // p
+        if cover_tail and (head_dim - rotary_dim) % (2 * p) == 0 and head_dim // (2 * p) <= 32:
+            lanes = head_dim // (2 * p)
+        return _Layout(p, lanes, access)
+    return _Layout(_lane_pairs(rotary_dim), 32, 0)
+
+
+@functools.cache
+def _resident_blocks(spec: RopeSpec, entry: str, device: int) -> int:
+    """Blocks of rope.cu's entry one wave of the device holds: SMs x the driver's occupancy (registers,
+    shared memory, threads; at least __launch_bounds__' 4)."""
+    cp = arrays.cupy_module()
+    function = jit.get_function(spec, entry, device)
+    with cp.cuda.Device(device):
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, _WARPS * 32, 0)
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"] * max(_MIN_BLOCKS_PER_SM, per_sm)
 
 
 class _Plan(NamedTuple):
@@ -383,12 +398,8 @@ class _Plan(NamedTuple):
     cached: bool
     launcher: Any              # None: nothing to launch (no tokens or no heads)
     grid: tuple
-    vector: bool               # strides and rotary_dim allow vector accesses; pointers are checked per call
-    access: int                # bytes a vector access needs the pointers aligned to
-    lanes_per_row: int         # vector accesses: lanes serving one head row (rope.cu)
+    layout: _Layout            # lanes and vector access; pointers are checked per call
     tail_unit: int             # widest access (bytes) the tails' offsets and strides allow; 0: no copy
-    tail_launcher: Any
-    tail_grid: dict            # access bytes -> grid of the tail copy
     ints: tuple                # nnz .. idx64
     rest: tuple                # strides, cache stride and length, frequencies
 
@@ -409,13 +420,10 @@ def _run_plan(plan: _Plan, pointers: list, stream):
     if plan.launcher is not None:
         meta = (0, pointers[2], pointers[3]) if plan.ragged else (pointers[2], 0, 0)
         bits = q | k | q_out | k_out
+        vector = int(plan.layout.access != 0 and bits % plan.layout.access == 0)
+        tail_unit = min(plan.tail_unit, bits & -bits)                   # the pointers' alignment too
         plan.launcher(plan.grid, _WARPS * 32, stream, q, k, q_out, k_out, *meta, pointers[-1] if plan.cached else 0,
-                      *plan.ints, int(plan.vector and bits % plan.access == 0), plan.lanes_per_row, *plan.rest)
-        if plan.tail_launcher is not None:     # the returning forms' elements past rotary_dim
-            unit = min(plan.tail_unit, bits & -bits)                   # the pointers' alignment too
-            nnz, _, hq, hk, head_dim, rot = plan.ints[:6]
-            plan.tail_launcher(plan.tail_grid[unit], _TAIL_BLOCK, stream, q, k, q_out, k_out, nnz, hq, hk, head_dim,
-                               rot, unit, *plan.rest[:8])
+                      *plan.ints, vector, plan.layout.lanes_per_row, tail_unit, *plan.rest)
     if results is None:
         return None
     ctx = arrays.Context(plan.framework, plan.device, stream)
@@ -462,23 +470,18 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
     spec = _SPECS[dtype]
     strides = [s * 2 for shape, stride in ((q3, q_str), (k3, k_str), (q3, qo_str), (k3, ko_str))
                for n, s in zip(shape[:2], stride[:2]) if n > 1]            # bytes
-    pairs, lanes_per_row = _vector_layout(rot, strides)
-    launcher = jit.get_launcher(spec, _ENTRIES[pairs], ctx.device, _ARG_KINDS) if nnz and heads else None
-    tail_launcher, tail_grid = None, {}
-    access = min(4 * pairs if interleave else 2 * pairs, 16)       # bytes of one vector access
-    vector = (rot // 2) % pairs == 0 and all(s % access == 0 for s in strides)
+    # the returning forms copy the elements past rot: the widest access their offsets and strides allow
     tail_unit = 0 if inplace or rot == head_dim else next(
         u for u in (16, 8, 4, 2) if (rot * 2) % u == 0 and ((head_dim - rot) * 2) % u == 0 and
         all(s % u == 0 for s in strides))
-    if tail_unit and launcher is not None:
-        tail_launcher = jit.get_launcher(spec, _TAIL_ENTRY, ctx.device, _TAIL_ARG_KINDS)
-        rows, target = nnz * heads, 16 * _num_sms(ctx.device)        # blocks of 256 threads, one access each
-        tail_grid = {u: (max(1, min(-(-rows * (head_dim - rot) * 2 // u // _TAIL_BLOCK), target)),)
-                     for u in (2, 4, 8, 16) if u <= tail_unit}
+    layout = _vector_layout(rot, head_dim, interleave, tail_unit != 0, strides)
+    launcher, grid = None, (0, 0)
+    if nnz and heads:
+        entry = _ENTRIES[layout.pairs]
+        launcher = jit.get_launcher(spec, entry, ctx.device, _ARG_KINDS)
+        grid = spec.grid(nnz, heads, _resident_blocks(spec, entry, ctx.device))
     plan = _Plan(ctx.framework, ctx.device, dtype, None if inplace else (tq.shape, tk.shape),
-                 not isinstance(where, _PosIds), cache is not None, launcher,
-                 spec.grid(nnz, heads, _num_sms(ctx.device)) if launcher else (0, 0),
-                 vector, access, lanes_per_row, tail_unit, tail_launcher, tail_grid,
+                 not isinstance(where, _PosIds), cache is not None, launcher, grid, layout, tail_unit,
                  (nnz, batch, q3[1], k3[1], head_dim, rot, int(interleave), int(idx_dtype == np.int64)),
                  (q_str[0], q_str[1], k_str[0], k_str[1], qo_str[0], qo_str[1], ko_str[0], ko_str[1], cache_n,
                   cache_len, *freq_args))

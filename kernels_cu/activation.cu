@@ -16,10 +16,13 @@ enum Act { SILU, GELU, GELU_TANH };
 
 template <Act ACT>
 __device__ __forceinline__ float activate(float x) {
-  if (ACT == SILU) return x / (1.f + __expf(-x));                        // x * sigmoid(x); -0 as x -> -inf
+  // x * sigmoid(x) with the approximate division (x times the reciprocal, 2 ulp): -0 as x -> -inf
+  if (ACT == SILU) return __fdividef(x, 1.f + __expf(-x));
   if (ACT == GELU) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));  // exact: erf(x / sqrt(2))
-  const float inner = 0.79788456080286536f * (x + 0.044715f * x * x * x);   // sqrt(2 / pi) * (x + 0.044715 x^3)
-  return 0.5f * x * (1.f + tanhf(inner));
+  // 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) * (x + 0.044715 x^3): one exp and one
+  // approximate division instead of tanhf, and no cancellation in 1 + tanh(u) for negative x
+  const float inner = 1.5957691216057308f * (x + 0.044715f * x * x * x);    // 2u
+  return __fdividef(x, 1.f + __expf(-inner));
 }
 
 template <Act ACT>

@@ -1,26 +1,30 @@
 // rope.cu — launched by cuattn/rope.py (RopeSpec).
 // Compile-time: DTYPE (0: f16, 1: bf16), the storage type of q, k and their outputs. Everything else
 // is a launch argument: head_dim, rotary_dim, the style, where positions come from, the frequencies
-// or a cos/sin cache, whether accesses are vectorized.
-// Entries cuattn_rope_p1, _p2, _p4, _p8: a lane owns P pairs of a head row, so the entry with
-// 32 * P >= rotary_dim / 2 serves a rotary_dim (up to 2 * 32 * 8 = 512); each has its own registers.
-// Grid (blocks, head_splits); block 128 = 4 warps. Warp w of block b takes the tokens t = 4b + w,
-// t + 4 * gridDim.x, ...; of each token it rotates the heads blockIdx.y, blockIdx.y + gridDim.y, ... of
-// its num_qo_heads + num_kv_heads heads (q's first), ROWS = min(16 / P, 8) rows at a time: all loaded,
-// then all rotated and written (2 KB of rows a warp in flight, 1 KB for rotary_dim <= 64).
-// A lane computes the cos/sin of its P pairs once per token (the pairs' frequencies come from shared
-// memory, computed once per block) and applies them to every head row of the token.
-// vector != 0 (the launcher checked alignment and rotary_dim / 2 % P == 0): a row is served by
-// lanes_per_row = rotary_dim / 2 / P lanes (32 / lanes_per_row rows at once: the P = 8 entry serves
-// rotary_dim 16 to 512 with 16-byte accesses); sub-lane s owns the pairs sP .. sP + P - 1, read
-// interleaved as one run of 2P elements at 2sP, NeoX as two runs of P elements at sP and
-// rotary_dim/2 + sP, in 4- to 16-byte accesses; vector == 0: the whole warp serves a row, lane l owns
-// pairs l + 32i, read in coalesced 2-byte accesses. A lane writes exactly the elements it read, so out == in (the
-// in-place forms) is safe. Elements past rotary_dim are not touched: cuattn_rope_tail copies them to
-// separate outputs (grid (blocks), block 256: one access of tail_unit = 2 to 16 bytes a thread, as the
-// launcher found the tails aligned, over every row's tail).
+// or a cos/sin cache, the lane layout, whether accesses are vectorized, how tails are copied.
+// Entries cuattn_rope_p1, _p2, _p4, _p8: a lane owns P pairs of a head row; each entry has its own
+// registers. One launch does everything: every byte of q and k is read once and written once.
+// Grid (blocks, head_splits); block 128 = 4 warps; __launch_bounds__(128, 4) keeps 4 blocks (16 warps)
+// an SM at least. Warp w of block b takes the tokens t = 4b + w, t + 4 * gridDim.x, ...; of each token
+// the heads blockIdx.y + k * gridDim.y (q's first), in as few steps as its registers allow (ROWS rows a
+// lane, lanes_per_row lanes a row: up to 8 KB of rows a warp in flight), spread evenly over the steps.
+// Per token: the first step's rows are loaded first, then the position is read and the lanes write
+// the cos/sin of the token's pairs (computed with common/rope.cuh, or read from cos_sin_cache), each
+// pair once, into the warp's table in shared memory; each lane takes its pairs' values from there.
+// So the latency of the position, of the cache row and the trigonometry overlap the rows' loads.
+// vector != 0 (the launcher checked the alignment of every base and stride): a row is served by
+// lanes_per_row lanes (32 / lanes_per_row rows at once, spare lanes idle); sub-lane s < rotary_dim / 2 / P
+// rotates the pairs sP .. sP + P - 1, read interleaved as one run of 2P elements at 2sP, NeoX as two runs
+// of P elements at sP and rotary_dim/2 + sP (4- to 16-byte accesses); sub-lanes past those (the returning
+// forms, when lanes_per_row covers the whole head) copy the 2P elements at 2sP, in the same accesses.
+// vector == 0: the whole warp serves a row, lane l owns pairs l + 32i, coalesced 2-byte accesses.
+// A lane writes exactly the elements it read, so out == in (the in-place forms) is safe.
+// Elements past rotary_dim not covered by lanes (tail_unit != 0: the returning forms) are copied
+// after each row by the row's lanes in accesses of tail_unit = 2 to 16 bytes (the launcher found the
+// tails, bases and strides aligned to it); the in-place forms pass tail_unit 0 and leave them.
 // Positions: pos_ids[t]; or, with pos_ids == nullptr, ragged: b = the last request with indptr[b] <= t
-// (binary search, clamped into [0, batch)), pos = offsets[b] + t - indptr[b]. int32 or int64 (idx64).
+// (a 32-way search by the warp, in [0, batch) whatever indptr holds), pos = offsets[b] + t - indptr[b].
+// int32 or int64 (idx64).
 // The launcher checks shapes, not the contents of device metadata (that would need a sync): whatever
 // they hold, nothing is read or written out of bounds.
 // cos/sin: computed (common/rope.cuh), or, when cos_sin_cache != nullptr, read from row pos of
@@ -33,8 +37,10 @@
 namespace cuattn {
 
 constexpr int WARPS = 4;
+constexpr int MIN_BLOCKS = 4;         // resident blocks an SM: registers capped at 128 a thread
 constexpr int MAX_HALF = 32 * 8;      // pairs of the widest entry (p8): rotary_dim <= 512
-constexpr int LANE_WORDS = 16;        // row words a lane keeps in flight: ROWS * P (8 at P = 1)
+constexpr int LANE_WORDS = 64;        // row words a lane keeps in flight, vector accesses: ROWS * P (256 bytes)
+constexpr int LANE_WORDS_2B = 16;     // the same for 2-byte accesses (their addresses take registers too)
 
 struct RopeArgs {
   const elem_t* q;
@@ -47,6 +53,7 @@ struct RopeArgs {
   const float* cache;
   int nnz, batch, num_qo_heads, num_kv_heads, head_dim, rotary_dim;
   int lanes_per_row;   // vector accesses: lanes that serve one head row (32 / it rows at once); else 32
+  int tail_unit;       // bytes of a tail copy access; 0: no tail copy
   bool interleave, idx64;
   int64_t q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len;
   RopeFreq freq;
@@ -56,14 +63,20 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool idx
   return idx64 ? static_cast<const int64_t*>(p)[i] : int64_t(static_cast<const int32_t*>(p)[i]);
 }
 
-__device__ __forceinline__ int64_t token_position(const RopeArgs& a, int64_t t) {
+// -- the position of token t, by a whole warp (t the same in every lane)
+__device__ __forceinline__ int64_t token_position(const RopeArgs& a, int64_t t, int lane) {
   if (a.pos_ids != nullptr) return load_index(a.pos_ids, t, a.idx64);
-  // -- the last request b in [0, batch) with indptr[b] <= t (empty requests before it are skipped)
-  int lo = 0, hi = a.batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (load_index(a.indptr, mid, a.idx64) <= t) lo = mid;
-    else hi = mid - 1;
+  // -- the last request b in [0, batch) with indptr[b] <= t (empty requests before it are skipped):
+  //    each round the 32 lanes probe the starts of 32 chunks of the candidates [lo, lo + n) and keep the
+  //    last chunk whose start is <= t (decode, one token a request: 64 requests take 2 dependent loads)
+  int lo = 0, n = a.batch;
+  while (n > 1) {
+    const int chunk = (n + 31) >> 5, at = lo + lane * chunk;
+    const bool before = at < lo + n && load_index(a.indptr, at, a.idx64) <= t;
+    const unsigned ballot = __ballot_sync(0xffffffffu, before);
+    const int keep = ballot ? 31 - __clz(ballot) : 0;
+    lo += keep * chunk;
+    n = min(chunk, n - keep * chunk);
   }
   return load_index(a.offsets, lo, a.idx64) + t - load_index(a.indptr, lo, a.idx64);
 }
@@ -112,39 +125,55 @@ __device__ __forceinline__ void store_bits(elem_t* p, const uint32_t* w) {
   }
 }
 
-// The pair a lane's slot i holds: lP + i (vector) or l + 32i (coalesced 2-byte accesses).
+// -- where a lane's elements sit in a head row, fixed for the whole kernel
+struct LaneSpan {
+  int off_a, off_b;    // vector: the two runs (NeoX) or the one run (interleaved: off_a) of the lane
+  bool rotates;        // false: a copy lane (vector) or a lane past the rotated pairs
+  bool works;          // false: idle (past the rows a warp serves at once, or no pair of its own)
+};
+
 template <int P, bool VECTOR>
-__device__ __forceinline__ int lane_pair(int lane, int i) {
-  return VECTOR ? lane * P + i : lane + 32 * i;
+__device__ __forceinline__ LaneSpan lane_span(const RopeArgs& a, int sub, int slot, int per_warp) {
+  const int half = a.rotary_dim >> 1;
+  LaneSpan s;
+  if constexpr (VECTOR) {
+    s.rotates = sub * P < half;
+    s.works = slot < per_warp;
+    if (a.interleave || !s.rotates) s.off_a = 2 * P * sub, s.off_b = 2 * P * sub + P;
+    else s.off_a = P * sub, s.off_b = half + P * sub;
+  } else {
+    s.rotates = sub < half;
+    s.works = true;
+    s.off_a = s.off_b = 0;
+  }
+  return s;
 }
 
-// -- one head row's pairs of this lane as pair words w[i] = (first element | second element << 16)
+// -- one head row's elements of this lane, as raw words: vector NeoX (P >= 2): w[0, P/2) the run at
+//    off_a, w[P/2, P) the run at off_b; P == 1 or interleaved or the 2-byte path: pair words
+//    (first element | second << 16); copy lanes: the 2P elements in order
 template <int P, bool VECTOR>
-__device__ __forceinline__ void load_pairs(const elem_t* row, int half, bool interleave, int lane, uint32_t (&w)[P]) {
+__device__ __forceinline__ void load_lane(const elem_t* row, const RopeArgs& a, const LaneSpan& s, int lane,
+                                          uint32_t (&w)[P]) {
   if constexpr (VECTOR) {
-    const int j0 = lane * P;
-    if (j0 >= half) return;
-    if (interleave) {
-      load_bits<2 * P>(row + 2 * j0, w);                       // (a0 b0)(a1 b1)...: pair words already
+    if (a.interleave) {
+      load_bits<2 * P>(row + s.off_a, w);
     } else if constexpr (P == 1) {
-      uint32_t a, b;
-      load_bits<1>(row + j0, &a);
-      load_bits<1>(row + half + j0, &b);
-      w[0] = a | (b << 16);
+      uint32_t x, y;
+      load_bits<1>(row + s.off_a, &x);
+      load_bits<1>(row + s.off_b, &y);
+      w[0] = x | (y << 16);
     } else {
-      uint32_t ra[P / 2], rb[P / 2];                           // runs (a0 a1)(a2 a3).., (b0 b1)..
-      load_bits<P>(row + j0, ra);
-      load_bits<P>(row + half + j0, rb);
-#pragma unroll
-      for (int i = 0; i < P / 2; ++i)                          // -> (a0 b0)(a1 b1)..: one byte permute each
-        w[2 * i] = __byte_perm(ra[i], rb[i], 0x5410), w[2 * i + 1] = __byte_perm(ra[i], rb[i], 0x7632);
+      load_bits<P>(row + s.off_a, w);
+      load_bits<P>(row + s.off_b, w + P / 2);
     }
   } else {
+    const int half = a.rotary_dim >> 1;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      const int j = lane_pair<P, false>(lane, i);
+      const int j = lane + 32 * i;
       if (j >= half) break;
-      const int ia = interleave ? 2 * j : j, ib = interleave ? 2 * j + 1 : j + half;
+      const int ia = a.interleave ? 2 * j : j, ib = a.interleave ? 2 * j + 1 : j + half;
       w[i] = uint32_t(reinterpret_cast<const uint16_t*>(row)[ia]) |
              (uint32_t(reinterpret_cast<const uint16_t*>(row)[ib]) << 16);
     }
@@ -152,105 +181,156 @@ __device__ __forceinline__ void load_pairs(const elem_t* row, int half, bool int
 }
 
 template <int P, bool VECTOR>
-__device__ __forceinline__ void rotate_store_pairs(elem_t* row, int half, bool interleave, int lane, uint32_t (&w)[P],
-                                                   const float2 (&cs)[P]) {
-  if (lane_pair<P, VECTOR>(lane, 0) >= half) return;
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const float2 x = unpack2<elem_t>(w[i]);
-    const float2 y = rope_rotate(x.x, x.y, cs[i]);
-    w[i] = pack2<elem_t>(y.x, y.y);
-  }
+__device__ __forceinline__ void store_lane(elem_t* row, const RopeArgs& a, const LaneSpan& s, int lane,
+                                           const uint32_t (&w)[P]) {
   if constexpr (VECTOR) {
-    const int j0 = lane * P;
-    if (interleave) {
-      store_bits<2 * P>(row + 2 * j0, w);
+    if (a.interleave) {
+      store_bits<2 * P>(row + s.off_a, w);
     } else if constexpr (P == 1) {
-      const uint32_t a = w[0] & 0xffffu, b = w[0] >> 16;
-      store_bits<1>(row + j0, &a);
-      store_bits<1>(row + half + j0, &b);
+      const uint32_t x = w[0] & 0xffffu, y = w[0] >> 16;
+      store_bits<1>(row + s.off_a, &x);
+      store_bits<1>(row + s.off_b, &y);
     } else {
-      uint32_t ra[P / 2], rb[P / 2];
-#pragma unroll
-      for (int i = 0; i < P / 2; ++i)                          // (a0 b0)(a1 b1) -> (a0 a1), (b0 b1)
-        ra[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x5410), rb[i] = __byte_perm(w[2 * i], w[2 * i + 1], 0x7632);
-      store_bits<P>(row + j0, ra);
-      store_bits<P>(row + half + j0, rb);
+      store_bits<P>(row + s.off_a, w);
+      store_bits<P>(row + s.off_b, w + P / 2);
     }
   } else {
+    const int half = a.rotary_dim >> 1;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      const int j = lane_pair<P, false>(lane, i);
+      const int j = lane + 32 * i;
       if (j >= half) break;
-      const int ia = interleave ? 2 * j : j, ib = interleave ? 2 * j + 1 : j + half;
+      const int ia = a.interleave ? 2 * j : j, ib = a.interleave ? 2 * j + 1 : j + half;
       reinterpret_cast<uint16_t*>(row)[ia] = uint16_t(w[i] & 0xffffu);
       reinterpret_cast<uint16_t*>(row)[ib] = uint16_t(w[i] >> 16);
     }
   }
 }
 
+// -- the rotation of a rotating lane's words, in place (the layout of load_lane)
+__device__ __forceinline__ uint32_t rotate_word(uint32_t w, float2 cs) {
+  const float2 x = unpack2<elem_t>(w);
+  const float2 y = rope_rotate(x.x, x.y, cs);
+  return pack2<elem_t>(y.x, y.y);
+}
+
 template <int P, bool VECTOR>
-__device__ __forceinline__ void rope_tokens(const RopeArgs& a, const ff32* half_turns) {
-  constexpr int ROWS = LANE_WORDS / P < 8 ? LANE_WORDS / P : 8;     // 8 at P = 1: ptxas spilled 16
+__device__ __forceinline__ void rotate_lane(const RopeArgs& a, uint32_t (&w)[P], const float2 (&cs)[P]) {
+  if (VECTOR && P >= 2 && !a.interleave) {
+#pragma unroll
+    for (int i = 0; i < P / 2; ++i) {             // runs (a0 a1)(a2 a3).., (b0 b1).. -> pairs (a0 b0)(a1 b1)
+      const uint32_t ra = w[i], rb = w[P / 2 + i];
+      const uint32_t p0 = rotate_word(__byte_perm(ra, rb, 0x5410), cs[2 * i]);
+      const uint32_t p1 = rotate_word(__byte_perm(ra, rb, 0x7632), cs[2 * i + 1]);
+      w[i] = __byte_perm(p0, p1, 0x5410), w[P / 2 + i] = __byte_perm(p0, p1, 0x7632);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < P; ++i) w[i] = rotate_word(w[i], cs[i]);
+  }
+}
+
+// -- the elements past rotary_dim of one row, by the row's lanes, in accesses of T
+template <class T>
+__device__ __forceinline__ void copy_units(const elem_t* in, elem_t* out, int units, int sub, int lanes) {
+  const T* s = reinterpret_cast<const T*>(in);
+  T* d = reinterpret_cast<T*>(out);
+  for (int e = sub; e < units; e += lanes) d[e] = s[e];
+}
+
+__device__ __forceinline__ void copy_tail(const RopeArgs& a, const elem_t* in, elem_t* out, int sub, int lanes) {
+  const int bytes = (a.head_dim - a.rotary_dim) * int(sizeof(elem_t));
+  in += a.rotary_dim, out += a.rotary_dim;
+  if (a.tail_unit == 16) copy_units<uint4>(in, out, bytes / 16, sub, lanes);
+  else if (a.tail_unit == 8) copy_units<uint2>(in, out, bytes / 8, sub, lanes);
+  else if (a.tail_unit == 4) copy_units<uint32_t>(in, out, bytes / 4, sub, lanes);
+  else copy_units<uint16_t>(in, out, bytes / 2, sub, lanes);
+}
+
+template <int P, bool VECTOR>
+__device__ __forceinline__ void rope_tokens(const RopeArgs& a, float2* table) {
+  constexpr int WORDS = VECTOR ? LANE_WORDS : LANE_WORDS_2B;
+  constexpr int ROWS = WORDS / P < 16 ? WORDS / P : 16;
+  const int lane = threadIdx.x & 31;
   const int lpr = VECTOR ? a.lanes_per_row : 32;
-  const int lane = (threadIdx.x & 31) % lpr;        // the sub-lane within its row's lanes
-  const int step = 32 / lpr;                        // rows served at once by the warp
-  const int row_of_lane = (threadIdx.x & 31) / lpr;
+  const int per_warp = 32 / lpr;                    // rows served at once
+  const int sub = lane % lpr, slot = lane / lpr;
+  const LaneSpan span = lane_span<P, VECTOR>(a, sub, slot, per_warp);
   const int half = a.rotary_dim >> 1;
-  const int heads = a.num_qo_heads + a.num_kv_heads;
+  const bool tail_loop = a.tail_unit != 0 && !(VECTOR && lpr * P > half);   // tails not covered by lanes
   const bool cached = a.cache != nullptr;
+  // -- this block's heads blockIdx.y + k * gridDim.y, k < mine, in steps of per_warp * rows rows
+  const int heads = a.num_qo_heads + a.num_kv_heads;
+  const int mine = (heads - int(blockIdx.y) + int(gridDim.y) - 1) / int(gridDim.y);
+  if (mine <= 0) return;                            // (the launcher splits heads at most heads ways)
+  const int steps = (mine + per_warp * ROWS - 1) / (per_warp * ROWS);
+  const int rows = (mine + per_warp * steps - 1) / (per_warp * steps);     // a lane's rows a step, <= ROWS
 
   for (int64_t t = int64_t(blockIdx.x) * WARPS + (threadIdx.x >> 5); t < a.nnz; t += int64_t(gridDim.x) * WARPS) {
-    const int64_t pos = token_position(a, t);
+    uint32_t w[ROWS][P];
+    auto head_of = [&](int step, int u) { return (step * rows + u) * per_warp + slot; };   // k; head below
+    auto load_step = [&](int step) {
+      if (!span.works) return;
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) {
+        const int k = head_of(step, u);
+        if (u < rows && k < mine) load_lane<P, VECTOR>(row_in(a, t, blockIdx.y + k * gridDim.y), a, span, lane, w[u]);
+      }
+    };
+    load_step(0);
 
-    // -- cos/sin of this lane's pairs at this token, shared by all its heads
-    float2 cs[P];
+    // -- the token's cos/sin, each pair once, into the warp's table; then this lane's pairs from it
+    const int64_t pos = token_position(a, t, lane);
     const bool in_cache = cached && pos >= 0 && pos < a.cache_len;
     const float* crow = in_cache ? a.cache + pos * a.cache_n : nullptr;
+    for (int j = lane; j < half; j += 32) {
+      float2 c;
+      if (!cached) c = rope_cos_sin(pos, rope_half_turns(j, a.freq));
+      else if (in_cache) c = make_float2(crow[j], crow[half + j]);
+      else c = make_float2(__int_as_float(0x7fffffff), __int_as_float(0x7fffffff));   // NaN
+      table[j] = c;
+    }
+    __syncwarp();
+    float2 cs[P];
+    if constexpr (VECTOR && P >= 2) {
+      const float4* t4 = reinterpret_cast<const float4*>(table + P * sub);   // 16-byte aligned: P even
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int j = lane_pair<P, VECTOR>(lane, i);
-      if (j >= half) {
-        cs[i] = make_float2(1.f, 0.f);              // not used
-      } else if (!cached) {
-        cs[i] = rope_cos_sin(pos, half_turns[j]);
-      } else if (in_cache) {
-        cs[i] = make_float2(crow[j], crow[half + j]);
-      } else {
-        cs[i] = make_float2(__int_as_float(0x7fffffff), __int_as_float(0x7fffffff));   // NaN
+      for (int i = 0; i < P / 2; ++i) {
+        const float4 v = span.rotates ? t4[i] : make_float4(1.f, 0.f, 1.f, 0.f);
+        cs[2 * i] = make_float2(v.x, v.y), cs[2 * i + 1] = make_float2(v.z, v.w);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int j = VECTOR ? P * sub + i : lane + 32 * i;
+        cs[i] = j < half ? table[j] : make_float2(1.f, 0.f);
       }
     }
+    __syncwarp();     // every lane has its values before the next token's are written
 
-    // -- the token's head rows, ROWS * step at a time (row r of a step: ROWS per lane): load all,
-    //    then rotate and write all
-    for (int h0 = blockIdx.y; h0 < heads; h0 += ROWS * step * gridDim.y) {
-      uint32_t w[ROWS][P];
+    // -- rotate and write the loaded step, load the next
+    for (int step = 0; step < steps; ++step) {
+      if (step) load_step(step);
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        const int h = h0 + (u * step + row_of_lane) * gridDim.y;
-        if (h < heads) load_pairs<P, VECTOR>(row_in(a, t, h), half, a.interleave, lane, w[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < ROWS; ++u) {
-        const int h = h0 + (u * step + row_of_lane) * gridDim.y;
-        if (h >= heads) break;
-        rotate_store_pairs<P, VECTOR>(row_out(a, t, h), half, a.interleave, lane, w[u], cs);
+        const int k = head_of(step, u);
+        if (!span.works || u >= rows || k >= mine) break;
+        const int h = blockIdx.y + k * gridDim.y;
+        elem_t* out = row_out(a, t, h);
+        if (span.rotates) rotate_lane<P, VECTOR>(a, w[u], cs);
+        if (VECTOR || span.rotates) store_lane<P, VECTOR>(out, a, span, lane, w[u]);
+        if (tail_loop) copy_tail(a, row_in(a, t, h), out, sub, lpr);
       }
     }
   }
 }
 
-// The whole kernel for P pairs a lane: the pairs' frequencies into shared memory once (unless cos and
-// sin come from a cache), then the tokens.
 template <int P>
 __device__ __forceinline__ void rope_kernel(const RopeArgs& a, int vector) {
-  __shared__ ff32 half_turns[MAX_HALF];
-  if (a.cache == nullptr) {
-    for (int j = threadIdx.x; j < a.rotary_dim / 2; j += blockDim.x) half_turns[j] = rope_half_turns(j, a.freq);
-    __syncthreads();
-  }
-  if (vector) rope_tokens<P, true>(a, half_turns);
-  else rope_tokens<P, false>(a, half_turns);
+  __shared__ __align__(16) float2 tables[WARPS][MAX_HALF];    // per warp: the current token's cos/sin
+  float2* table = tables[threadIdx.x >> 5];
+  if (vector) rope_tokens<P, true>(a, table);
+  else rope_tokens<P, false>(a, table);
 }
 
 }  // namespace cuattn
@@ -260,18 +340,17 @@ using namespace cuattn;
 // q: (t, h, d) at t*q_n + h*q_h + d, k likewise with k_n / k_h; q_out / k_out with qo_* / ko_* (equal
 // to q / k for the in-place forms). The float pairs are RopeFreq's (hi, lo) values.
 #define CUATTN_ROPE_ENTRY(P)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32) cuattn_rope_p##P(                                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) cuattn_rope_p##P(                        \
       const elem_t* q, const elem_t* k, elem_t* q_out, elem_t* k_out, const void* pos_ids, const void* indptr,    \
       const void* offsets, const float* cos_sin_cache, int nnz, int batch, int num_qo_heads, int num_kv_heads,    \
-      int head_dim, int rotary_dim, int interleave, int idx64, int vector, int lanes_per_row, int64_t q_n,      \
-      int64_t q_h,                                                                                                \
-      int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h,                           \
+      int head_dim, int rotary_dim, int interleave, int idx64, int vector, int lanes_per_row, int tail_unit,      \
+      int64_t q_n, int64_t q_h, int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h, \
       int64_t cache_n, int64_t cache_len, float step_hi, float step_lo, float smooth_a_hi, float smooth_a_lo,     \
       float smooth_b_hi, float smooth_b_lo, float scaled_pi_hi, float scaled_pi_lo, float unscaled_pi_hi,         \
       float unscaled_pi_lo) {                                                                                     \
     const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
-                     num_kv_heads, head_dim, rotary_dim, lanes_per_row, interleave != 0, idx64 != 0, q_n, q_h,    \
-                     k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,                                        \
+                     num_kv_heads, head_dim, rotary_dim, lanes_per_row, tail_unit, interleave != 0, idx64 != 0,   \
+                     q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,                              \
                      RopeFreq{{step_hi, step_lo}, {smooth_a_hi, smooth_a_lo}, {smooth_b_hi, smooth_b_lo},         \
                               {scaled_pi_hi, scaled_pi_lo}, {unscaled_pi_hi, unscaled_pi_lo}}};                   \
     rope_kernel<P>(a, vector);                                                                                    \
@@ -281,39 +360,3 @@ CUATTN_ROPE_ENTRY(1)
 CUATTN_ROPE_ENTRY(2)
 CUATTN_ROPE_ENTRY(4)
 CUATTN_ROPE_ENTRY(8)
-
-// The elements past rotary_dim of every head row, copied to the separate outputs of the returning forms
-// in accesses of T: thread g copies unit g % units of row g / units (rows: token-major, q's heads first).
-template <class T, class I>     // I: the index type, 32-bit unless there are 2^32 units or more
-__device__ __forceinline__ void copy_tails(const RopeArgs& a, I units, I total) {
-  const I heads = I(a.num_qo_heads + a.num_kv_heads);
-  for (I g = I(blockIdx.x) * blockDim.x + threadIdx.x; g < total; g += I(gridDim.x) * blockDim.x) {
-    const I row = g / units, e = g - row * units;
-    const I t = row / heads;
-    const int h = int(row - t * heads);
-    const T v = reinterpret_cast<const T*>(row_in(a, t, h) + a.rotary_dim)[e];
-    reinterpret_cast<T*>(row_out(a, t, h) + a.rotary_dim)[e] = v;
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void copy_tails(const RopeArgs& a) {
-  const int64_t units = (a.head_dim - a.rotary_dim) * int64_t(sizeof(elem_t)) / int64_t(sizeof(T));
-  const int64_t total = units * (a.num_qo_heads + a.num_kv_heads) * a.nnz;
-  if (total < (int64_t(1) << 32)) copy_tails<T, uint32_t>(a, uint32_t(units), uint32_t(total));
-  else copy_tails<T, int64_t>(a, units, total);
-}
-
-extern "C" __global__ void __launch_bounds__(256) cuattn_rope_tail(
-    const elem_t* q, const elem_t* k, elem_t* q_out, elem_t* k_out, int nnz, int num_qo_heads, int num_kv_heads,
-    int head_dim, int rotary_dim, int tail_unit, int64_t q_n, int64_t q_h, int64_t k_n, int64_t k_h, int64_t qo_n,
-    int64_t qo_h, int64_t ko_n, int64_t ko_h) {
-  RopeArgs a{};
-  a.q = q, a.k = k, a.q_out = q_out, a.k_out = k_out, a.nnz = nnz, a.num_qo_heads = num_qo_heads;
-  a.num_kv_heads = num_kv_heads, a.head_dim = head_dim, a.rotary_dim = rotary_dim;
-  a.q_n = q_n, a.q_h = q_h, a.k_n = k_n, a.k_h = k_h, a.qo_n = qo_n, a.qo_h = qo_h, a.ko_n = ko_n, a.ko_h = ko_h;
-  if (tail_unit == 16) copy_tails<uint4>(a);
-  else if (tail_unit == 8) copy_tails<uint2>(a);
-  else if (tail_unit == 4) copy_tails<uint32_t>(a);
-  else copy_tails<uint16_t>(a);
-}

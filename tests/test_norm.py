@@ -288,6 +288,30 @@ def test_layernorm_gpu_matches_float64_formula(dtype, hidden, mode):
     assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
 
 
+# (rows, hidden, row stride): the staged layernorm (gamma and beta in shared memory, several rows a
+# block, blocks looping over row tiles): 64 KB of shared memory (8192, 7000: the raised limit, twice),
+# exactly 48 KB (6144), a last tile part empty (odd rows), rows of a stride that is no multiple of 8
+# (2-byte accesses), and hidden 16384 (a row a block, gamma and beta from L2)
+STAGED = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024, 1024), (301, 4100, 4103),
+          (131, 16384, 16384)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
+    import cupy
+    for rows, hidden, stride in STAGED:
+        assert (rows * hidden > norm._LATENCY_ELEMENTS) and (stride >= hidden)
+        rng = np.random.default_rng(rows + hidden)
+        x = randn(rng, (rows, hidden), dtype, scale=2.0, shift=3.0)
+        gamma, beta = randn(rng, (hidden,), np.float32), randn(rng, (hidden,), np.float32)
+        raw = to_gpu(np.zeros((rows, stride), dtype))
+        view = raw[:, stride - hidden:]          # contiguous, or starting 6 bytes into a row of odd stride
+        view[...] = to_gpu(x)
+        y = norm.layernorm(view, cupy.asarray(gamma), cupy.asarray(beta), 1e-5)
+        assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
+
+
 @pytest.mark.gpu
 def test_norms_gpu_take_torch_tensors_and_refuse_jax_in_place():
     torch = pytest.importorskip("torch")

@@ -315,8 +315,13 @@ def test_rope_specs_are_few_and_named_by_dtype():
     specs = rope.shipped_specs()
     assert [s.name for s in specs] == ["rope_f16", "rope_bf16"]
     assert specs[1].defines() == ("-DDTYPE=1",)
-    assert specs[0].grid(nnz=1, heads=40, num_sms=132) == (1, 20)          # decode: heads split over blocks
-    assert specs[0].grid(nnz=10 ** 6, heads=40, num_sms=132) == (8 * 132, 1)   # warps loop over tokens
+    one_wave = 4 * 132                                                     # H100: 4 blocks an SM
+    assert specs[0].grid(nnz=1, heads=40, resident_blocks=one_wave) == (1, 20)   # decode: heads split over blocks
+    assert specs[0].grid(nnz=64, heads=40, resident_blocks=one_wave) == (16, 20)
+    # serving size: 4096 tokens over 2112 warps -> 2 tokens each, 512 blocks (one wave, not 1.9 waves)
+    assert specs[0].grid(nnz=4096, heads=40, resident_blocks=one_wave) == (512, 1)
+    blocks, splits = specs[0].grid(nnz=10 ** 6, heads=40, resident_blocks=one_wave)   # warps loop over tokens
+    assert splits == 1 and blocks <= one_wave and blocks * 4 * -(-10 ** 6 // (4 * blocks)) >= 10 ** 6
 
 
 @pytest.mark.parametrize("freq", [rope._plain_freq("t", 1, 1e4), rope._plain_freq("t", 4.0, 5e5),
@@ -361,7 +366,10 @@ def assert_close_gpu(got, ref, dtype):
 
 # (num_qo_heads, num_kv_heads, head_dim, rotary_dim): every vector width and steps per lane
 GPU_SHAPES = [(32, 8, 128, 128), (4, 2, 64, 32), (2, 1, 64, 36), (2, 1, 96, 18), (8, 1, 256, 256),
-              (2, 2, 512, 512), (3, 1, 128, 64)]
+              (2, 2, 512, 512), (3, 1, 128, 64),
+              # copy lanes with rows of 5 lanes (6 rows a warp, 2 lanes idle); a tail past 32 lanes (copied
+              # after each row); P = 4 rotating lanes with P = 4 copy lanes
+              (5, 1, 80, 32), (2, 1, 576, 64), (3, 2, 72, 40)]
 
 
 @pytest.mark.gpu
@@ -453,6 +461,34 @@ def test_gpu_misaligned_views_and_many_tokens(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gpu_ragged_search_over_many_requests_and_single_tokens(dtype):
+    import cupy as cp
+    # 1500 requests (3 rounds of rope.cu's 32-way search), many empty, first and last ones included
+    lengths = np.random.default_rng(17).integers(0, 4, 1500)
+    lengths[[0, 1, -1]] = [0, 2, 3]
+    indptr, offsets, positions = ragged(lengths, seed=17)
+    nnz = int(indptr[-1])
+    q, k = qk(nnz, 4, 1, 128, dtype, seed=17)
+    for index_dtype in (np.int32, np.int64):
+        q_rope, k_rope = rope.apply_rope(_dev(cp, q), _dev(cp, k), cp.asarray(indptr, index_dtype),
+                                         cp.asarray(offsets, index_dtype), rotary_dim=64)
+        assert_close_gpu(_host(cp, q_rope, dtype), rope_oracle(q, positions, 64, False), dtype)
+        assert_close_gpu(_host(cp, k_rope, dtype), rope_oracle(k, positions, 64, False), dtype)
+        assert np.array_equal(_host(cp, k_rope, dtype)[..., 64:], k[..., 64:])
+    # one token (decode of one request): every form, heads split over blocks
+    q1, k1 = qk(1, 32, 8, 128, dtype, seed=18)
+    pos = np.array([123457])
+    for interleave in (False, True):
+        got = rope.apply_rope_pos_ids(_dev(cp, q1), _dev(cp, k1), cp.asarray(pos), interleave=interleave)
+        assert_close_gpu(_host(cp, got[0], dtype), rope_oracle(q1, pos, 128, interleave), dtype)
+        got = rope.apply_rope(_dev(cp, q1), _dev(cp, k1), cp.asarray([0, 1], cp.int32), cp.asarray(pos, cp.int32),
+                              rotary_dim=64, interleave=interleave)
+        assert_close_gpu(_host(cp, got[1], dtype), rope_oracle(k1, pos, 64, interleave), dtype)
+        assert np.array_equal(_host(cp, got[1], dtype)[..., 64:], k1[..., 64:])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox):
     import cupy as cp
@@ -513,14 +549,50 @@ def test_gpu_torch_tensors_bf16_inplace_on_torch_stream():
     assert isinstance(q_rope, torch.Tensor) and q_rope.dtype == torch.bfloat16 and q_rope.is_cuda
 
 
-@pytest.mark.parametrize("rot", [2, 16, 18, 32, 36, 40, 64, 96, 128, 256, 512])
-def test_vector_layout_covers_a_row_exactly_with_lanes_dividing_a_warp(rot):
-    pairs, lanes = rope._vector_layout(rot, [rot * 4, 16 * 1024])
+def lane_elements(layout, rot, head_dim, interleave):
+    """The row elements each lane of a row touches under rope.cu's vector layout (lane_span there:
+    sub-lane s < rot / 2 / P rotates pairs sP.., interleaved at 2sP.., NeoX at sP.. and rot/2 + sP..;
+    the lanes past them copy the 2P elements at 2sP)."""
+    p, half = layout.pairs, rot // 2
+    out = []
+    for s in range(layout.lanes_per_row):
+        if s * p < half and not interleave:
+            out.append(list(range(p * s, p * s + p)) + list(range(half + p * s, half + p * s + p)))
+        else:
+            out.append(list(range(2 * p * s, 2 * p * s + 2 * p)))
+    return out
+
+
+LAYOUTS = [(2, 2), (16, 16), (18, 96), (32, 64), (36, 64), (40, 40), (64, 128), (96, 96), (128, 128),
+           (256, 256), (512, 512), (32, 80), (64, 80), (16, 512), (64, 576)]     # (rotary_dim, head_dim)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleave"])
+@pytest.mark.parametrize("cover", [False, True], ids=["inplace", "returning"])
+@pytest.mark.parametrize("rot,head_dim", LAYOUTS, ids=[f"rot{r}-hd{d}" for r, d in LAYOUTS])
+def test_vector_layout_lanes_own_each_element_once(rot, head_dim, cover, interleave):
+    """Rotated elements once each (pairs whole: a NeoX lane holds j and rot/2 + j), and with copy lanes
+    (the returning forms) the tail once each, with a row's lanes within a warp."""
+    strides = [head_dim * 2, 40 * head_dim * 2]
+    layout = rope._vector_layout(rot, head_dim, interleave, cover and rot < head_dim, strides)
     half = rot // 2
-    assert 32 % lanes == 0 and pairs in (1, 2, 4, 8)
-    if lanes < 32:      # several rows a warp: the row's lanes own its pairs exactly, once each
-        assert lanes * pairs == half
-    else:               # one row a warp: lanes past the row's pairs sit idle
-        assert 32 * pairs >= half
-    # a stride that is not a 16-byte multiple keeps the narrow layout
-    assert rope._vector_layout(rot, [rot * 4 + 2])[0] == rope._lane_pairs(rot)
+    if layout.access == 0:              # no P fits: one warp a row, lane l owns pairs l + 32i
+        assert layout.lanes_per_row == 32 and 32 * layout.pairs >= half
+        return
+    assert layout.pairs in (1, 2, 4, 8) and half % layout.pairs == 0 and layout.lanes_per_row <= 32
+    touched = sorted(e for lane in lane_elements(layout, rot, head_dim, interleave) for e in lane)
+    covered = head_dim if layout.lanes_per_row * layout.pairs > half else rot
+    assert touched == list(range(covered))
+    if cover and rot < head_dim and head_dim <= 512 and (head_dim - rot) % 16 == 0 and rot % 16 == 0:
+        assert covered == head_dim and layout.pairs == 8       # serving shapes copy their tails in-lane
+    for n_bytes in strides:             # the accesses the strides allow
+        assert n_bytes % layout.access == 0
+
+
+def test_vector_layout_falls_back_to_narrower_accesses_for_odd_strides():
+    assert rope._vector_layout(128, 128, False, False, [256]) == (8, 8, 16)
+    assert rope._vector_layout(128, 128, False, False, [264]) == (4, 16, 8)     # 8-byte runs fit 264
+    assert rope._vector_layout(128, 128, False, False, [258]) == (rope._lane_pairs(128), 32, 0)   # 2-byte path
+    assert rope._vector_layout(64, 128, False, False, [258]) == (1, 32, 2)      # one pair a lane, 32 lanes
+    assert rope._vector_layout(64, 128, False, True, [256]) == (8, 8, 16)       # 4 rotating + 4 copy lanes
+    assert rope._vector_layout(64, 128, False, False, [256]) == (8, 4, 16)      # in place: rotated part only

@@ -7,7 +7,8 @@
 //            end n (the tail when n % 8 != 0) falls back to the scalar accesses below.
 //   scalar:  thread t owns the elements g*8*T + k*T + t, so each of the 8 accesses of a warp reads
 //            32 consecutive elements (coalesced 2-byte accesses for rows of any alignment).
-// Elements at or past n read as 0 and are never written.
+// Elements at or past n read as 0 and are never written. t and threads default to threadIdx.x and
+// blockDim.x; a kernel that serves several rows a block passes a thread's place among its row's threads.
 #pragma once
 #include "common/dtypes.cuh"
 
@@ -15,16 +16,16 @@ namespace cuattn {
 
 constexpr int GROUP = 8;
 
-__device__ __forceinline__ int group_elem(int g, int k, bool vec) {
-  const int t = threadIdx.x, threads = blockDim.x;
+__device__ __forceinline__ int group_elem(int g, int k, bool vec, int t = threadIdx.x, int threads = blockDim.x) {
   return vec ? (g * threads + t) * GROUP + k : g * threads * GROUP + k * threads + t;
 }
 
 // -- 16-bit storage (f16 / bf16) as raw bits: element k in half k & 1 of word k >> 1 (0 bits: +0.0),
 //    so a row can stay in registers at half the cost of floats and be unpacked again losslessly
 template <class T>
-__device__ __forceinline__ void load_bits(const T* __restrict__ row, int n, int g, bool vec, uint32_t (&w)[4]) {
-  const int e0 = group_elem(g, 0, vec);
+__device__ __forceinline__ void load_bits(const T* __restrict__ row, int n, int g, bool vec, uint32_t (&w)[4],
+                                          int t = threadIdx.x, int threads = blockDim.x) {
+  const int e0 = group_elem(g, 0, vec, t, threads);
   if (vec && e0 + GROUP <= n) {
     const uint4 q = *reinterpret_cast<const uint4*>(row + e0);
     w[0] = q.x; w[1] = q.y; w[2] = q.z; w[3] = q.w;
@@ -34,7 +35,7 @@ __device__ __forceinline__ void load_bits(const T* __restrict__ row, int n, int 
   for (int i = 0; i < 4; ++i) w[i] = 0;
 #pragma unroll
   for (int k = 0; k < GROUP; ++k) {
-    const int e = group_elem(g, k, vec);
+    const int e = group_elem(g, k, vec, t, threads);
     if (e < n) w[k >> 1] |= uint32_t(row[e].bits) << (16 * (k & 1));
   }
 }
@@ -66,8 +67,8 @@ __device__ __forceinline__ void load_group(const T* __restrict__ row, int n, int
 
 // -- float storage (layernorm's gamma and beta)
 __device__ __forceinline__ void load_group(const float* __restrict__ row, int n, int g, bool vec,
-                                           float (&v)[GROUP]) {
-  const int e0 = group_elem(g, 0, vec);
+                                           float (&v)[GROUP], int t = threadIdx.x, int threads = blockDim.x) {
+  const int e0 = group_elem(g, 0, vec, t, threads);
   if (vec && e0 + GROUP <= n) {
     const float4 a = *reinterpret_cast<const float4*>(row + e0);
     const float4 b = *reinterpret_cast<const float4*>(row + e0 + 4);
@@ -77,7 +78,7 @@ __device__ __forceinline__ void load_group(const float* __restrict__ row, int n,
   }
 #pragma unroll
   for (int k = 0; k < GROUP; ++k) {
-    const int e = group_elem(g, k, vec);
+    const int e = group_elem(g, k, vec, t, threads);
     v[k] = e < n ? row[e] : 0.f;
   }
 }
@@ -91,8 +92,9 @@ __device__ __forceinline__ void prefetch_l2(const T* row, int n, int g) {
 }
 
 template <class T>
-__device__ __forceinline__ void store_group(T* __restrict__ row, int n, int g, bool vec, const float (&v)[GROUP]) {
-  const int e0 = group_elem(g, 0, vec);
+__device__ __forceinline__ void store_group(T* __restrict__ row, int n, int g, bool vec, const float (&v)[GROUP],
+                                            int t = threadIdx.x, int threads = blockDim.x) {
+  const int e0 = group_elem(g, 0, vec, t, threads);
   if (vec && e0 + GROUP <= n) {
     uint4 w;
     w.x = pack2<T>(v[0], v[1]);
@@ -104,7 +106,7 @@ __device__ __forceinline__ void store_group(T* __restrict__ row, int n, int g, b
   }
 #pragma unroll
   for (int k = 0; k < GROUP; ++k) {
-    const int e = group_elem(g, k, vec);
+    const int e = group_elem(g, k, vec, t, threads);
     if (e < n) row[e] = from_float<T>(v[k]);
   }
 }
