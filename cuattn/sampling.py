@@ -10,10 +10,13 @@ top-p on the renormalized probabilities; ``"joint"`` keeps the intersection of b
 probabilities. Rows need not be normalized (top-p is a fraction of the row's sum).
 
 GPU (``kernels_cu/sampling.cu``): no sort over the vocabulary. A row goes to one CTA, or at small batches to a
-group of CTAs that split it (``ctas_per_row``; the result does not depend on it). Top-k with k <= 1024 takes
-one extra pass: the k-th largest of the threads' maxima bounds the threshold from below, the few elements
-above it are sorted in shared memory, and top-p within them comes from one warp's prefix sums. Other
-thresholds (top-p alone, k > 1024, heavy ties) come from a radix select over the float bits: 3 passes
+group of CTAs that split it (``ctas_per_row``: up to 32 while batch * n fits the SMs; they merge row stats,
+integer histograms and the race's argmin through a per-stream workspace that every launch leaves zeroed, so
+CUDA graphs replay; the result does not depend on n). Plain sampling from probabilities reads the row once (the
+race needs no row stats). Top-k with k <= 1024 on one CTA per row takes one extra pass: the k-th largest of
+the threads' maxima bounds the threshold from below, the few elements above it are sorted in shared memory,
+and top-p within them comes from one warp's prefix sums. Other thresholds (top-p alone, k > 1024, heavy ties,
+groups of CTAs) come from a radix select over the float bits: 3 passes
 (11 + 11 + 10 key bits), each a shared-memory histogram of counts and masses, then a block scan. Top-p
 masses are fixed point (``fixed_mass``: ``floor(w * 2**(S - E))``, exact uint64 sums), and the NumPy path
 defines its threshold by the same integers, so both paths keep the same tokens. The token is drawn by an exponential
