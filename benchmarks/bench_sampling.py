@@ -7,11 +7,14 @@ logits ``3 * randn`` (fixed seed) and their softmax, vocab 128256 (Llama 3), bat
 "GB/s" counts one read of the input (the floor every op pays: batch * vocab * 4 bytes); the kernels read a
 row several times (stats, 3 radix passes for a top-p threshold, the race), mostly from L2 at small batch
 (benchmarks/results/sampling_notes.md).
+``--ctas auto 1`` (default) times cuattn twice per row: with the automatic CTAs per row
+(``sampling.ctas_per_row``: a group of up to 32 CTAs per row at small batches) and with one CTA per row (the
+old launch), in the same run; the first value is the "µs" column, the others follow as "µs@<n>".
 FlashInfer (needs PyTorch and flashinfer importable; its first call JIT-compiles) and PyTorch are timed on
 the same memory through DLPack. Runs only where CuPy sees a GPU.
 
     python benchmarks/bench_sampling.py [--batch 1 64 256] [--vocab 128256] [--ops ...] [--reps 50]
-        [--no-flashinfer] [--check] [--json out.json]
+        [--ctas auto 1 8] [--no-flashinfer] [--check] [--json out.json]
 """
 from __future__ import annotations
 
@@ -118,8 +121,12 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], type=int, metavar="BLOCK",
                    help="tuning: also time top_k_top_p_sampling_from_logits, top_p_sampling_from_probs and "
                         "top_k_renorm_probs with these SamplingSpec block sizes (divisors of 2048, e.g. 512)")
+    p.add_argument("--ctas", nargs="+", default=["auto", "1"],
+                   help="CTAs per row to time (sampling.set_ctas_per_row): 'auto' or ints; the first is the µs column")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    ctas = [None if c == "auto" else int(c) for c in args.ctas]
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     if not arrays.gpu_available():
         sys.exit("bench_sampling: no CUDA GPU visible to CuPy; this benchmark runs only on a GPU")
     try:
@@ -137,6 +144,7 @@ def main(argv=None):
     env = env_info(torch, flashinfer)
     flush = None if args.no_flush else l2_flush()
     head = f"{'op':<34}{'batch':>6}{'µs':>9}{'GB/s':>7}{'fi µs':>9}{'fi/us':>7}{'torch µs':>10}{'torch/us':>9}"
+    head += "".join(f"{'µs@' + str(c or 'auto'):>10}" for c in ctas[1:])
     head += f"{'check':>9}" if args.check else ""
     print("\n" + head)
     rows_out = []
@@ -155,8 +163,21 @@ def main(argv=None):
         if torch is not None:
             tl, tp = torch.from_dlpack(logits), torch.from_dlpack(probs)
         for op in args.ops:
-            us = time_events(cuattn_call(op, logits, probs), args.reps, flush, warmup=10)
+            alt = {}
+            for c in ctas:
+                if c is not None and c > 1 and batch * c > sms:
+                    alt[c] = None                                   # the CTAs of a row would not all be resident
+                    continue
+                sampling.set_ctas_per_row(c)
+                alt[c] = time_events(cuattn_call(op, logits, probs), args.reps, flush, warmup=10)
+            sampling.set_ctas_per_row(None)
+            us = alt[ctas[0]]
+            if us is None:
+                print(f"{op:<34}{batch:>6}  skipped: batch * {ctas[0]} CTAs > {sms} SMs", flush=True)
+                continue
             row = {"op": op, "batch": batch, "vocab": args.vocab, "us": us,
+                   "ctas_per_row": sampling.ctas_per_row(batch, args.vocab, sms) if ctas[0] is None else ctas[0],
+                   "us_by_ctas": {str(c or "auto"): v for c, v in alt.items()},
                    "gbps_one_read": batch * args.vocab * 4 / (us * 1e-6) / 1e9}
             line = f"{op:<34}{batch:>6}{us:>9.1f}{row['gbps_one_read']:>7.0f}"
             if flashinfer is not None:
@@ -175,6 +196,7 @@ def main(argv=None):
                 line += f"{row['torch_us']:>10.1f}{row['torch_us'] / us:>9.2f}"
             else:
                 line += f"{'-':>10}{'':>9}"
+            line += "".join(f"{alt[c]:>10.1f}" if alt[c] is not None else f"{'-':>10}" for c in ctas[1:])
             if args.check and batch <= 64:
                 row["check"] = check(op, logits, probs)
                 line += f"{row['check']:>9.3g}"

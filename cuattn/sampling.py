@@ -9,10 +9,14 @@ strictly more probable than i hold less than ``top_p`` of the row's mass (the nu
 top-p on the renormalized probabilities; ``"joint"`` keeps the intersection of both sets on the original
 probabilities. Rows need not be normalized (top-p is a fraction of the row's sum).
 
-GPU (``kernels_cu/sampling.cu``): one CTA per row, no sort over the vocabulary. Top-k with k <= 1024 takes
-one extra pass: the k-th largest of the threads' maxima bounds the threshold from below, the few elements
-above it are sorted in shared memory, and top-p within them comes from one warp's prefix sums. Other
-thresholds (top-p alone, k > 1024, heavy ties) come from a radix select over the float bits: 3 passes
+GPU (``kernels_cu/sampling.cu``): no sort over the vocabulary. A row goes to one CTA, or at small batches to a
+group of CTAs that split it (``ctas_per_row``: up to 32 while batch * n fits the SMs; they merge row stats,
+integer histograms and the race's argmin through a per-stream workspace that every launch leaves zeroed, so
+CUDA graphs replay; the result does not depend on n). Plain sampling from probabilities reads the row once (the
+race needs no row stats). Top-k with k <= 1024 on one CTA per row takes one extra pass: the k-th largest of
+the threads' maxima bounds the threshold from below, the few elements above it are sorted in shared memory,
+and top-p within them comes from one warp's prefix sums. Other thresholds (top-p alone, k > 1024, heavy ties,
+groups of CTAs) come from a radix select over the float bits: 3 passes
 (11 + 11 + 10 key bits), each a shared-memory histogram of counts and masses, then a block scan. Top-p
 masses are fixed point (``fixed_mass``: ``floor(w * 2**(S - E))``, exact uint64 sums), and the NumPy path
 defines its threshold by the same integers, so both paths keep the same tokens. The token is drawn by an exponential
@@ -31,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit
+from . import arrays, jit, plan
 
 _SOURCE = "sampling.cu"
 _LOGITS, _JOINT, _TOP_K, _TOP_P, _MIN_P = 1, 2, 4, 8, 16            # flags of cuattn_sample
@@ -39,6 +43,11 @@ _TAG_RACE, _TAG_ACCEPT, _TAG_RECOUNT = 0, 1, 2                        # Philox s
 _ORDERS = ("top_k_first", "joint")
 _MAX_VOCAB = 2**31 - 1
 _host_rng = np.random.default_rng()                                   # seeds when none is given
+_NBINS, _MAX_SPLITS = 2048, 32                                        # sampling.cu's NBINS, MAX_SPLITS
+_WS_ROW_BYTES = 3 * _NBINS * 16 + _MAX_SPLITS * 16 + 16               # sizeof(RowWs): sampling.cu asserts it
+_MIN_CHUNK = 4096                                                     # elements a CTA of a group reads at least
+_ctas_per_row: int | None = None                                      # set_ctas_per_row; None: automatic
+_workspaces: dict = {}                                                # (device, stream handle) -> zeroed buffer
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ class SamplingSpec:
         return f"sampling_b{self.block}"
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DBLOCK={self.block}",)
+        return (f"-DBLOCK={self.block}", f"-DMAX_SPLITS={_MAX_SPLITS}", f"-DWS_ROW_BYTES={_WS_ROW_BYTES}")
 
 
 def shipped_specs() -> list[SamplingSpec]:
@@ -99,6 +108,26 @@ def _doc(f):
 
 
 # ---------------------------------------------------------------------------- public API
+
+
+def set_ctas_per_row(n: int | None) -> None:
+    """How many CTAs share one row on the GPU (all sampling and renorm/mask ops except chain speculative).
+
+    None (default): automatic, ``ctas_per_row(batch, vocab_size, num_sms)``: one CTA per row when the batch
+    fills the GPU, else up to 32 (each reading at least 4096 elements). An int fixes it (for tuning and
+    tests); a launch with ``batch * n`` above the GPU's SM count raises ValueError (the CTAs of a row wait for
+    each other, so they must all be resident). Tokens and outputs do not depend on it.
+    """
+    global _ctas_per_row
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= _MAX_SPLITS):
+        raise ValueError(f"set_ctas_per_row: n must be None or an int in [1, {_MAX_SPLITS}], got {n!r}")
+    _ctas_per_row = None if n is None else int(n)
+
+
+def ctas_per_row(batch: int, vocab: int, num_sms: int) -> int:
+    """The automatic CTAs per row: the most (<= 32) with ``batch * n <= num_sms`` and at least 4096 elements
+    per CTA; 1 when the batch alone fills the SMs."""
+    return max(1, min(_MAX_SPLITS, num_sms // max(batch, 1), vocab // _MIN_CHUNK))
 
 
 @_doc
@@ -427,6 +456,36 @@ def _param(fn: str, name: str, value, batch: int, ctx, integer: bool):
     return view, 0, None
 
 
+def _group(fn: str, batch: int, vocab: int, ctx) -> tuple[int, int]:
+    """(CTAs per row, workspace pointer or 0) of a launch over ``batch`` rows."""
+    sms = plan.num_sms(ctx.device)
+    if _ctas_per_row is None:
+        splits = ctas_per_row(batch, vocab, sms)
+    else:
+        splits = _ctas_per_row
+        if splits > 1 and batch * splits > sms:
+            raise ValueError(f"{fn}: set_ctas_per_row({splits}) needs batch * {splits} <= {sms} (the GPU's SMs: the "
+                             f"CTAs of a row must be resident together), got batch {batch}")
+    if splits == 1:
+        return 1, 0
+    return splits, _workspace(fn, ctx, sms // 2)
+
+
+def _workspace(fn: str, ctx, rows: int) -> int:
+    """A zeroed RowWs per row for groups of CTAs, one buffer per (device, stream) (a launch leaves it zeroed, so
+    launches on one stream, and replays of a captured graph, reuse it; launches on two streams never share one)."""
+    key = (ctx.device, ctx.stream.ptr)
+    buf = _workspaces.get(key)
+    if buf is None:
+        if arrays.is_capturing(ctx.stream):
+            raise RuntimeError(f"{fn}: the sampling workspace of this stream is allocated on its first GPU call, which "
+                               f"must not be inside a CUDA graph capture; call once before capturing")
+        cp = arrays.cupy_module()
+        with cp.cuda.Device(ctx.device), ctx.stream:
+            buf = _workspaces[key] = cp.zeros(rows * _WS_ROW_BYTES, np.uint8)
+    return buf.data.ptr
+
+
 def _ptr(v) -> int:
     return 0 if isinstance(v, int) else v.data.ptr
 
@@ -474,11 +533,12 @@ def _sample(fn, x, name, flags, top_k, top_p, min_p, indices, generator, check_n
         return arrays.export(ctx, out)
     out = arrays.empty(ctx, (batch,), np.int32)
     if batch:
-        launch = jit.get_launcher(_SPEC, "cuattn_sample", ctx.device, "pqii" "pi" "pi" "pf" "pf" "i" "qq" "p")
-        launch((batch,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, num_rows,
+        splits, ws = _group(fn, batch, vocab, ctx)
+        launch = jit.get_launcher(_SPEC, "cuattn_sample", ctx.device, "pqii" "pi" "pi" "pf" "pf" "i" "qq" "p" "ip")
+        launch((batch * splits,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, num_rows,
                0 if idx is None else idx.ptr, int(idx is not None and np.dtype(idx.dtype) == np.int64),
                _ptr(k[0]), k[1], _ptr(p[0]), p[1], _ptr(m[0]), m[1], flags, _signed(s), _signed(off),
-               arrays.device_tensor(out, "out", fn).ptr)
+               arrays.device_tensor(out, "out", fn).ptr, splits, ws)
     return arrays.export(ctx, out)
 
 
@@ -502,9 +562,10 @@ def _renorm(fn, x, name, mode, top_k, top_p, stream):
     out = arrays.empty(ctx, (rows, vocab), np.float32)
     if rows:
         entry = ("cuattn_top_k_renorm", "cuattn_top_p_renorm", "cuattn_top_k_mask_logits")[mode]
-        launch = jit.get_launcher(_SPEC, entry, ctx.device, "pqi" "pi" "pf" "pq")
-        launch((rows,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, _ptr(k[0]), k[1], _ptr(p[0]), p[1],
-               arrays.device_tensor(out, "out", fn).ptr, vocab)
+        splits, ws = _group(fn, rows, vocab, ctx)
+        launch = jit.get_launcher(_SPEC, entry, ctx.device, "pqi" "pi" "pf" "pq" "ip")
+        launch((rows * splits,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, _ptr(k[0]), k[1], _ptr(p[0]),
+               p[1], arrays.device_tensor(out, "out", fn).ptr, vocab, splits, ws)
     return arrays.export(ctx, out)
 
 

@@ -1,8 +1,16 @@
 // sampling.cu — launched by cuattn/sampling.py (SamplingSpec).
-// Compile-time: BLOCK (threads of a CTA).
-// Grid (batch) for cuattn_sample and cuattn_chain_speculative, (rows) for cuattn_renorm; one CTA per
-// row, block BLOCK. Rows are float32, contiguous in the vocabulary; 16-byte loads when the vocabulary,
-// the row stride and the base are multiples of 4 floats, else scalar loads.
+// Compile-time: BLOCK (threads of a CTA), MAX_SPLITS and WS_ROW_BYTES (the workspace layout, checked below).
+// Grid (batch * splits) for cuattn_sample, (rows * splits) for the renorm entries: `splits` CTAs (a group)
+// share one row, each owning a contiguous chunk of it (a multiple of 4 elements); (batch) for
+// cuattn_chain_speculative. Block BLOCK. Rows are float32, contiguous in the vocabulary; 16-byte loads when
+// the vocabulary and the row's base are multiples of 4 floats, else scalar loads.
+// splits > 1 (small batches: one SM per row is latency-bound): the group exchanges its partial results through
+// the per-row workspace `ws` (RowWs): row stats in per-CTA slots combined in CTA order, radix histograms by
+// global atomics on integers (order-independent: exact), the race's argmin by a 64-bit atomicMax of a packed
+// (score, index) key, with a software barrier between the steps (the launcher keeps batch * splits <= the SM
+// count, so a group's CTAs are co-resident). The kernel leaves the workspace as it found it (all zero: the
+// histogram ring, the argmin slot and the barrier counters are cleared by the group before it exits), so a
+// captured CUDA graph replays. The result does not depend on splits: same kept set, same token.
 //
 // No sort. A row's kept set is {x : key(x) >= T}, key() the order-preserving uint32 of a float, and T
 // the largest element key that is still "feasible": count(key >= T) >= top_k, or
@@ -32,6 +40,9 @@
 #define NBINS 2048               // radix_select histogram bins (11-bit digits)
 #define SLOTS (NBINS / BLOCK)    // bins per thread in radix_select's scan
 static_assert(NBINS % BLOCK == 0 && BLOCK % 32 == 0, "BLOCK must be a multiple of 32 dividing 2048");
+#ifndef MAX_SPLITS
+#define MAX_SPLITS 32
+#endif
 
 namespace cuattn {
 
@@ -97,6 +108,121 @@ struct Hist {
   uint32_t cnt[NBINS];
 };
 
+
+// -- the elements [chunk_beg, chunk_end) of the row that this CTA visits (shared memory, not registers: set by
+//    thread 0 with set_chunk before the kernel's first __syncthreads). Chunk `part` of `parts`: ceil(vocab / parts)
+//    rounded up to a multiple of 4 elements (the last chunks may be short or empty).
+__shared__ int chunk_beg, chunk_end;
+__device__ __forceinline__ void set_chunk(int vocab, int part, int parts) {
+  if (threadIdx.x == 0) {
+    const int64_t chunk = ((int64_t(vocab) + parts - 1) / parts + 3) & ~int64_t(3);
+    chunk_beg = int(min(int64_t(vocab), chunk * part));
+    chunk_end = int(min(int64_t(vocab), chunk * (part + 1)));
+  }
+}
+
+// -- one row of float32 values, visited element by element over this CTA's chunk (vectorized when aligned)
+struct Row {
+  const float* x;
+  int vocab;
+  bool vec;
+  __device__ Row(const float* p, int n) : x(p), vocab(n) {
+    vec = (n % 4 == 0) && (reinterpret_cast<uint64_t>(p) % 16 == 0);
+  }
+  // f(index, value) for every element of the chunk this thread owns (index: the element's place in the row)
+  template <typename F>
+  __device__ __forceinline__ void for_each(F f) const {
+    const int beg = chunk_beg, end = chunk_end;
+    if (vec) {
+      const float4* x4 = reinterpret_cast<const float4*>(x);
+      const int n4 = end / 4;
+      int q = beg / 4 + threadIdx.x;
+      for (; q + 3 * BLOCK < n4; q += 4 * BLOCK) {   // four 16-byte loads in flight, then use them in order
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = x4[q + u * BLOCK];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = 4 * (q + u * BLOCK);
+          f(i, v[u].x); f(i + 1, v[u].y); f(i + 2, v[u].z); f(i + 3, v[u].w);
+        }
+      }
+      for (; q < n4; q += BLOCK) {
+        const float4 v = x4[q];
+        f(4 * q, v.x); f(4 * q + 1, v.y); f(4 * q + 2, v.z); f(4 * q + 3, v.w);
+      }
+    } else {
+      for (int i = beg + threadIdx.x; i < end; i += BLOCK) f(i, x[i]);
+    }
+  }
+};
+
+// -- the per-row workspace of a group of CTAs (splits > 1); all zero between launches
+struct GBin { unsigned long long mass; uint32_t cnt; uint32_t pad; };
+struct Part { uint32_t min_key, max_key; float m, s; };   // one CTA's row stats
+struct RowWs {
+  GBin ring[3][NBINS];          // histograms of the group's reductions, used in turn (cleared two steps later)
+  Part part[MAX_SPLITS];        // row stats of each CTA
+  unsigned long long best;      // ~ the packed (score, index) of the race's winner so far (atomicMax of ~key)
+  uint32_t arrive, depart;      // barrier counters
+};
+#ifdef WS_ROW_BYTES
+static_assert(sizeof(RowWs) == WS_ROW_BYTES, "RowWs layout must match sampling.py's _WS_ROW_BYTES");
+#endif
+
+// -- the CTAs that share one row: g of G, and the group's barrier. Kept in shared memory (Shared::grp, written by
+//    thread 0 before the first __syncthreads; nbar and step change only in thread 0, between barriers), which
+//    keeps it out of the registers. Every CTA of a group takes the same branches (they decide on the same reduced
+//    data), so they call sync() and use the ring equally often.
+struct Group {
+  RowWs* ws;
+  int G, g;
+  uint32_t nbar;     // barriers passed (the arrival counter reaches G * nbar)
+  uint32_t step;     // reductions through ws->ring done (reduction s uses ring[s % 3])
+  __device__ __forceinline__ void init(int G_, int g_, void* base, int64_t slot) {
+    if (threadIdx.x == 0) {
+      ws = G_ > 1 ? static_cast<RowWs*>(base) + slot : nullptr;
+      G = G_; g = g_; nbar = 0; step = 0;
+    }
+  }
+  // -- every CTA of the group has reached this point, and sees the global writes made before it
+  __device__ __forceinline__ void sync() {
+    if (G == 1) { __syncthreads(); return; }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const uint32_t target = ++nbar * uint32_t(G);
+      atomicAdd(&ws->arrive, 1u);
+      while (*reinterpret_cast<volatile uint32_t*>(&ws->arrive) < target) __nanosleep(32);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+  // -- the ring histogram of this reduction; clears this CTA's share of the next one (last read two reductions
+  //    ago: every CTA has passed a barrier since). The caller calls done() after its group sync.
+  __device__ __forceinline__ GBin* next_ring() {
+    GBin* nxt = ws->ring[(step + 1) % 3];
+    for (int j = g * BLOCK + threadIdx.x; j < NBINS; j += G * BLOCK) { nxt[j].mass = 0; nxt[j].cnt = 0; }
+    return ws->ring[step % 3];
+  }
+  __device__ __forceinline__ void done() {   // (every thread has taken its ring pointer; a __syncthreads follows)
+    if (threadIdx.x == 0) ++step;
+  }
+  // -- before the kernel exits: clear what is still set, then the barrier counters (the last CTA to leave)
+  __device__ __forceinline__ void finish() {
+    if (G == 1) return;
+    sync();
+    for (int j = g * BLOCK + threadIdx.x; j < 3 * NBINS; j += G * BLOCK) {
+      ws->ring[j / NBINS][j % NBINS].mass = 0;
+      ws->ring[j / NBINS][j % NBINS].cnt = 0;
+    }
+    if (g == 0 && threadIdx.x == 0) ws->best = 0;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&ws->depart, 1u) == uint32_t(G) - 1) { ws->arrive = 0; ws->depart = 0; }
+  }
+};
+
 struct Shared {
   float f[NUM_WARPS];
   float g[NUM_WARPS];
@@ -114,41 +240,7 @@ struct Shared {
   uint64_t sel_q[3], sel_q_ge[3];
   uint64_t total;
   int n, m, hit;
-};
-
-// -- one row of float32 values, visited element by element (vectorized when aligned)
-struct Row {
-  const float* x;
-  int vocab;
-  bool vec;
-  __device__ Row(const float* p, int n) : x(p), vocab(n) {
-    vec = (n % 4 == 0) && (reinterpret_cast<uint64_t>(p) % 16 == 0);
-  }
-  // f(index, value) for every element this thread owns; for the race, g(group) first sees each group
-  template <typename F>
-  __device__ __forceinline__ void for_each(F f) const {
-    if (vec) {
-      const float4* x4 = reinterpret_cast<const float4*>(x);
-      const int n4 = vocab / 4;
-      int q = threadIdx.x;
-      for (; q + 3 * BLOCK < n4; q += 4 * BLOCK) {   // four 16-byte loads in flight, then use them in order
-        float4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = x4[q + u * BLOCK];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int i = 4 * (q + u * BLOCK);
-          f(i, v[u].x); f(i + 1, v[u].y); f(i + 2, v[u].z); f(i + 3, v[u].w);
-        }
-      }
-      for (; q < n4; q += BLOCK) {
-        const float4 v = x4[q];
-        f(4 * q, v.x); f(4 * q + 1, v.y); f(4 * q + 2, v.z); f(4 * q + 3, v.w);
-      }
-    } else {
-      for (int i = threadIdx.x; i < vocab; i += BLOCK) f(i, x[i]);
-    }
-  }
+  Group grp;                     // the CTAs sharing this row
 };
 
 // -- the fixed-point mass of a value: q(w) = floor(w * 2^(S - E)) = floor(sig * 2^(e + shift_c)), with
@@ -193,6 +285,18 @@ __device__ __forceinline__ uint64_t block_sum(uint64_t v, Shared& sm) {
   return s;
 }
 
+// -- the sum of a uint64 over the group's CTAs (a global atomic into the ring: exact in any order)
+__device__ __forceinline__ uint64_t group_sum(uint64_t v, Group& grp, Shared& sm) {
+  v = block_sum(v, sm);
+  if (grp.G == 1) return v;
+  GBin* gb = grp.next_ring();
+  if (threadIdx.x == 0 && v) atomicAdd(&gb[0].mass, (unsigned long long)v);
+  grp.sync();
+  v = __ldcg(&gb[0].mass);
+  grp.done();
+  return v;
+}
+
 // -- pass 0: smallest and largest key, and the row's sum of values (logits: max, sum of exp(x - max))
 struct RowStats { uint32_t min_key, max_key; float max_x, sum; int shift_c; };
 
@@ -200,7 +304,29 @@ __device__ __forceinline__ float value_of(float x, bool logits, float max_x) {
   return logits ? __expf(x - max_x) : x;
 }
 
-__device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Shared& sm) {
+// -- the group's row stats from each CTA's (r): combined in CTA order, so the float sum is deterministic
+__device__ __forceinline__ RowStats group_stats(RowStats r, bool logits, Group& grp) {
+  if (threadIdx.x == 0) grp.ws->part[grp.g] = Part{r.min_key, r.max_key, r.max_x, r.sum};
+  grp.sync();
+  const uint4* parts = reinterpret_cast<const uint4*>(grp.ws->part);
+  r = RowStats{0xffffffffu, 0u, -kInf, 0.f, 0};
+  for (int c = 0; c < grp.G; ++c) {
+    const uint4 w = __ldcg(parts + c);   // min_key, max_key, m, s
+    r.min_key = min(r.min_key, w.x);
+    r.max_key = max(r.max_key, w.y);
+    r.max_x = fmaxf(r.max_x, __uint_as_float(w.z));
+  }
+  for (int c = 0; c < grp.G; ++c) {
+    const uint4 w = __ldcg(parts + c);
+    const float m = __uint_as_float(w.z), sc = __uint_as_float(w.w);
+    if (!logits) r.sum += sc;
+    else if (m > -kInf) r.sum += sc * __expf(m - r.max_x);
+  }
+  if (!logits) r.max_x = key_float(r.max_key);
+  return r;
+}
+
+__device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Group& grp, Shared& sm) {
   uint32_t mn = 0xffffffffu, mx = 0u;
   float m = -kInf, s = 0.f;
   row.for_each([&](int, float x) {
@@ -234,9 +360,27 @@ __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Share
     for (int w = 0; w < NUM_WARPS; ++w) r.sum += sm.g[w];
     r.max_x = key_float(r.max_key);
   }
+  if (grp.G > 1) r = group_stats(r, logits, grp);
   r.shift_c = fixed_shift(value_of(r.max_x, logits, r.max_x), row.vocab);
   __syncthreads();
   return r;
+}
+
+// -- the group's histogram: this CTA's nonzero bins added into the ring, the sums read back into h
+__device__ __forceinline__ void group_hist(Hist& h, Group& grp) {
+  GBin* gb = grp.next_ring();
+  for (int j = threadIdx.x; j < NBINS; j += BLOCK) {
+    const uint64_t q = (uint64_t(h.hi[j]) << 32) | h.lo[j];
+    if (q) atomicAdd(&gb[j].mass, q);
+    if (h.cnt[j]) atomicAdd(&gb[j].cnt, h.cnt[j]);
+  }
+  grp.sync();
+  for (int j = threadIdx.x; j < NBINS; j += BLOCK) {
+    const uint64_t q = __ldcg(&gb[j].mass);
+    h.lo[j] = uint32_t(q); h.hi[j] = uint32_t(q >> 32); h.cnt[j] = __ldcg(&gb[j].cnt);
+  }
+  grp.done();
+  __syncthreads();
 }
 
 // -- the largest element key T >= lo with count(lo <= key, key >= T) >= k or mass(lo <= key, key >= T) >=
@@ -248,7 +392,7 @@ __device__ __forceinline__ RowStats row_stats(const Row& row, bool logits, Share
 struct Select { uint32_t key; uint64_t mass; };
 
 __device__ __forceinline__ Select radix_select(const Row& row, bool logits, float max_x, int shift_c, uint32_t lo,
-                                               uint32_t k, float p, bool with_mass, Shared& sm) {
+                                               uint32_t k, float p, bool with_mass, Group& grp, Shared& sm) {
   const bool count = k != 0xffffffffu;
   const bool use_mass = with_mass || p < 1.f;
   Hist& h = sm.w.h;
@@ -278,6 +422,7 @@ __device__ __forceinline__ Select radix_select(const Row& row, bool logits, floa
       }
     });
     __syncthreads();
+    if (grp.G > 1) group_hist(h, grp);
     // -- suffix sums from the top: thread t holds slots SLOTS * t + j, slot r being bin NBINS - 1 - r
     uint64_t mq[SLOTS];
     uint32_t mc[SLOTS];
@@ -457,7 +602,7 @@ __device__ __forceinline__ bool top_k_candidates(const Row& row, const Filter& f
 
 // -- the kept set's threshold key; *keep (when want_keep) the value sum of the kept set, for renorm
 __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, const RowStats& st, bool want_keep,
-                                              double* keep, bool* from_candidates, Shared& sm) {
+                                              double* keep, bool* from_candidates, Group& grp, Shared& sm) {
   *from_candidates = false;
   const bool logits = f.flags & kFromLogits;
   const uint32_t lo = st.min_key;
@@ -470,7 +615,7 @@ __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, c
     return max(lo, ord_key(__double2float_ru(cut)));
   }
   Select s{lo, 0};
-  if (use_k && f.top_k <= BLOCK) {
+  if (use_k && f.top_k <= BLOCK && grp.G == 1) {   // (a group of CTAs takes the radix select)
     uint32_t t;
     uint64_t q;
     if (top_k_candidates(row, f, st, use_p, &t, &q, sm)) {
@@ -481,30 +626,41 @@ __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, c
   }
   const uint32_t never_k = 0xffffffffu;
   if (use_k && use_p && (f.flags & kJoint)) {
-    s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, f.top_p, false, sm);
+    s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, f.top_p, false, grp, sm);
   } else {
-    if (use_k) s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, 1.f, want_keep && !use_p, sm);
-    if (use_p) s = radix_select(row, logits, st.max_x, st.shift_c, s.key, never_k, f.top_p, true, sm);
+    if (use_k) s = radix_select(row, logits, st.max_x, st.shift_c, lo, f.top_k, 1.f, want_keep && !use_p, grp, sm);
+    if (use_p) s = radix_select(row, logits, st.max_x, st.shift_c, s.key, never_k, f.top_p, true, grp, sm);
   }
   if (want_keep) {
     if (!use_k && !use_p) {   // every token kept: the row's exact mass
       uint64_t q = 0;
       row.for_each([&](int, float x) { q += fixed_mass(value_of(x, logits, st.max_x), st.shift_c); });
-      s.mass = block_sum(q, sm);
+      s.mass = group_sum(q, grp, sm);
     }
     *keep = fixed_value(s.mass, st.shift_c);
   }
   return s.key;
 }
 
-__device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm);
+__device__ __forceinline__ int block_argmin(float best, int best_i, Group& grp, Shared& sm);
+
+// -- the group's smallest (score, index) from each CTA's: ord_key(score) << 32 | index orders them as the
+//    block does, and an atomicMax of its complement finds it (the slot is zero between launches: finish()
+//    clears it).
+__device__ __forceinline__ int group_argmin(float best, int best_i, Group& grp) {
+  const uint64_t key = (uint64_t(ord_key(best)) << 32) | uint32_t(best_i);
+  if (threadIdx.x == 0) atomicMax(&grp.ws->best, ~key);
+  grp.sync();
+  return int(uint32_t(~__ldcg(&grp.ws->best)));
+}
 
 // -- exponential race over {key >= t}: the index of the smallest E_i / value_i (ties: lower index).
 //    E_i = -log1p(-u_i) >= u_i, so an element with u_i > best * value_i (with a 2^-16 margin for the
 //    roundings of log1pf, the division and the product) scores above this thread's best and cannot win:
 //    it skips log1pf and the division. Exact: the winner and its score are unchanged.
 template <typename V>
-__device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const Rng& rng, uint32_t rng_row, Shared& sm) {
+__device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const Rng& rng, uint32_t rng_row, Group& grp,
+                                    Shared& sm) {
   float best = kInf;
   int best_i = 0x7fffffff;
   uint4 r = make_uint4(0, 0, 0, 0);
@@ -518,7 +674,7 @@ __device__ __forceinline__ int race(const Row& row, V value, uint32_t t, const R
     const float score = -log1pf(-u) / v;
     if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
   });
-  return block_argmin(best, best_i, sm);
+  return block_argmin(best, best_i, grp, sm);
 }
 
 // -- the race over the sorted top-k candidates at or above t: the same scores as race() over the row
@@ -534,9 +690,11 @@ __device__ __forceinline__ int race_candidates(uint32_t t, bool logits, float ma
                         value_of(key_float(key), logits, max_x);
     if (score < best || (score == best && i < best_i)) { best = score; best_i = i; }
   }
-  return block_argmin(best, best_i, sm);
+  return block_argmin(best, best_i, sm.grp, sm);
 }
-__device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm) {
+
+// -- the smallest (score, index) of the block, then of the group (ties: lower index); 0 when none is finite
+__device__ __forceinline__ int block_argmin(float best, int best_i, Group& grp, Shared& sm) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -551,6 +709,7 @@ __device__ __forceinline__ int block_argmin(float best, int best_i, Shared& sm) 
     if (sm.f[w] < best || (sm.f[w] == best && int(sm.u[w]) < best_i)) { best = sm.f[w]; best_i = int(sm.u[w]); }
   }
   __syncthreads();
+  if (grp.G > 1) best_i = group_argmin(best, best_i, grp);
   return best_i == 0x7fffffff ? 0 : best_i;
 }
 
@@ -561,73 +720,90 @@ using namespace cuattn;
 // Filtered sampling: out[b] drawn from row indices[b] (b when indices is null) of x [num_rows, vocab]
 // (row stride row_stride), kept set by flags (top-k / top-p / min-p, top-k-first or joint), parameters
 // per request from the arrays when non-null, else the scalars. out[b] = -1 for an index outside the rows.
+// CTA blockIdx.x is part (blockIdx.x % splits) of output b = blockIdx.x / splits; ws: splits > 1 only,
+// batch RowWs (zeroed once by the launcher).
 extern "C" __global__ void __launch_bounds__(BLOCK) cuattn_sample(
     const float* __restrict__ x, int64_t row_stride, int vocab, int num_rows, const void* indices,
     int indices_is64, const int* __restrict__ top_k_arr, int top_k_val, const float* __restrict__ top_p_arr,
     float top_p_val, const float* __restrict__ min_p_arr, float min_p_val, int flags, int64_t seed,
-    int64_t offset, int* __restrict__ out) {
+    int64_t offset, int* __restrict__ out, int splits, void* ws) {
   __shared__ Shared sm;
-  const int b = blockIdx.x;
+  const int b = blockIdx.x / splits, part = blockIdx.x % splits;
   int64_t r = b;
   if (indices) r = indices_is64 ? static_cast<const int64_t*>(indices)[b] : static_cast<const int*>(indices)[b];
-  if (r < 0 || r >= num_rows) { if (threadIdx.x == 0) out[b] = -1; return; }
+  if (r < 0 || r >= num_rows) { if (threadIdx.x == 0 && part == 0) out[b] = -1; return; }
   const Row row(x + r * row_stride, vocab);
+  set_chunk(vocab, part, splits);
+  Group& grp = sm.grp;
+  grp.init(splits, part, ws, b);
+  __syncthreads();
   Filter f;
   f.flags = flags;
   const int k = top_k_arr ? top_k_arr[b] : top_k_val;
   f.top_k = uint32_t(max(k, 1));
   f.top_p = top_p_arr ? top_p_arr[b] : top_p_val;
   f.min_p = min_p_arr ? min_p_arr[b] : min_p_val;
-  const RowStats st = row_stats(row, flags & kFromLogits, sm);
+  // -- plain sampling from probabilities races over every element (key >= 0) and needs no row stats
+  RowStats st{0u, 0xffffffffu, 0.f, 0.f, 0};
+  if (flags != 0) st = row_stats(row, flags & kFromLogits, grp, sm);
   double keep_sum;
   bool from_candidates = false;
-  const uint32_t t =
-      (flags & (kTopK | kTopP | kMinP)) ? threshold(row, f, st, false, &keep_sum, &from_candidates, sm) : st.min_key;
+  const uint32_t t = (flags & (kTopK | kTopP | kMinP))
+      ? threshold(row, f, st, false, &keep_sum, &from_candidates, grp, sm) : st.min_key;
   const Rng rng{uint32_t(uint64_t(seed)), uint32_t(uint64_t(seed) >> 32), uint32_t(uint64_t(offset)),
                 uint32_t(uint64_t(offset) >> 32)};
   const bool logits = flags & kFromLogits;
   const float max_x = st.max_x;
   const int tok = from_candidates
       ? race_candidates(t, logits, max_x, rng, uint32_t(b), sm)
-      : race(row, [&](int, float v) { return value_of(v, logits, max_x); }, t, rng, uint32_t(b), sm);
-  if (threadIdx.x == 0) out[b] = tok;
+      : race(row, [&](int, float v) { return value_of(v, logits, max_x); }, t, rng, uint32_t(b), grp, sm);
+  if (threadIdx.x == 0 && part == 0) out[b] = tok;
+  grp.finish();
 }
 
-// Renormalization / masking of row r of x into row r of out (stride out_stride):
+// Renormalization / masking of row r of x into row r of out (stride out_stride); CTA blockIdx.x is part
+// (blockIdx.x % splits) of row blockIdx.x / splits, as cuattn_sample:
 // MODE 0: top_k_renorm_probs, 1: top_p_renorm_probs (out = x / kept sum, 0 elsewhere);
 // MODE 2: top_k_mask_logits (out = x, -inf elsewhere).
 template <int MODE>
 __device__ __forceinline__ void renorm_row(const float* __restrict__ x, int64_t row_stride, int vocab,
                                            const int* __restrict__ top_k_arr, int top_k_val,
                                            const float* __restrict__ top_p_arr, float top_p_val,
-                                           float* __restrict__ out, int64_t out_stride, Shared& sm) {
-  const int r = blockIdx.x;
+                                           float* __restrict__ out, int64_t out_stride, int splits, void* ws,
+                                           Shared& sm) {
+  const int r = blockIdx.x / splits, part = blockIdx.x % splits;
   const Row row(x + int64_t(r) * row_stride, vocab);
+  set_chunk(vocab, part, splits);
+  Group& grp = sm.grp;
+  grp.init(splits, part, ws, r);
+  __syncthreads();
   Filter f;
   const int k = top_k_arr ? top_k_arr[r] : top_k_val;
   f.top_k = uint32_t(max(k, 1));
   f.top_p = top_p_arr ? top_p_arr[r] : top_p_val;
   f.min_p = 0.f;
   f.flags = MODE == 1 ? kTopP : MODE == 2 ? (kTopK | kFromLogits) : kTopK;
-  const RowStats st = row_stats(row, MODE == 2, sm);
+  const RowStats st = row_stats(row, MODE == 2, grp, sm);
   double keep_sum;
   bool from_candidates;
-  const uint32_t t = threshold(row, f, st, MODE != 2, &keep_sum, &from_candidates, sm);
+  const uint32_t t = threshold(row, f, st, MODE != 2, &keep_sum, &from_candidates, grp, sm);
   float* o = out + int64_t(r) * out_stride;
   const float scale = float(1.0 / keep_sum);
   row.for_each([&](int i, float v) {
     const bool keep = ord_key(v) >= t;
     o[i] = MODE == 2 ? (keep ? v : -kInf) : (keep ? v * scale : 0.f);
   });
+  grp.finish();
 }
 
 #define RENORM_ENTRY(NAME, MODE)                                                                          \
   extern "C" __global__ void __launch_bounds__(BLOCK) NAME(                                              \
       const float* __restrict__ x, int64_t row_stride, int vocab, const int* __restrict__ top_k_arr,       \
       int top_k_val, const float* __restrict__ top_p_arr, float top_p_val, float* __restrict__ out,        \
-      int64_t out_stride) {                                                                               \
+      int64_t out_stride, int splits, void* ws) {                                                         \
     __shared__ Shared sm;                                                                                 \
-    renorm_row<MODE>(x, row_stride, vocab, top_k_arr, top_k_val, top_p_arr, top_p_val, out, out_stride, sm); \
+    renorm_row<MODE>(x, row_stride, vocab, top_k_arr, top_k_val, top_p_arr, top_p_val, out, out_stride, splits, \
+                     ws, sm);                                                                             \
   }
 RENORM_ENTRY(cuattn_top_k_renorm, 0)
 RENORM_ENTRY(cuattn_top_p_renorm, 1)
@@ -665,10 +841,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) cuattn_chain_speculative(
   const float* dp = dr + int64_t(pos) * vocab;
   const uint32_t race_row = uint32_t(b) * uint32_t(n + 1) + uint32_t(pos);
   int tok;
+  set_chunk(vocab, 0, 1);
+  sm.grp.init(1, 0, nullptr, 0);
+  __syncthreads();
   if (pos < n)
-    tok = race(row, [&](int i, float t) { return fmaxf(t - dp[i], 0.f); }, 0u, rng, race_row, sm);
+    tok = race(row, [&](int i, float t) { return fmaxf(t - dp[i], 0.f); }, 0u, rng, race_row, sm.grp, sm);
   else
-    tok = race(row, [&](int, float t) { return t; }, 0u, rng, race_row, sm);
+    tok = race(row, [&](int, float t) { return t; }, 0u, rng, race_row, sm.grp, sm);
   int* o = out_ids + int64_t(b) * (n + 1);
   for (int i = threadIdx.x; i <= n; i += BLOCK) o[i] = i < pos ? ids[i] : i == pos ? tok : -1;
   if (threadIdx.x == 0) { accepted[b] += acc; emitted[b] += pos; }

@@ -480,3 +480,149 @@ def test_top_p_gpu_threshold_equals_numpy_path_exactly(batch, vocab):
         np.testing.assert_array_equal(out[0], out[1])
         np.testing.assert_array_equal(out[0] > 0, want > 0)
         np.testing.assert_allclose(out[0], want, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------- groups of CTAs per row
+
+
+def test_ctas_per_row_policy_and_setting():
+    """Automatic: up to 32 CTAs per row while batch * n fits the SMs and each reads >= 4096 elements."""
+    assert sampling.ctas_per_row(1, 128256, 132) == 31
+    assert sampling.ctas_per_row(64, 128256, 132) == 2
+    assert sampling.ctas_per_row(67, 128256, 132) == 1 and sampling.ctas_per_row(256, 128256, 132) == 1
+    assert sampling.ctas_per_row(1, 1000, 132) == 1 and sampling.ctas_per_row(1, 50257, 132) == 12
+    assert sampling.ctas_per_row(0, 128256, 132) == 31
+    for bad in (0, 33, 2.0, True):
+        with pytest.raises(ValueError, match="set_ctas_per_row: n must be None or an int in \\[1, 32\\]"):
+            sampling.set_ctas_per_row(bad)
+    assert sampling._ctas_per_row is None
+
+
+def test_forced_ctas_per_row_refuses_groups_that_cannot_be_resident(monkeypatch):
+    monkeypatch.setattr(sampling.plan, "num_sms", lambda device: 132)
+    ctx = type("Ctx", (), {"device": 0, "stream": None})()
+    sampling.set_ctas_per_row(8)
+    try:
+        with pytest.raises(ValueError, match="top_p_sampling_from_probs: set_ctas_per_row\\(8\\) needs batch \\* 8 <= 132"):
+            sampling._group("top_p_sampling_from_probs", 17, 128256, ctx)
+        sampling.set_ctas_per_row(1)
+        assert sampling._group("top_p_sampling_from_probs", 500, 128256, ctx) == (1, 0)
+    finally:
+        sampling.set_ctas_per_row(None)
+
+
+def test_sampling_spec_passes_the_workspace_layout():
+    assert f"-DWS_ROW_BYTES={sampling._WS_ROW_BYTES}" in sampling.SamplingSpec().defines()
+
+
+@pytest.fixture
+def ctas():
+    """Sets the CTAs per row for one test; back to automatic afterwards."""
+    yield sampling.set_ctas_per_row
+    sampling.set_ctas_per_row(None)
+
+
+GROUP_CASES = [  # (ctas per row, batch, vocab); vocab 1000 with an odd-offset view: scalar loads, 4 chunks of 252
+    (2, 5, 128256), (8, 3, 128256), (32, 1, 128256), (32, 2, 50257), (4, 4, 1001)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,batch,vocab", GROUP_CASES, ids=[f"ctas{n}-b{b}-v{v}" for n, b, v in GROUP_CASES])
+def test_groups_of_ctas_give_the_numpy_paths_tokens(n, batch, vocab, ctas):
+    """A row split over n CTAs (stats, radix histograms and the race's argmin merged across them): the same
+    tokens as the NumPy path (probabilities: exactly) and as one CTA per row, for every filter, with
+    per-request parameters (NumPy and CuPy arrays), indices (int64, repeated rows) and the renorm/mask outputs."""
+    import cupy
+    rows_n = batch + 1                                               # batch outputs through indices, batch + 1 else
+    if vocab % 4:                                                    # a view at an odd offset: scalar loads
+        rows = exact_rows(rows_n, vocab + 1, seed=n * 131 + vocab)
+        host, dev = rows[:, 1:], cupy.asarray(rows)[:, 1:]
+    else:                                                            # contiguous, 16-byte loads
+        host = exact_rows(rows_n, vocab, seed=n * 131 + vocab)
+        dev = cupy.asarray(host)
+    logits_h = np.log(host + np.float32(1e-30)).astype(np.float32)
+    logits_d = cupy.asarray(logits_h)
+    idx = np.array([batch - 1 - b for b in range(batch)], np.int64)
+    idx[0] = idx[-1] = batch                                         # the last row, twice when batch > 1
+    top_p = TOP_PS[np.arange(rows_n) % len(TOP_PS)]
+    top_k = np.array(([1, 50, 2000, 7, 300] * rows_n)[:rows_n], np.int32)
+    calls = [("sampling_from_probs", host, dev, (), {}),
+             ("top_p_sampling_from_probs", host, dev, (top_p,), {}),
+             ("top_p_sampling_from_probs", host, dev, (0.9,), {"indices": idx}),
+             ("top_k_sampling_from_probs", host, dev, (top_k,), {}),
+             ("min_p_sampling_from_probs", host, dev, (top_p * 0.5,), {}),
+             ("top_k_top_p_sampling_from_probs", host, dev, (top_k, top_p), {}),
+             ("top_k_top_p_sampling_from_probs", host, dev, (2000, top_p), {"filter_apply_order": "joint"}),
+             ("sampling_from_logits", logits_h, logits_d, (), {}),
+             ("top_k_top_p_sampling_from_logits", logits_h, logits_d, (top_k, 0.8), {})]
+    for name, xh, xd, args, kw in calls:
+        f = getattr(sampling, name)
+        want = f(xh, *args, seed=23, offset=8, **kw)
+        dev_args = [cupy.asarray(a) if isinstance(a, np.ndarray) and i % 2 else a for i, a in enumerate(args)]
+        dev_kw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+        ctas(n)
+        got = [cupy.asnumpy(f(xd, *dev_args, seed=23, offset=8, **dev_kw)) for _ in range(2)]
+        ctas(1)
+        one = cupy.asnumpy(f(xd, *dev_args, seed=23, offset=8, **dev_kw))
+        np.testing.assert_array_equal(got[0], got[1], err_msg=f"{name}: not deterministic")
+        np.testing.assert_array_equal(got[0], one, err_msg=f"{name}: {n} CTAs per row != 1")
+        if name.endswith("logits"):     # __expf and NumPy's exp may differ in the last bit: one boundary token
+            assert np.sum(got[0] != want) <= 1, (name, got[0], want)
+        else:
+            np.testing.assert_array_equal(got[0], want, err_msg=f"{name} {kw}")
+    for f, xh, xd, arg in ((sampling.top_k_renorm_probs, host, dev, top_k),
+                           (sampling.top_p_renorm_probs, host, dev, top_p),
+                           (sampling.top_k_renorm_probs, host, dev, vocab),    # every token: the row's mass
+                           (sampling.top_k_mask_logits, logits_h, logits_d, top_k)):
+        want = f(xh, arg)
+        ctas(n)
+        got = cupy.asnumpy(f(xd, cupy.asarray(arg) if isinstance(arg, np.ndarray) else arg))
+        ctas(1)
+        one = cupy.asnumpy(f(xd, cupy.asarray(arg) if isinstance(arg, np.ndarray) else arg))
+        np.testing.assert_array_equal(got, one, err_msg=f.__name__)
+        if f is sampling.top_k_mask_logits:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_array_equal(got > 0, want > 0, err_msg=f.__name__)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f.__name__)
+
+
+@pytest.mark.gpu
+def test_groups_of_ctas_mark_out_of_range_indices_and_leave_a_clean_workspace(ctas):
+    """An index outside the rows gives -1 for its whole group; the calls after it still agree with NumPy."""
+    import cupy
+    probs = exact_rows(3, 128256, seed=41)
+    ctas(16)
+    idx = cupy.asarray(np.array([0, 7, 2, -1, 1], np.int32))
+    got = cupy.asnumpy(sampling.top_p_sampling_from_probs(cupy.asarray(probs), 0.7, indices=idx, seed=5))
+    want = sampling.top_p_sampling_from_probs(probs, 0.7, indices=np.array([0, 2, 2, 2, 1]), seed=5)
+    assert got[1] == -1 and got[3] == -1
+    np.testing.assert_array_equal(got[[0, 2, 4]], want[[0, 2, 4]])
+    for _ in range(3):
+        got = cupy.asnumpy(sampling.top_p_sampling_from_probs(cupy.asarray(probs), 0.7, seed=6))
+        np.testing.assert_array_equal(got, sampling.top_p_sampling_from_probs(probs, 0.7, seed=6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8])
+def test_sampling_gpu_cuda_graph_replays(n, ctas):
+    """A captured call replays with the same tokens (the group's workspace is left zeroed by every launch), and new
+    probabilities copied into the captured input give the NumPy path's tokens for them."""
+    import cupy
+    ctas(n)
+    p0, p1 = exact_rows(4, 128256, seed=51), exact_rows(4, 128256, seed=52)
+    x = cupy.asarray(p0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        warm = sampling.top_k_top_p_sampling_from_probs(x, 2000, 0.8, seed=9)      # compiles, allocates the workspace
+        del warm
+        stream.begin_capture()
+        out = sampling.top_k_top_p_sampling_from_probs(x, 2000, 0.8, seed=9)
+        graph = stream.end_capture()
+        for p in (p0, p0, p1, p1):
+            x[...] = cupy.asarray(p)
+            out[...] = -7
+            graph.launch()
+            stream.synchronize()
+            np.testing.assert_array_equal(cupy.asnumpy(out), sampling.top_k_top_p_sampling_from_probs(p, 2000, 0.8,
+                                                                                                    seed=9))
