@@ -31,6 +31,17 @@
 //   P(t), i.e. for consumer B's P(t-1) V product, which runs beside A's S(t) and softmax).
 //   Shared memory (227 KiB max): Q 72 KiB + 2 key stages 144 KiB + P 8 KiB + row factors: two stages only.
 //   Registers: producer 56, consumers 224 (setmaxnreg; 128 accumulators of O per thread + S and P in A).
+// VERSION 2 (-DVERSION=2, Sm90MLASpec.version): the same roles and products, but each key stage fills and frees
+//   as two halves with their own full / empty mbarriers: "high" = ckv 256..511 and kpe (column blocks 4..8: read
+//   by S and consumer B's P V) and "low" = ckv 0..255 (blocks 0..3: read by S and consumer A's P V only). The
+//   producer copies a tile's high half, then its low half; S(t) issues the high half's 20 k-steps as soon as
+//   that half has landed and waits for the low half before its last 16. Consumer A frees the high half once S
+//   has landed (consumer B after its P V), the low half after its P V. Why: in version 1 a stage frees only
+//   once both P V products of tile t - 1 are done, i.e. at the end of iteration t, just before S(t + 1) needs
+//   the refill: every tile's whole load (72 KiB gathered) is exposed latency, with tensor cores and the read
+//   path idle in turn. In version 2 the high half of tile t + 1 is requested as soon as consumer B's P V(t - 1)
+//   is done (about half way through iteration t) and the low half is needed only after S(t + 1)'s first 20
+//   k-steps: both loads overlap a product instead of following it. Same shared memory (+4 mbarriers).
 // Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
 //   qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
 // Output: final rows (DTYPE) and LSE (base 2 times lse_scale), or for a split item fp32 normalized rows in
