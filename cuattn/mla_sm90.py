@@ -6,6 +6,10 @@
 tile), so the plan and mla.cu's merge kernel serve both kernels; only the spec, the key tile (64 keys
 instead of 32, which sets the split granularity) and the launch geometry differ.
 
+Versions (``Sm90MLASpec.version``, the kernel's VERSION; the header of mla_sm90.cu describes both): 1 fills
+and frees a key stage whole; 2 as two halves with their own mbarriers, so a stage's refill overlaps the
+products instead of following them. ``spec_for`` gives plan() the spec of ``DEFAULT_VERSION``.
+
 Cases with a kernel: device sm_90, q and the latent caches float16 or bfloat16 of one dtype (no fp8
 cache), any page size (the producer warpgroup gathers rows through the page table with cp.async),
 causal or not, any number of heads and query tokens. ``unsupported_reason`` names the first limit a call

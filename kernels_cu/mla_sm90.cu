@@ -41,7 +41,8 @@
 //   the refill: every tile's whole load (72 KiB gathered) is exposed latency, with tensor cores and the read
 //   path idle in turn. In version 2 the high half of tile t + 1 is requested as soon as consumer B's P V(t - 1)
 //   is done (about half way through iteration t) and the low half is needed only after S(t + 1)'s first 20
-//   k-steps: both loads overlap a product instead of following it. Same shared memory (+4 mbarriers).
+//   k-steps: both loads overlap a product instead of following it. Same shared memory (+4 mbarriers). Also,
+//   consumer A shares P(t) before rescaling its own accumulator, so consumer B's P V(t) overlaps that rescale.
 // Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
 //   qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
 // Output: final rows (DTYPE) and LSE (base 2 times lse_scale), or for a split item fp32 normalized rows in
@@ -385,9 +386,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
         wgmma_wait<0>();
         wgmma_fence_regs(acc);
         release_pv(t - 1);
-        rescale(corr[0], corr[1]);
-        pack_p(s);
-        share_p(corr, t);
+        if (HALVES) {                      // v2: P(t) to consumer B first, so its P V(t) overlaps this rescale
+          pack_p(s);
+          share_p(corr, t);
+          rescale(corr[0], corr[1]);
+        } else {
+          rescale(corr[0], corr[1]);
+          pack_p(s);
+          share_p(corr, t);
+        }
       }
       issue_pv(num_tiles - 1);
       wgmma_wait<0>();
