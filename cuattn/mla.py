@@ -257,7 +257,7 @@ class BatchMLAPagedAttentionWrapper:
         # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout) and
         #    mla.cu's spec, whose merge kernel joins split pieces of either
         p.spec = MLASpec(short, stages_for(arch, kv), kv)
-        spec = p.spec if backend == "fa2" else mla_sm90.Sm90MLASpec(short)
+        spec = p.spec if backend == "fa2" else mla_sm90.spec_for(short)
         h, qo_lens = p.num_qo_heads, p.qo_lens
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs

@@ -31,6 +31,18 @@
 //   P(t), i.e. for consumer B's P(t-1) V product, which runs beside A's S(t) and softmax).
 //   Shared memory (227 KiB max): Q 72 KiB + 2 key stages 144 KiB + P 8 KiB + row factors: two stages only.
 //   Registers: producer 56, consumers 224 (setmaxnreg; 128 accumulators of O per thread + S and P in A).
+// VERSION 2 (-DVERSION=2, Sm90MLASpec.version): the same roles and products, but each key stage fills and frees
+//   as two halves with their own full / empty mbarriers: "high" = ckv 256..511 and kpe (column blocks 4..8: read
+//   by S and consumer B's P V) and "low" = ckv 0..255 (blocks 0..3: read by S and consumer A's P V only). The
+//   producer copies a tile's high half, then its low half; S(t) issues the high half's 20 k-steps as soon as
+//   that half has landed and waits for the low half before its last 16. Consumer A frees the high half once S
+//   has landed (consumer B after its P V), the low half after its P V. Why: in version 1 a stage frees only
+//   once both P V products of tile t - 1 are done, i.e. at the end of iteration t, just before S(t + 1) needs
+//   the refill: every tile's whole load (72 KiB gathered) is exposed latency, with tensor cores and the read
+//   path idle in turn. In version 2 the high half of tile t + 1 is requested as soon as consumer B's P V(t - 1)
+//   is done (about half way through iteration t) and the low half is needed only after S(t + 1)'s first 20
+//   k-steps: both loads overlap a product instead of following it. Same shared memory (+4 mbarriers). Also,
+//   consumer A shares P(t) before rescaling its own accumulator, so consumer B's P V(t) overlaps that rescale.
 // Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
 //   qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
 // Output: final rows (DTYPE) and LSE (base 2 times lse_scale), or for a split item fp32 normalized rows in
@@ -54,8 +66,13 @@ constexpr uint32_t TILE_BYTES = (D_QK / 64) * COL_BLOCK;   // Q or a key tile: 9
 constexpr uint32_t OFF_K = TILE_BYTES, OFF_P = OFF_K + STAGES * TILE_BYTES;
 constexpr uint32_t OFF_SCALE = OFF_P + COL_BLOCK;     // 64 floats: the rows' rescale factors of the current P
 constexpr uint32_t OFF_L = OFF_SCALE + 256;           // 64 floats: the rows' final sums (epilogue)
-constexpr uint32_t OFF_BAR = OFF_L + 256;             // full[2], empty[2], p_full, p_empty
-constexpr uint32_t SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 2);
+#ifndef VERSION
+#define VERSION 1           // 2: each key stage fills and frees as two halves (see the header)
+#endif
+constexpr bool HALVES = VERSION >= 2;
+constexpr int NUM_BARS = (HALVES ? 4 : 2) * STAGES + 2;
+constexpr uint32_t OFF_BAR = OFF_L + 256;             // full[2], empty[2], (v2: full_lo[2], empty_lo[2]), p_full, p_empty
+constexpr uint32_t SMEM_BYTES = OFF_BAR + 8 * NUM_BARS;
 constexpr int V_HALF = D_CKV / 2;                     // output columns per consumer warpgroup
 constexpr int WORK_COLS = 4;                          // plan.PREFILL_COLS
 #ifndef PRODUCER_REGS
@@ -111,8 +128,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   const uint32_t bars = base + OFF_BAR;
 #define FULL(s) (bars + 8 * (s))
 #define EMPTY(s) (bars + 8 * (STAGES + (s)))
-#define P_FULL (bars + 8 * (2 * STAGES))
-#define P_EMPTY (bars + 8 * (2 * STAGES + 1))
+#define FULL_LO(s) (bars + 8 * (2 * STAGES + (s)))     // (v2 only)
+#define EMPTY_LO(s) (bars + 8 * (3 * STAGES + (s)))
+#define P_FULL (bars + 8 * (NUM_BARS - 2))
+#define P_EMPTY (bars + 8 * (NUM_BARS - 1))
   const int tid = int(threadIdx.x);
 
   const int64_t q_base = qo_indptr[req];
@@ -135,8 +154,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(FULL(s), 128);          // every producer thread's cp.async arrival
+      mbar_init(FULL(s), 128);          // every producer thread's cp.async arrival (v2: of the high half)
       mbar_init(EMPTY(s), 8);           // lane 0 of every consumer warp
+      if (HALVES) {
+        mbar_init(FULL_LO(s), 128);
+        mbar_init(EMPTY_LO(s), 4);      // lane 0 of every consumer-A warp (the low half's only reader)
+      }
     }
     mbar_init(P_FULL, 128);             // every thread of consumer A
     mbar_init(P_EMPTY, 128);            // every thread of consumer B
@@ -173,11 +196,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       }
     };
     if (num_tiles > 0) page_ids(0);
-#pragma unroll 1
-    for (int t = 0; t < num_tiles; ++t) {
-      const int s = t % STAGES;
-      mbar_wait(EMPTY(s), ((t / STAGES) & 1) ^ 1);    // the consumers are done with tile t - STAGES
-      const uint32_t dst = sK + s * TILE_BYTES;
+    // -- ckv column blocks [i0, i1) (and kpe) of this thread's rows of tile t into dst
+    auto copy_rows = [&](uint32_t dst, int t, int i0, int i1, bool with_kpe) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {        // (unrolled: page[] stays in registers)
         const int r = r16 + 16 * j, key = kv_lo + t * BLOCK_N + r;
@@ -185,11 +205,30 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
         const int slot = ok ? key % page_size : 0;
         const T* ckv = ckv_cache + int64_t(page[j]) * ckv_s_page + slot * ckv_s_tok + sub * 8;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) cp_async_16(dst + swz(r, sub + 8 * i), ckv + i * 64, ok ? 16 : 0);
-        cp_async_16(dst + swz(r, 64 + sub), kpe_cache + int64_t(page[j]) * kpe_s_page + slot * kpe_s_tok + sub * 8,
-                    ok ? 16 : 0);
+        for (int i = i0; i < i1; ++i) cp_async_16(dst + swz(r, sub + 8 * i), ckv + i * 64, ok ? 16 : 0);
+        if (with_kpe)
+          cp_async_16(dst + swz(r, 64 + sub), kpe_cache + int64_t(page[j]) * kpe_s_page + slot * kpe_s_tok + sub * 8,
+                      ok ? 16 : 0);
       }
-      cp_async_mbar_arrive_noinc(FULL(s));            // (tile 0's arrival covers the Q copies too)
+    };
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % STAGES;
+      const uint32_t ph = ((t / STAGES) & 1) ^ 1, dst = sK + s * TILE_BYTES;
+      mbar_wait(EMPTY(s), ph);             // the consumers are done with (v2: the high half of) tile t - STAGES
+      if (HALVES) {
+        // -- v2: the high half (ckv 256..511, kpe) first: it frees first (consumer B's P V and the S
+        //    product are its readers) and S(t) reads it first; then the low half once consumer A's P V
+        //    of tile t - STAGES is done
+        copy_rows(dst, t, 4, 8, true);
+        cp_async_mbar_arrive_noinc(FULL(s));          // (tile 0's arrival covers the Q copies too)
+        mbar_wait(EMPTY_LO(s), ph);
+        copy_rows(dst, t, 0, 4, false);
+        cp_async_mbar_arrive_noinc(FULL_LO(s));
+      } else {
+        copy_rows(dst, t, 0, 8, true);
+        cp_async_mbar_arrive_noinc(FULL(s));          // (tile 0's arrival covers the Q copies too)
+      }
       if (t + 1 < num_tiles) page_ids(t + 1);
     }
     cp_async_wait<0>();                 // no copy lands after this thread has left
@@ -211,10 +250,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
   float m_i[2] = {neg_inf, neg_inf}, l_i[2] = {0.f, 0.f};
-  auto release = [&](int s) {              // this warp is done reading key stage s
+  auto arrive_warp = [&](uint32_t bar) {   // this warp is done with what `bar` guards
     __syncwarp();
-    if (lane == 0) mbar_arrive(EMPTY(s));
+    if (lane == 0) mbar_arrive(bar);
   };
+  auto release = [&](int s) { arrive_warp(EMPTY(s)); };   // done reading key stage s (v2: its high half)
   auto rescale = [&](float c0, float c1) {
 #pragma unroll
     for (int n = 0; n < V_HALF / 8; ++n) {
@@ -234,14 +274,32 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       lim[h] = causal ? min(kv_end, pr / num_heads + shift + 1) : kv_end;
     }
     uint32_t p[BLOCK_N / 16][4];           // P(t) as the A fragments of 4 k-steps of 16 keys
+    // -- S(t) = Q K(t)^T once tile t has landed. v2: the high half's 20 k-steps (ckv 256..511, kpe) as soon as
+    //    it has landed, then the low half's 16 (its copies may still run meanwhile): two commit groups
     auto issue_qk = [&](float (&s)[32], int t) {
+      const int st = t % STAGES;
+      const uint32_t ph = (t / STAGES) & 1;
       const uint64_t dq = wgmma_desc(opaque(sQ), 16, 1024);
-      const uint64_t dk = wgmma_desc(opaque(sK + (t % STAGES) * TILE_BYTES), 16, 1024);
-      wgmma_fence();
+      const uint64_t dk = wgmma_desc(opaque(sK + st * TILE_BYTES), 16, 1024);
+      auto ksteps = [&](int k0, int k1, bool first) {
 #pragma unroll
-      for (int kk = 0; kk < D_QK / 16; ++kk) {
-        const uint32_t off = ((kk / 4) * COL_BLOCK + (kk % 4) * 32) >> 4;
-        wgmma_m64n64k16_ss<T>(s, dq + off, dk + off, kk > 0);
+        for (int kk = k0; kk < k1; ++kk) {
+          const uint32_t off = ((kk / 4) * COL_BLOCK + (kk % 4) * 32) >> 4;
+          wgmma_m64n64k16_ss<T>(s, dq + off, dk + off, !first || kk > k0);
+        }
+      };
+      mbar_wait(FULL(st), ph);
+      fence_proxy_async();                 // cp.async writes (seen through the mbarrier) -> wgmma reads
+      wgmma_fence();
+      if (HALVES) {
+        ksteps(D_CKV / 2 / 16, D_QK / 16, true);
+        wgmma_commit();
+        mbar_wait(FULL_LO(st), ph);
+        fence_proxy_async();
+        wgmma_fence();
+        ksteps(0, D_CKV / 2 / 16, false);
+      } else {
+        ksteps(0, D_QK / 16, true);
       }
       wgmma_commit();
     };
@@ -300,13 +358,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     };
 
     if (num_tiles > 0) {
+      // -- v1: one release of a stage by consumer A, after its P V; v2: the high half once S is done, the low
+      //    half after its P V
+      auto release_s = [&](int t) {
+        if (HALVES) release(t % STAGES);
+      };
+      auto release_pv = [&](int t) { arrive_warp(HALVES ? EMPTY_LO(t % STAGES) : EMPTY(t % STAGES)); };
       {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
         float s[32], corr[2];
-        mbar_wait(FULL(0), 0);
-        fence_proxy_async();               // cp.async writes (seen through the mbarrier) -> wgmma reads
         issue_qk(s, 0);
         wgmma_wait<0>();
         wgmma_fence_regs(s);
+        release_s(0);
         softmax(s, 0, corr);
         pack_p(s);
         share_p(corr, 0);
@@ -314,24 +377,29 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
 #pragma unroll 1
       for (int t = 1; t < num_tiles; ++t) {
         float s[32], corr[2];
-        mbar_wait(FULL(t % STAGES), (t / STAGES) & 1);
-        fence_proxy_async();
         issue_qk(s, t);
         issue_pv(t - 1);
         wgmma_wait<1>();                   // S(t) has landed; P(t-1) V(t-1) may still run
         wgmma_fence_regs(s);
+        release_s(t);
         softmax(s, t, corr);
         wgmma_wait<0>();
         wgmma_fence_regs(acc);
-        release((t - 1) % STAGES);
-        rescale(corr[0], corr[1]);
-        pack_p(s);
-        share_p(corr, t);
+        release_pv(t - 1);
+        if (HALVES) {                      // v2: P(t) to consumer B first, so its P V(t) overlaps this rescale
+          pack_p(s);
+          share_p(corr, t);
+          rescale(corr[0], corr[1]);
+        } else {
+          rescale(corr[0], corr[1]);
+          pack_p(s);
+          share_p(corr, t);
+        }
       }
       issue_pv(num_tiles - 1);
       wgmma_wait<0>();
       wgmma_fence_regs(acc);
-      release((num_tiles - 1) % STAGES);
+      release_pv(num_tiles - 1);
     }
     // -- the rows' sums for consumer B (quad-reduced: every thread of a quad holds a quarter)
 #pragma unroll
@@ -351,6 +419,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       mbar_wait(P_FULL, t & 1);
       const float c0 = s_scale[r_lo], c1 = s_scale[r_lo + 8];
       mbar_wait(FULL(s), (t / STAGES) & 1);    // complete already (consumer A saw it): V visible to this thread
+                                               // (v2: the high half, the one this warpgroup reads)
       fence_proxy_async();
       rescale(c0, c1);
       // V columns 256..511: column blocks 4..7 of the stage
@@ -399,6 +468,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   }
 #undef FULL
 #undef EMPTY
+#undef FULL_LO
+#undef EMPTY_LO
 #undef P_FULL
 #undef P_EMPTY
 }
