@@ -456,11 +456,19 @@ def _param(fn: str, name: str, value, batch: int, ctx, integer: bool):
     return view, 0, None
 
 
-def _group(fn: str, batch: int, vocab: int, ctx) -> tuple[int, int]:
-    """(CTAs per row, workspace pointer or 0) of a launch over ``batch`` rows."""
+def _group(fn: str, batch: int, vocab: int, ctx, top_k: int = 0) -> tuple[int, int]:
+    """(CTAs per row, workspace pointer or 0) of a launch over ``batch`` rows. ``top_k``: 1 for a sampling op
+    with a top-k filter, 2 for top-k renorm / mask. Automatic choice, from an H100 A/B (vocab 128256,
+    benchmarks/results/ops_H100_2026-11-25_session11.md): groups of CTAs for every op without top-k
+    (top_p_sampling_from_probs batch 1: 55 us vs 156 alone, batch 64: 123 vs 159); top-k sampling ops keep
+    one CTA per row (their one-CTA candidate path: top_k_top_p_sampling_from_logits 50 vs 76 us at batch 1, 53
+    vs 125 at 64); top-k renorm / mask take groups of at least 8 (batch 1: 50 vs 73-86 us; at batch 64, 2 CTAs
+    a row were slower: 111-118 vs 89-101)."""
     sms = plan.num_sms(ctx.device)
     if _ctas_per_row is None:
         splits = ctas_per_row(batch, vocab, sms)
+        if top_k == 1 or (top_k == 2 and splits < 8):
+            splits = 1
     else:
         splits = _ctas_per_row
         if splits > 1 and batch * splits > sms:
@@ -533,7 +541,7 @@ def _sample(fn, x, name, flags, top_k, top_p, min_p, indices, generator, check_n
         return arrays.export(ctx, out)
     out = arrays.empty(ctx, (batch,), np.int32)
     if batch:
-        splits, ws = _group(fn, batch, vocab, ctx)
+        splits, ws = _group(fn, batch, vocab, ctx, int(bool(flags & _TOP_K)))
         launch = jit.get_launcher(_SPEC, "cuattn_sample", ctx.device, "pqii" "pi" "pi" "pf" "pf" "i" "qq" "p" "ip")
         launch((batch * splits,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, num_rows,
                0 if idx is None else idx.ptr, int(idx is not None and np.dtype(idx.dtype) == np.int64),
@@ -562,7 +570,7 @@ def _renorm(fn, x, name, mode, top_k, top_p, stream):
     out = arrays.empty(ctx, (rows, vocab), np.float32)
     if rows:
         entry = ("cuattn_top_k_renorm", "cuattn_top_p_renorm", "cuattn_top_k_mask_logits")[mode]
-        splits, ws = _group(fn, rows, vocab, ctx)
+        splits, ws = _group(fn, rows, vocab, ctx, 0 if mode == 1 else 2)
         launch = jit.get_launcher(_SPEC, entry, ctx.device, "pqi" "pi" "pf" "pq" "ip")
         launch((rows * splits,), _SPEC.block, ctx.stream, t.ptr, t.strides[0], vocab, _ptr(k[0]), k[1], _ptr(p[0]),
                p[1], arrays.device_tensor(out, "out", fn).ptr, vocab, splits, ws)
