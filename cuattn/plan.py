@@ -44,18 +44,20 @@ class DecodeWorkList:
 
 
 def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int,
-                 block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK) -> int:
+                 block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK, max_len: int | None = None) -> int:
     """Tokens per piece for split-KV; 0 means no request is split.
 
     Enough CTAs to fill every SM with ctas_per_sm resident CTAs when the batch alone cannot (one
     CTA per SM does not reach the bandwidth wall: measured 48-62% on H100), and long requests in a
-    skewed batch cut to ~2x the mean so one request does not set the time.
+    skewed batch cut to ~2x the mean so one request does not set the time. ``max_len``: ``kv_lens.max()``
+    when the caller has it already.
     """
     batch = len(kv_lens)
     if batch == 0:
         return 0
     total = int(kv_lens.sum())
-    max_len = int(kv_lens.max())
+    if max_len is None:
+        max_len = int(kv_lens.max())
     mean = -(-total // batch)
     slots = num_sms * ctas_per_sm
     if batch * heads_work >= 0.9 * slots:              # the batch alone fills the GPU:
@@ -148,6 +150,8 @@ def num_sms(device: int) -> int:
 PREFILL_MIN_CHUNK = 512   # a prefill piece reads at least this many keys (its partial rows cost a tile's worth)
 PREFILL_COLS = 4          # work rows (request, query tile, kv piece, partial slot); merge rows
                           # (request, query tile, first slot, pieces): common/prefill_tile.cuh
+_NO_MERGE = np.zeros((0, PREFILL_COLS), np.int32)     # the merge rows of a plan that splits nothing (shared: empty)
+_NO_MERGE.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,12 @@ class PrefillWorkList:
         return float(tiles.mean() / max(int(tiles.max()), 1))
 
 
+def _div(k: np.ndarray, d: int) -> np.ndarray:
+    """``k // d`` (a shift for a power of two: exact for negative values too, and cheaper than int64 division)."""
+    d = int(d)
+    return k >> (d.bit_length() - 1) if d > 0 and d & (d - 1) == 0 else k // d
+
+
 def _cyclic(k: np.ndarray, period: int) -> np.ndarray:
     """``k % period`` (a mask for a power of two: int64 division costs more than the call)."""
     return k & (period - 1) if period & (period - 1) == 0 else k % period
@@ -186,7 +196,7 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
     if not n:
         e = np.zeros(0, np.int64)
         return e, e.copy(), e.copy()
-    tiles = (qo_lens * group + (block_m - 1)) // block_m
+    tiles = _div(qo_lens * group + (block_m - 1), block_m)
     t0, total = int(tiles.max()), int(tiles.sum())
     if t0 and total == n * t0:          # every request t0 tiles (a uniform batch): no repeats of request arrays
         if t0 == 1:
@@ -197,7 +207,8 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
         if not causal:
             return req, tile, (kv_lens.copy() if t0 == 1 else kv_lens.repeat(t0))
         # -- ext[r, t] computed as its transpose (t0, n): the inner loop runs over the requests
-        lim = np.arange(block_m - 1, t0 * block_m, block_m) // group + 1       # lim_t + 1, t < t0
+        lim = np.array([(t * block_m + block_m - 1) // group + 1 for t in range(t0)]) if t0 <= 16 else \
+            np.arange(block_m - 1, t0 * block_m, block_m) // group + 1          # lim_t + 1, t < t0
         d = kv_lens - qo_lens
         ext = np.add.outer(lim, d)
         np.minimum(ext, kv_lens, out=ext)
@@ -217,23 +228,28 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
 
 
 def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
-                      chunk: int = 0, items: tuple | None = None) -> PrefillWorkList:
+                      chunk: int = 0, items: tuple | None = None, top: int | None = None) -> PrefillWorkList:
     """Work rows for every (request, query tile), each cut into pieces of ``chunk`` keys (0: none),
     the most key tiles first (long pieces start early); split items' pieces get partial slots and a
-    merge row each. ``items``: ``prefill_items``' result when the caller has it already."""
+    merge row each. ``items``: ``prefill_items``' result when the caller has it already; ``top``: the
+    largest of its extents (``items[2].max()``), likewise."""
     req, tile, ext = items if items is not None else prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group,
                                                                   block_m, causal)
     n = len(req)
-    top = int(ext.max()) if n else 0
+    if top is None:
+        top = int(ext.max()) if n else 0
     if chunk <= 0 or top <= chunk:               # nothing split: one row per item
         work = np.empty((n, PREFILL_COLS), np.int32)
-        if n:
+        # -- equal key tiles everywhere (the fewest, the bottom's, equal the top's): the stable order is the identity
+        if n and (int(ext.min()) + block_n - 1) // block_n != (top + block_n - 1) // block_n:
             tiles = (ext + (block_n - 1)) // block_n
-            if int(tiles.min()) != (top + block_n - 1) // block_n:   # (equal keys: the stable order is the identity)
-                order = np.argsort(-tiles, kind="stable")
-                req, tile, ext = req[order], tile[order], ext[order]
-        work[:, 0], work[:, 1], work[:, 2:] = req, tile, (0, -1)
-        return PrefillWorkList(work, np.zeros((0, PREFILL_COLS), np.int32), 0, 0, ext)
+            order = np.argsort(-tiles, kind="stable")
+            req, tile, ext = req[order], tile[order], ext[order]
+        work[:, 0] = req
+        work[:, 1] = tile
+        work[:, 2] = 0
+        work[:, 3] = -1
+        return PrefillWorkList(work, _NO_MERGE, 0, 0, ext)
     pieces = (ext + (chunk - 1)) // chunk
     np.maximum(pieces, 1, out=pieces)
     ends = np.cumsum(pieces)
@@ -277,15 +293,18 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
 
 
 def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, ctas_per_sm: int, block_n: int,
-                         max_slots: int | None = None) -> int:
+                         max_slots: int | None = None, top: int | None = None) -> int:
     """Keys per piece for split-KV prefill (0: none split): decode's rule (``choose_chunk``) over the
     (request, query tile) items, pieces of at least PREFILL_MIN_CHUNK keys; then as large as needed
-    for the partial slots to fit ``max_slots`` (a fixed workspace)."""
-    chunk = choose_chunk(extents, num_kv_heads, num_sms, ctas_per_sm, block_n, min_chunk=PREFILL_MIN_CHUNK)
+    for the partial slots to fit ``max_slots`` (a fixed workspace). ``top``: ``extents.max()`` when known."""
+    if len(extents) and top is None:
+        top = int(extents.max())
+    chunk = choose_chunk(extents, num_kv_heads, num_sms, ctas_per_sm, block_n, min_chunk=PREFILL_MIN_CHUNK,
+                         max_len=top)
     if chunk and max_slots is not None:
         while chunk and int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
-    return 0 if chunk and chunk >= int(extents.max()) else chunk
+    return 0 if chunk and chunk >= top else chunk
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -559,8 +578,9 @@ class PlanBuffers:
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
         of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
         otherwise)."""
+        lens = [0 if a is None else len(a) for _, a, _ in segments]
         if self.graph:
-            sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
+            sizes = {name: n for (name, _, _), n in zip(segments, lens)}
             if self.caps is None:
                 self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
                 if "merge" in self.caps and "work" in self.caps:
@@ -576,7 +596,7 @@ class PlanBuffers:
                                      f"a new wrapper")
             caps = [self.caps[name] for name, _, _ in segments]
         else:
-            caps = [0 if a is None else len(a) for _, a, _ in segments]
+            caps = lens
         offsets, total = [], 0
         for cap in caps:
             offsets.append(total)
@@ -585,8 +605,7 @@ class PlanBuffers:
         if bufs is None:
             bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
         host = bufs.staging(total)
-        for (_, a, fill), o, cap in zip(segments, offsets, caps):
-            n = 0 if a is None else len(a)
+        for (_, a, fill), o, n, cap in zip(segments, offsets, lens, caps):
             if n:
                 host[o:o + n] = a
             if cap > n:
