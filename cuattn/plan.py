@@ -250,25 +250,35 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         work[:, 2] = 0
         work[:, 3] = -1
         return PrefillWorkList(work, _NO_MERGE, 0, 0, ext)
-    pieces = (ext + (chunk - 1)) // chunk
-    np.maximum(pieces, 1, out=pieces)
-    ends = np.cumsum(pieces)
-    total, p0 = int(ends[-1]), (top + chunk - 1) // chunk       # p0 > 1: the most pieces of an item
-    if total == n * p0:          # every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids
-        work = np.empty((total, PREFILL_COLS), np.int32)
-        rows = np.arange(total)  # the partial slot of row i is i
-        work[:, 0], work[:, 1], work[:, 2], work[:, 3] = req.repeat(p0), tile.repeat(p0), _cyclic(rows, p0), rows
-        piece_ext = np.subtract.outer(ext, np.arange(0, p0 * chunk, chunk))
-        np.minimum(piece_ext, chunk, out=piece_ext)
-        np.maximum(piece_ext, 0, out=piece_ext)
-        piece_ext = piece_ext.ravel()
-        tiles = (piece_ext + (block_n - 1)) // block_n
-        if int(tiles.min()) != int(tiles.max()):
+    p0 = (top + chunk - 1) // chunk                  # p0 > 1: the most pieces of an item
+    bottom = int(ext.min())
+    if (bottom + chunk - 1) // chunk == p0:
+        # -- every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids; pieces k < p0 - 1 read
+        #    chunk keys, the last ext - (p0 - 1) * chunk (in 1..chunk); the partial slot of row i is i
+        total = n * p0
+        work = np.empty((n, p0, PREFILL_COLS), np.int32)
+        work[:, :, 0] = req[:, None]
+        work[:, :, 1] = tile[:, None]
+        work[:, :, 2] = np.arange(p0)
+        work[:, :, 3] = np.arange(total).reshape(n, p0)
+        work = work.reshape(total, PREFILL_COLS)
+        piece_ext = np.full((n, p0), chunk, np.int64)
+        piece_ext[:, -1] = ext - (p0 - 1) * chunk
+        piece_ext = piece_ext.reshape(total)
+        if (bottom - (p0 - 1) * chunk + block_n - 1) // block_n != (chunk + block_n - 1) // block_n:
+            tiles = (piece_ext + (block_n - 1)) // block_n
             order = np.argsort(-tiles, kind="stable")               # most key tiles first
             work, piece_ext = work[order], piece_ext[order]
         merge = np.empty((n, PREFILL_COLS), np.int32)
-        merge[:, 0], merge[:, 1], merge[:, 2], merge[:, 3] = req, tile, rows[::p0], p0
+        merge[:, 0] = req
+        merge[:, 1] = tile
+        merge[:, 2] = np.arange(0, total, p0)
+        merge[:, 3] = p0
         return PrefillWorkList(work, merge, total, int(chunk), piece_ext)
+    pieces = (ext + (chunk - 1)) // chunk
+    np.maximum(pieces, 1, out=pieces)
+    ends = np.cumsum(pieces)
+    total = int(ends[-1])
     item = np.arange(n).repeat(pieces)
     k = np.arange(total) - (ends - pieces)[item]                        # piece index within its item
     split = pieces > 1

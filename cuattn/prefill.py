@@ -280,9 +280,9 @@ class _BatchPrefillBase:
             head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
         else:
             bound, head_dim_vo, q_dt, kv_dt, kv_short, specs = config
-        sizes = qo_lens * kv_lens
         mask_host = mask_indptr = None
         if has_mask:
+            sizes = qo_lens * kv_lens
             m = _host_mask(custom_mask, packed_custom_mask, int(sizes.sum()), fn)
             if custom_mask is not None:
                 seg = np.zeros(batch + 1, np.int64)
