@@ -98,8 +98,10 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
         work[:, 1] = indptr[:-1]
         work[:, 3] = kv_lens
         work[:, 4] = -1
-        if batch > 1 and kv_lens.min() != kv_lens.max():
-            work = work[np.argsort(-kv_lens, kind="stable")]
+        if batch > 1:
+            lo, hi = int(kv_lens.min()), int(kv_lens.max())
+            if lo != hi:
+                work = work[descending(kv_lens, lo, hi)]
         return DecodeWorkList(work, np.zeros((0, MERGE_COLS), np.int32), 0, 0, kv_lens)
     # -- even pieces, each a multiple of the tile where possible (vectorized: ~25 NumPy calls)
     n_pieces = np.maximum(1, -(-kv_lens // chunk))
@@ -129,8 +131,9 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
     work[:, 6] = np.where(sp, slot_base[req], 0)
     work[:, 7] = np.where(sp, n_pieces[req], 0)
     lens = end - start
-    if lens.min() != lens.max():
-        work = work[np.argsort(-lens, kind="stable")]
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo != hi:
+        work = work[descending(lens, lo, hi)]
     sreqs = np.nonzero(split_req)[0]
     merge = np.zeros((len(sreqs), MERGE_COLS), np.int32)
     merge[:, 0] = sreqs
@@ -172,6 +175,14 @@ class PrefillWorkList:
             return 1.0
         tiles = -(-self.extents // block_n)
         return float(tiles.mean() / max(int(tiles.max()), 1))
+
+
+def descending(keys: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``np.argsort(-keys, kind="stable")``, the same order, by NumPy's radix sort of 16-bit keys where their
+    range ``lo..hi`` fits (512 keys: ~3x faster than the int64 merge sort, 8192: ~6x)."""
+    if 0 <= lo and hi <= 32767:
+        return np.argsort(np.negative(keys, dtype=np.int16, casting="unsafe"), kind="stable")
+    return np.argsort(-keys, kind="stable")
 
 
 def _div(k: np.ndarray, d: int) -> np.ndarray:
@@ -241,9 +252,10 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     if chunk <= 0 or top <= chunk:               # nothing split: one row per item
         work = np.empty((n, PREFILL_COLS), np.int32)
         # -- equal key tiles everywhere (the fewest, the bottom's, equal the top's): the stable order is the identity
-        if n and (int(ext.min()) + block_n - 1) // block_n != (top + block_n - 1) // block_n:
+        lo, hi = ((int(ext.min()) + block_n - 1) // block_n, (top + block_n - 1) // block_n) if n else (0, 0)
+        if lo != hi:
             tiles = (ext + (block_n - 1)) // block_n
-            order = np.argsort(-tiles, kind="stable")
+            order = descending(tiles, lo, hi)
             req, tile, ext = req[order], tile[order], ext[order]
         work[:, 0] = req
         work[:, 1] = tile
@@ -265,9 +277,10 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         piece_ext = np.full((n, p0), chunk, np.int64)
         piece_ext[:, -1] = ext - (p0 - 1) * chunk
         piece_ext = piece_ext.reshape(total)
-        if (bottom - (p0 - 1) * chunk + block_n - 1) // block_n != (chunk + block_n - 1) // block_n:
+        lo, hi = (bottom - (p0 - 1) * chunk + block_n - 1) // block_n, (chunk + block_n - 1) // block_n
+        if lo != hi:
             tiles = (piece_ext + (block_n - 1)) // block_n
-            order = np.argsort(-tiles, kind="stable")               # most key tiles first
+            order = descending(tiles, lo, hi)                       # most key tiles first
             work, piece_ext = work[order], piece_ext[order]
         merge = np.empty((n, PREFILL_COLS), np.int32)
         merge[:, 0] = req
@@ -293,7 +306,7 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
     np.minimum(piece_ext, chunk, out=piece_ext)                          # (>= 0: k < ceil(ext / chunk))
     np.maximum(piece_ext, 0, out=piece_ext)
     tiles = (piece_ext + (block_n - 1)) // block_n
-    order = np.argsort(-tiles, kind="stable")                       # most key tiles first
+    order = descending(tiles, 0, (chunk + block_n - 1) // block_n)  # most key tiles first (piece_ext <= chunk)
     work, piece_ext = work[order], piece_ext[order]
     s_items = np.flatnonzero(split)
     merge = np.empty((len(s_items), PREFILL_COLS), np.int32)
