@@ -28,6 +28,8 @@ SHORT_PIECE = 512     # with ~1 CTA per SM already, pieces shorter than this are
 _MAX_STAGING = 8      # plan() staging buffers in flight at once (DeviceBuffers.staging)
 WORK_COLS = 8
 MERGE_COLS = 4
+_NO_MERGE = np.zeros((0, 4), np.int32)     # the merge rows of a plan that splits nothing (decode, prefill: shared)
+_NO_MERGE.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
             lo, hi = int(kv_lens.min()), int(kv_lens.max())
             if lo != hi:
                 work = work[descending(kv_lens, lo, hi)]
-        return DecodeWorkList(work, np.zeros((0, MERGE_COLS), np.int32), 0, 0, kv_lens)
+        return DecodeWorkList(work, _NO_MERGE, 0, 0, kv_lens)
     # -- even pieces, each a multiple of the tile where possible (vectorized: ~25 NumPy calls)
     n_pieces = np.maximum(1, -(-kv_lens // chunk))
     piece = -(-kv_lens // n_pieces)
@@ -153,8 +155,6 @@ def num_sms(device: int) -> int:
 PREFILL_MIN_CHUNK = 512   # a prefill piece reads at least this many keys (its partial rows cost a tile's worth)
 PREFILL_COLS = 4          # work rows (request, query tile, kv piece, partial slot); merge rows
                           # (request, query tile, first slot, pieces): common/prefill_tile.cuh
-_NO_MERGE = np.zeros((0, PREFILL_COLS), np.int32)     # the merge rows of a plan that splits nothing (shared: empty)
-_NO_MERGE.flags.writeable = False
 
 
 @dataclass(frozen=True)
