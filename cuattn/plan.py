@@ -96,14 +96,17 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
     kv_lens = kv_lens.astype(np.int64)
     if chunk <= 0 or (batch and kv_lens.max() <= chunk):     # nothing split: one row per request
         work = np.zeros((batch, WORK_COLS), np.int32)
-        work[:, 0] = np.arange(batch)
-        work[:, 1] = indptr[:-1]
-        work[:, 3] = kv_lens
+        lo, hi = (int(kv_lens.min()), int(kv_lens.max())) if batch > 1 else (0, 0)
+        if lo != hi:     # longest first: the columns gathered in that order (1-D gathers, not one of rows)
+            order = descending(kv_lens, lo, hi)
+            work[:, 0] = order
+            work[:, 1] = indptr[order]
+            work[:, 3] = kv_lens[order]
+        else:
+            work[:, 0] = np.arange(batch)
+            work[:, 1] = indptr[:-1]
+            work[:, 3] = kv_lens
         work[:, 4] = -1
-        if batch > 1:
-            lo, hi = int(kv_lens.min()), int(kv_lens.max())
-            if lo != hi:
-                work = work[descending(kv_lens, lo, hi)]
         return DecodeWorkList(work, _NO_MERGE, 0, 0, kv_lens)
     # -- even pieces, each a multiple of the tile where possible (vectorized: ~25 NumPy calls)
     n_pieces = np.maximum(1, -(-kv_lens // chunk))
