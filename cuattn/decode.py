@@ -293,11 +293,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if m_off > w_end:
             host[w_end:m_off] = -1
         m_end, c_off = m_off + n_merge * 4, m_off + n_merge_c * 4
-        host[m_off:m_end] = wl.merge.reshape(-1)
+        if n_merge:
+            host[m_off:m_end] = wl.merge.reshape(-1)
         if c_off > m_end:
             host[m_end:c_off] = -1
         l_off = head - n_len
-        host[c_off:l_off] = 0
+        if l_off > c_off:
+            host[c_off:l_off] = 0
         host[l_off:l_off + p.batch] = wl.kv_lens
         if n_len > p.batch:
             host[l_off + p.batch:head] = -1

@@ -199,6 +199,30 @@ def _cyclic(k: np.ndarray, period: int) -> np.ndarray:
     return k & (period - 1) if period & (period - 1) == 0 else k % period
 
 
+_UNIFORM_ITEMS: dict[tuple, tuple] = {}     # _uniform_items' arrays by (batch, tiles, block_m, group)
+
+
+def _uniform_items(n: int, t0: int, block_m: int, group: int) -> tuple:
+    """(request, tile) of a batch of ``n`` requests of ``t0`` query tiles each, and ``lim_t + 1`` of its tiles
+    (``prefill_items``): read-only arrays kept per shape (a serving loop's batches repeat their shapes; the
+    four NumPy calls that build them cost ~3 µs)."""
+    key = (n, t0, block_m, group)
+    hit = _UNIFORM_ITEMS.get(key)
+    if hit is None:
+        if t0 == 1:
+            req, tile = np.arange(n), np.zeros(n, np.int64)
+        else:
+            req = np.arange(n).repeat(t0)
+            tile = _cyclic(np.arange(n * t0), t0)
+        lim = np.arange(block_m - 1, t0 * block_m, block_m) // group + 1          # lim_t + 1, t < t0
+        for a in (req, tile, lim):
+            a.flags.writeable = False
+        if len(_UNIFORM_ITEMS) >= 32:
+            _UNIFORM_ITEMS.clear()
+        hit = _UNIFORM_ITEMS[key] = (req, tile, lim)
+    return hit
+
+
 def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
     """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
     heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right).
@@ -213,16 +237,10 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
     tiles = _div(qo_lens * group + (block_m - 1), block_m)
     t0, total = int(tiles.max()), int(tiles.sum())
     if t0 and total == n * t0:          # every request t0 tiles (a uniform batch): no repeats of request arrays
-        if t0 == 1:
-            req, tile = np.arange(n), np.zeros(n, np.int64)
-        else:
-            req = np.arange(n).repeat(t0)
-            tile = _cyclic(np.arange(total), t0)
+        req, tile, lim = _uniform_items(n, t0, block_m, group)
         if not causal:
             return req, tile, (kv_lens.copy() if t0 == 1 else kv_lens.repeat(t0))
         # -- ext[r, t] computed as its transpose (t0, n): the inner loop runs over the requests
-        lim = np.array([(t * block_m + block_m - 1) // group + 1 for t in range(t0)]) if t0 <= 16 else \
-            np.arange(block_m - 1, t0 * block_m, block_m) // group + 1          # lim_t + 1, t < t0
         d = kv_lens - qo_lens
         ext = np.add.outer(lim, d)
         np.minimum(ext, kv_lens, out=ext)
