@@ -287,49 +287,66 @@ class BatchDecodeWithPagedKVCacheWrapper:
             idx_cap = n_idx if upload_idx else 0
         n_host = head + (n_idx if not indices_dev else 0)
         host = bufs.staging(n_host)
-        host[:head] = -1
-        host[:n_work * 8] = wl.work.ravel()
-        host[n_work_c * 8:n_work_c * 8 + n_merge * 4] = wl.merge.ravel()
-        host[n_work_c * 8 + n_merge_c * 4:head - n_len] = 0
-        host[head - n_len:head - n_len + p.batch] = wl.kv_lens
+        # -- every word written once: the rows, then -1 only past them (graph mode's padding)
+        w_end, m_off = n_work * 8, n_work_c * 8
+        host[:w_end] = wl.work.reshape(-1)
+        if m_off > w_end:
+            host[w_end:m_off] = -1
+        m_end, c_off = m_off + n_merge * 4, m_off + n_merge_c * 4
+        if n_merge:
+            host[m_off:m_end] = wl.merge.reshape(-1)
+        if c_off > m_end:
+            host[m_end:c_off] = -1
+        l_off = head - n_len
+        if l_off > c_off:
+            host[c_off:l_off] = 0
+        host[l_off:l_off + p.batch] = wl.kv_lens
+        if n_len > p.batch:
+            host[l_off + p.batch:head] = -1
         if not indices_dev:
             host[head:n_host] = indices_h
-        with cp.cuda.Device(self._device):
+        # -- no Device context unless a buffer grows (_ensure enters its own to allocate): the copies and the
+        #    event record work from any current device (the event and the stream are both the plan's device)
+        plan_dev = bufs.plan
+        if plan_dev is None or plan_dev.size < head + idx_cap:
             plan_dev = bufs._ensure("plan", head + idx_cap, np.int32, "the work list and indices")
-            # asynchronous on the caller's current stream: ordered after the runs of the previous
-            # plan queued there and before the runs of this one
-            stream = arrays.resolve_stream(arrays.framework_of(p.kv_indices_src), self._device)
-            bufs.upload(plan_dev.data.ptr, host, n_host, stream)
-            p.grid_work, p.grid_merge = n_work_c, n_merge_c
-            merge_ptr = plan_dev.data.ptr + n_work_c * 8 * 4
-            meta = {"work": plan_dev.data.ptr, "merge": merge_ptr, "counters": merge_ptr + n_merge_c * 4 * 4,
-                    "req_kv_len": plan_dev.data.ptr + (head - n_len) * 4}
-            has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
-            # host page ids arrive by memcpy, which no kernel overlaps: the kernel may read them
-            # before its PDL wait; device ones (even when copied here) may come from the kernel before
-            ids_in_plan = int(not indices_dev)
-            if upload_idx:
-                meta["kv_indices"] = plan_dev.data.ptr + head * 4
-                if indices_dev and n_idx:     # device to device, on the same stream as the upload
-                    cp.cuda.runtime.memcpyAsync(meta["kv_indices"], idx_t.ptr, n_idx * 4,
-                                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-            else:
-                meta["kv_indices"] = idx_t.ptr
-                p.keep = idx_t.obj
-            # -- partial outputs for split requests: fp32 rows + LSE
-            slots = max(wl.num_slots, 1)
-            if self._use_cuda_graph:
-                slots = max(slots, self._cap_work)
-            need = slots * p.num_qo_heads * (p.head_dim + 1)
-            if self._workspace is not None:
-                ptr, nbytes, _ = self._workspace
-                if need * 4 > nbytes:
-                    raise ValueError(f"{fn}: workspace_buffer must hold at least {need * 4} bytes for this "
-                                     f"plan, got {nbytes}")
-            else:
-                ptr = bufs._ensure("partial", need, np.float32, "the split-KV workspace").data.ptr
-            meta["part_o"] = ptr
-            meta["part_lse"] = ptr + slots * p.num_qo_heads * p.head_dim * 4
+        # asynchronous on the caller's current stream: ordered after the runs of the previous
+        # plan queued there and before the runs of this one
+        stream = arrays.resolve_stream(arrays.framework_of(p.kv_indices_src), self._device)
+        base = plan_dev.data.ptr
+        bufs.upload(base, host, n_host, stream)
+        p.grid_work, p.grid_merge = n_work_c, n_merge_c
+        merge_ptr = base + n_work_c * 8 * 4
+        meta = {"work": base, "merge": merge_ptr, "counters": merge_ptr + n_merge_c * 4 * 4,
+                "req_kv_len": base + l_off * 4}
+        has_merge = n_merge > 0 or (self._use_cuda_graph and n_merge_c > 0)
+        # host page ids arrive by memcpy, which no kernel overlaps: the kernel may read them
+        # before its PDL wait; device ones (even when copied here) may come from the kernel before
+        ids_in_plan = int(not indices_dev)
+        if upload_idx:
+            meta["kv_indices"] = base + head * 4
+            if indices_dev and n_idx:     # device to device, on the same stream as the upload
+                cp.cuda.runtime.memcpyAsync(meta["kv_indices"], idx_t.ptr, n_idx * 4,
+                                            cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        else:
+            meta["kv_indices"] = idx_t.ptr
+            p.keep = idx_t.obj
+        # -- partial outputs for split requests: fp32 rows + LSE
+        slots = max(wl.num_slots, 1)
+        if self._use_cuda_graph:
+            slots = max(slots, self._cap_work)
+        need = slots * p.num_qo_heads * (p.head_dim + 1)
+        if self._workspace is not None:
+            ptr, nbytes, _ = self._workspace
+            if need * 4 > nbytes:
+                raise ValueError(f"{fn}: workspace_buffer must hold at least {need * 4} bytes for this "
+                                 f"plan, got {nbytes}")
+        else:
+            part = bufs.partial
+            ptr = (part if part is not None and part.size >= need else
+                   bufs._ensure("partial", need, np.float32, "the split-KV workspace")).data.ptr
+        meta["part_o"] = ptr
+        meta["part_lse"] = ptr + slots * p.num_qo_heads * p.head_dim * 4
         p.meta = meta
         self._build_launchers(p, has_merge, ids_in_plan)
 

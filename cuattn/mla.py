@@ -75,16 +75,20 @@ class MLASpec:
 MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its partial rows (<= 64 x 2 KiB) cost less
 
 
-def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None, block_n: int = BLOCK_N) -> int:
+def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None, block_n: int = BLOCK_N,
+                  top: int | None = None) -> int:
     """Keys per piece (0: none split): plan.choose_chunk over the (request, query tile) items with one
     resident CTA per SM (the kernel takes 156-193 KiB of shared memory) and pieces of >= MIN_PIECE
     keys (a batch of one 32k request: 128 pieces; plan.choose_prefill_chunk's 512 would leave half of
-    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace)."""
-    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, block_n, min_chunk=MIN_PIECE)
+    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace). ``top``:
+    ``extents.max()`` when the caller has it."""
+    if top is None and len(extents):
+        top = int(extents.max())
+    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, block_n, min_chunk=MIN_PIECE, max_len=top)
     if chunk and max_slots is not None:
         while int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
-    return 0 if chunk and chunk >= int(extents.max()) else chunk
+    return 0 if chunk and chunk >= top else chunk
 
 
 def shipped_specs() -> list[MLASpec]:
@@ -178,6 +182,7 @@ class BatchMLAPagedAttentionWrapper:
         self._plan = None
         self._backend = backend
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._device_memo: dict[tuple, tuple] = {}    # (backend, spec, run spec) by device and dtypes (_plan_device)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads: int, head_dim_ckv: int,
              head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float, q_data_type, kv_data_type,
@@ -219,7 +224,7 @@ class BatchMLAPagedAttentionWrapper:
         if len(idx) < n_idx or hi is None:
             raise ValueError(f"{fn}: kv_indices must hold kv_indptr[-1] = {kp[-1]} non-negative page ids, got "
                              f"{len(idx)} with min {idx.min() if len(idx) else None}")
-        if batch and (kvl.min() < 0 or ((kvl + (page_size - 1)) // page_size != pages).any()):
+        if batch and (kvl.min() < 0 or (_plan._div(kvl + (page_size - 1), page_size) != pages).any()):
             b = int(np.argmax((kvl < 0) | (-(-kvl // page_size) != pages)))
             raise ValueError(f"{fn}: kv_len_arr must fit the request's pages (ceil(kv_len / page_size) == pages), "
                              f"got kv_len_arr[{b}]={int(kvl[b])} with {int(pages[b])} pages of {page_size}")
@@ -246,35 +251,46 @@ class BatchMLAPagedAttentionWrapper:
         bufs = self._bufs
         device = bufs.device_for(like)
         p.device = device
-        short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
         if device is None:
             return
-        arch, kv = jit.device_arch(device), _kv_short(p)
-        backend = mla_sm90.resolve_backend(self._backend, fn, arch, short,
-                                           arrays.SHORT_NAME.get(arrays.logical_dtype(p.kv_dtype)))
-        if backend == "fa2" and (short not in ("f16", "bf16") or kv is None):
+        # -- the backend and kernels of these dtypes on this device: as the last plan's (a serving loop's steady
+        #    state); a refusal (UnsupportedError) is never stored, so it comes again
+        key = (device, p.q_dtype, p.kv_dtype, mla_sm90.DEFAULT_VERSION)
+        hit = self._device_memo.get(key)
+        if hit is None:
+            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
+            arch, kv = jit.device_arch(device), _kv_short(p)
+            backend = mla_sm90.resolve_backend(self._backend, fn, arch, short,
+                                               arrays.SHORT_NAME.get(arrays.logical_dtype(p.kv_dtype)))
+            if backend == "fa2" and (short not in ("f16", "bf16") or kv is None):
+                hit = (backend, None, None)
+            else:
+                # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout)
+                #    and mla.cu's spec, whose merge kernel joins split pieces of either
+                fa2 = MLASpec(short, stages_for(arch, kv), kv)
+                hit = (backend, fa2, fa2 if backend == "fa2" else mla_sm90.spec_for(short))
+            _plan.memo_put(self._device_memo, key, hit)
+        backend, fa2, spec = hit
+        if fa2 is None:
             return
-        # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout) and
-        #    mla.cu's spec, whose merge kernel joins split pieces of either
-        p.spec = MLASpec(short, stages_for(arch, kv), kv)
-        spec = p.spec if backend == "fa2" else mla_sm90.spec_for(short)
+        p.spec = fa2
         h, qo_lens = p.num_qo_heads, p.qo_lens
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
+        top = int(items[2].max()) if len(items[2]) else 0      # (read once: the split choice and the work list)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)
 
         def auto():
-            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats), spec.block_n)
+            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats), spec.block_n, top)
             return c, _plan.split_reason(len(items[2]), sms, c)
         chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
-        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items)
+        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items, top)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
-        i32 = np.int32
-        segments = [("kv_chunk", np.array([wl.chunk], i32), 0), ("qo_indptr", p.qo_indptr.astype(i32), 0),
-                    ("kv_indptr", p.kv_indptr.astype(i32), 0), ("kv_len", p.kv_lens.astype(i32), 0),
-                    ("kv_indices", p.kv_indices, 0), ("work", wl.work.ravel(), -1),
-                    ("merge", wl.merge.ravel(), -1)]
+        segments = [("kv_chunk", (wl.chunk,), 0), ("qo_indptr", p.qo_indptr, 0),       # (int64 values: the
+                    ("kv_indptr", p.kv_indptr, 0), ("kv_len", p.kv_lens, 0),             # staging copy casts)
+                    ("kv_indices", p.kv_indices, 0), ("work", wl.work.reshape(-1), -1),
+                    ("merge", wl.merge.reshape(-1), -1)]
         kernel = (spec.name, h, p.page_size, p.causal, p.sm_scale) if bufs.graph else None    # (graph mode's check)
         ptrs = bufs.upload(fn, segments, kernel, like)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, BLOCK_M * HEAD_DIM_CKV))

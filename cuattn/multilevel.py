@@ -120,6 +120,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._kinds: list = [None] * self._num_levels
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
+        self._iota_last = (0, None, b"")
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -152,10 +153,10 @@ class MultiLevelCascadeAttentionWrapper:
             totals.add(int(qo[-1]) if n else 0)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
-            #    then every entry, without np.array_equal's wrapper)
+            #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
             kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
             kind = "decode" if n > 1 and len(kv_indptr) == n and qo[0] == 0 and qo[-1] == n - 1 and \
-                not (qo != np.arange(n)).any() else "prefill"
+                qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
             if kind != self._kinds[i]:
                 if self._graph and self._kinds[i] is not None:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
@@ -174,6 +175,12 @@ class MultiLevelCascadeAttentionWrapper:
         self._rows = totals.pop()
         self._plan_states(fn, int(num_qo_heads), int(head_dim), arrays.as_dtype(q_data_type, "q_data_type", fn))
         self._planned = True
+
+    def _iota(self, n: int, dtype) -> bytes:
+        """The bytes of 0, 1, ..., n - 1 in ``dtype`` (the last length and dtype's kept)."""
+        if self._iota_last[:2] != (n, dtype):
+            self._iota_last = (n, dtype, np.arange(n, dtype=dtype).tobytes())
+        return self._iota_last[2]
 
     def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:

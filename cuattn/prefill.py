@@ -280,9 +280,9 @@ class _BatchPrefillBase:
             head_dim_vo = _check_head_dim_vo(head_dim_qk, head_dim_vo, bound, fn)
         else:
             bound, head_dim_vo, q_dt, kv_dt, kv_short, specs = config
-        sizes = qo_lens * kv_lens
         mask_host = mask_indptr = None
         if has_mask:
+            sizes = qo_lens * kv_lens
             m = _host_mask(custom_mask, packed_custom_mask, int(sizes.sum()), fn)
             if custom_mask is not None:
                 seg = np.zeros(batch + 1, np.int64)
@@ -362,31 +362,32 @@ class _BatchPrefillBase:
         else:
             _, backend, spec = hit
             self.backend = backend
-        h_kv, group = plan["num_kv_heads"], plan["group"]
-        items = _plan.prefill_items(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, plan["causal"])
+        h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
+        items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal)
         ext = items[2]
-        slot_floats = h_kv * spec.block_m * (plan["head_dim"] + 1)      # a slot: every kv head's tile rows + LSE
+        top = int(ext.max()) if len(ext) else 0       # (read once: the split choice and the work list)
+        slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
         max_slots = bufs.max_partial(slot_floats)
-        slots = _plan.num_sms(device) * (2 if backend == "fa2" else 1)       # resident CTAs
+        sms = _plan.num_sms(device)
+        slots = sms * (2 if backend == "fa2" else 1)       # resident CTAs
 
         def auto():
-            c = _plan.choose_prefill_chunk(ext, h_kv, _plan.num_sms(device), slots // _plan.num_sms(device),
-                                           spec.block_n, max_slots)
+            c = _plan.choose_prefill_chunk(ext, h_kv, sms, slots // sms, spec.block_n, max_slots, top)
             return c, _plan.split_reason(len(ext) * h_kv, slots, c)
         if composite.use_softmax:
             chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
         else:                                     # weights without softmax: never split (nothing to merge)
             chunk, why = 0, "the variant has no softmax to merge"
-        wl = _plan.prefill_work_list(plan["qo_lens"], plan["kv_lens"], group, spec.block_m, spec.block_n,
-                                     plan["causal"], chunk, items)
+        wl = _plan.prefill_work_list(plan.qo_lens, plan.kv_lens, group, spec.block_m, spec.block_n,
+                                     plan.causal, chunk, items, top)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
-        mask = plan["mask"]
-        segments = [("kv_chunk", np.array([wl.chunk], np.int32), 0),
-                    ("qo_indptr", plan["qo_indptr"], 0), ("kv_indptr", plan["kv_indptr"], 0),
+        mask = plan.mask
+        segments = [("kv_chunk", (wl.chunk,), 0),
+                    ("qo_indptr", plan.qo_indptr, 0), ("kv_indptr", plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
-                    ("mask_indptr", plan["mask_indptr"], 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
-                    ("work", wl.work.ravel(), -1), ("merge", wl.merge.ravel(), -1)]
+                    ("mask_indptr", plan.mask_indptr, 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
+                    ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1)]
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
                            stream_of)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))

@@ -292,3 +292,16 @@ def test_max_index_is_the_max_or_none_when_a_value_is_negative(values, dtype, st
     ids = np.array([v % 2**32 if dtype == "uint32" else v for v in values], dtype)[::step]
     want = -1 if not len(ids) else None if ids.min() < 0 else int(ids.max())
     assert plan.max_index(ids) == want
+
+
+@pytest.mark.parametrize("hi", [1, 40, 32767, 32768, 10 ** 6])
+def test_descending_is_the_stable_argsort_of_the_negated_keys(hi):
+    """The work lists' order (longest first, ties in input order) whether the keys fit the 16-bit radix sort
+    (hi <= 32767) or not: every tie kept in input order."""
+    rng = np.random.default_rng(hi)
+    for n in (1, 2, 7, 512, 3000):
+        keys = rng.integers(0, hi + 1, n)
+        keys[rng.integers(0, n)] = hi
+        got = plan.descending(keys, int(keys.min()), int(keys.max()))
+        assert got.tolist() == np.argsort(-keys, kind="stable").tolist()
+        assert got.tolist() == sorted(range(n), key=lambda i: (-int(keys[i]), i))

@@ -136,6 +136,7 @@ class _CountingCupy:
         class Array:
             def __init__(self, n, dtype):
                 calls["alloc"] += 1
+                self.shape = tuple(n) if isinstance(n, tuple) else (int(n),)
                 self.size, self.data = int(np.prod(n)), Ptr()
 
         class Event:
@@ -175,26 +176,40 @@ class _CountingCupy:
         self.empty = Array
 
 
-def test_a_steady_state_prefill_plan_makes_three_cuda_calls(monkeypatch):
-    """After the first plan (allocations, the event), a paged / ragged prefill plan() makes one event query,
-    one async copy and one event record: no Device context, no allocation."""
+def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
+    """After the first plan (allocations, the event), a paged / ragged prefill, decode or MLA plan() makes one
+    event query, one async copy and one event record: no Device context, no allocation; a 2-level cascade
+    (a prefill level and a decode level) twice that."""
     from cuattn import arrays, jit, plan
     fake = _CountingCupy()
     monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
     monkeypatch.setattr(arrays, "gpu_available", lambda: True)
     monkeypatch.setattr(plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(jit, "get_launcher", lambda *a, **k: None)      # (decode's launch state: no compile)
     rng = np.random.default_rng(4)
     _, indptr, indices, last, _, _ = _paged_inputs(rng, [40, 7, 300], 16, 2, 64, "NHD")
     qo = np.array([0, 3, 4, 40], np.int32)
     p, r = cuattn.BatchPrefillWithPagedKVCacheWrapper(), cuattn.BatchPrefillWithRaggedKVCacheWrapper()
-    plans = (lambda: p.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True),
-             lambda: r.plan(qo, np.array([0, 40, 47, 347], np.int32), 4, 2, 64, causal=True))
-    for f in plans:
+    d, m, c = (cuattn.BatchDecodeWithPagedKVCacheWrapper(), cuattn.BatchMLAPagedAttentionWrapper(),
+               cuattn.MultiLevelCascadeAttentionWrapper(2))
+    mla_lens = np.array([40, 7, 300], np.int32)
+    mla_indptr = np.concatenate([[0], np.cumsum(-(-mla_lens // 64))]).astype(np.int32)
+    shared = [np.array([0, 3], np.int32), np.array([0, 4], np.int32), np.arange(100, 104, dtype=np.int32),
+              np.array([16], np.int32)]
+    tables = ([shared[0], np.arange(4, dtype=np.int32)], [shared[1], indptr], [shared[2], indices], [shared[3], last])
+    plans = {"paged": (lambda: p.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True), 1),
+             "ragged": (lambda: r.plan(qo, np.array([0, 40, 47, 347], np.int32), 4, 2, 64, causal=True), 1),
+             "decode": (lambda: d.plan(indptr, indices, last, 4, 2, 64, 16), 1),
+             "mla": (lambda: m.plan(qo, mla_indptr, np.arange(int(mla_indptr[-1]), dtype=np.int32), mla_lens, 16,
+                                    512, 64, 64, True, 0.1, "float16", "float16"), 1),
+             "cascade": (lambda: c.plan(*tables, 4, 2, 64, 16), 2)}
+    for name, (f, uploads) in plans.items():
         f()
         fake.calls.clear()
         f()
-        assert dict(fake.calls) == {"event_query": 1, "memcpyAsync": 1, "event_record": 1}
+        assert dict(fake.calls) == {"event_query": uploads, "memcpyAsync": uploads, "event_record": uploads}, name
+    assert c._kinds == ["prefill", "decode"]
 
 
 # ============================================================================ GPU
