@@ -8,7 +8,8 @@ portable launcher, because it pairs with its own CUDA file and launches with ten
 Cases with a kernel: head_dim 64, 128, 256, or head_dim_qk / head_dim_vo 192 / 128 (``HEAD_DIMS``), fp16 /
 bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the TMA, converted to f16 in smem; head_dim 64 and 128
 only, ``FP8_HEAD_DIMS``), k_scale / v_scale of any value, causal or not, any GQA group, contiguous K/V (NHD
-or HND: the tensor map takes both strides) or pages a TMA box covers (``page_box``), custom masks (a variant), device
+or HND: the tensor map takes both strides) or paged K/V (16-bit: any page size, rows gathered by the producer warps
+with cp.async, ``use_gather``; fp8: pages a TMA box covers, ``page_box``), custom masks (a variant), device
 sm_90; every attention variant, the fused RoPE and query / key transforms included (16-bit K/V).
 ``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
 """

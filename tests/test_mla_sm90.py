@@ -110,9 +110,11 @@ def entries(monkeypatch):
     return seen
 
 
-@pytest.fixture(params=mla_sm90.VERSIONS, ids=lambda v: f"v{v}")
+@pytest.fixture(params=[pytest.param(v, marks=() if v == mla_sm90.DEFAULT_VERSION else pytest.mark.slow)
+                        for v in mla_sm90.VERSIONS], ids=lambda v: f"v{v}")
 def version(request, monkeypatch):
-    """Each version of mla_sm90.cu in turn as the one plan() picks for backend "fa3"."""
+    """Each version of mla_sm90.cu in turn as the one plan() picks for backend "fa3" (versions auto does not
+    run: under the slow marker, to keep ``pytest -m gpu`` within its 5 minutes)."""
     monkeypatch.setattr(mla_sm90, "DEFAULT_VERSION", request.param)
     return request.param
 
