@@ -519,18 +519,18 @@ def main():
     ap.add_argument("--paged-diag", action="store_true", help="8x2048 paged: page size and page order")
     ap.add_argument("--fp8", default="e4m3", choices=("e4m3", "e5m2", "none"),
                     help="paged fp8 columns: the KV format (none: skip)")
-    ap.add_argument("--gather", default="auto", choices=("auto", "always"),
-                    help="fa3 paged producer: auto (TMA boxes where a page fits one, else the cp.async gather) or "
-                         "always the gather (an A/B of the two at pages of 16)")
+    ap.add_argument("--fa3-producer", default="auto", choices=("auto", "tma"),
+                    help="fa3 paged producer: auto (the cp.async gather for 16-bit caches) or tma (a TMA box per "
+                         "page, as fp8 caches take: the A/B of the two)")
     ap.add_argument("--fa3-stages", type=int, default=0, help="experiment: K/V stages of every fa3 spec (0: the spec's)")
     ap.add_argument("--fa3-tuning", nargs="*", default=[], help="experiment: -D defines for every fa3 spec")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
     hq, hkv = map(int, args.heads.split(":"))
-    if args.gather == "always":
+    if args.fa3_producer == "tma":
         from cuattn import prefill_sm90
-        prefill_sm90.use_gather = lambda page_size, block_n, dtype_kv="": not dtype_kv
+        prefill_sm90.use_gather = lambda *a, **kw: False
     if args.fa3_stages or args.fa3_tuning:      # experiments: every fa3 spec with these stages / defines
         from cuattn import prefill_sm90
         made = prefill_sm90.make_spec
@@ -543,7 +543,7 @@ def main():
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     env = dict(gpu=name, sm=dev.compute_capability, cupy=cp.__version__, nvrtc="%d.%d" % jit.nvrtc_version(),
                cuattn=cuattn.__version__, python=platform.python_version(), backend="fa2",
-               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), page_size=args.page_size, fa3_paged_producer=args.gather)
+               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), page_size=args.page_size, fa3_paged_producer=args.fa3_producer)
     print("env:", env)
     if args.check:
         check(args)

@@ -148,6 +148,7 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
 
 
 @functools.cache
+@functools.cache     # (CuPy's Device.attributes queries every attribute: once per device, not per plan / sampling call)
 def num_sms(device: int) -> int:
     cp = arrays.cupy_module()
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]

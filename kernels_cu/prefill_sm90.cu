@@ -85,9 +85,6 @@
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
-#ifndef GATHER_NO_FENCE
-#define GATHER_NO_FENCE 0   // (experiment: the consumers' proxy fence after a gathered tile lands)
-#endif
 
 using namespace cuattn;
 typedef DTYPE dtype_t;                              // q and out
@@ -658,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
       float s[S_REGS], corr[2];
       mbar_wait(K_LANDED(0), 0);
-      if (PAGED == 2 && !GATHER_NO_FENCE) fence_proxy_async();   // cp.async stores -> wgmma reads
+      if (PAGED == 2) fence_proxy_async();   // cp.async stores -> wgmma reads
       issue_qk(s, 0);
       wgmma_wait<0>();
       wgmma_fence_regs(s);
@@ -671,10 +668,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       float s[S_REGS], corr[2];
       const int ps = (t - 1) % STAGES;
       mbar_wait(K_LANDED(t % STAGES), (t / STAGES) & 1);
-      if (PAGED == 2 && !GATHER_NO_FENCE) fence_proxy_async();
+      if (PAGED == 2) fence_proxy_async();
       issue_qk(s, t);
       mbar_wait(FULL_V(ps), ((t - 1) / STAGES) & 1);
-      if (PAGED == 2 && !GATHER_NO_FENCE) fence_proxy_async();
+      if (PAGED == 2) fence_proxy_async();
       issue_pv(t - 1);
       wgmma_wait<1>();                     // S(t) has landed; P(t-1) V(t-1) may still run
       wgmma_fence_regs(s);
@@ -689,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
     const int lt = num_tiles - 1;
     mbar_wait(FULL_V(lt % STAGES), (lt / STAGES) & 1);
-    if (PAGED == 2 && !GATHER_NO_FENCE) fence_proxy_async();
+    if (PAGED == 2) fence_proxy_async();
 #if PAGED == 1 && !KV_FP8   // (fp8: the converters zero them; gather: its copies)
     {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
         //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
