@@ -12,6 +12,9 @@ issue-22 target is >= 0.95), and FlashInfer's fp8 paged prefill (same cache byte
 The fp16 matmul ceiling (cuBLAS through CuPy, 8192^3) is measured in the same run. SDPA and
 FlashInfer are timed the same way when importable; otherwise the PEERS.md H100 numbers are
 printed, labelled as not from this run. JSON goes to benchmarks/results/ (or --out).
+Chunked prefill (--chunked 8192 32768 [--chunk 512]; --shapes with no value skips the square grid): one
+request's 512 new queries over a cached prefix of 8k / 32k tokens (causal, bottom-right), paged, next to
+the contiguous fa3 kernel on the same K/V and FlashInfer's fa2 / fa3 paged wrappers.
 """
 from __future__ import annotations
 
@@ -215,6 +218,38 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
         del cache8, paged8
     if sdpa is not None:
         res.update(sdpa(batch, length, causal, hq, hkv, d, dtype, reps, f))
+    return res
+
+
+def run_chunked(prefix, chunk, hq, hkv, d, dtype, reps, page_size, flashinfer=None):
+    """Chunked prefill: one request whose ``chunk`` new queries attend a cached prefix of ``prefix`` tokens plus
+    themselves (kv_len = prefix + chunk, causal aligned bottom-right), over a paged cache in random page order:
+    cuattn's paged wrapper (backend "auto"), cuattn's contiguous fa3 on the same K/V (sm_90) and FlashInfer's
+    fa2 / fa3 paged wrappers, GPU alone."""
+    kv_len = prefix + chunk
+    f = 4.0 * hq * d * (chunk * prefix + chunk * (chunk + 1) / 2)       # key i of the chunk sees prefix + i + 1
+    res = dict(kind="chunked", chunk=chunk, prefix=prefix, kv_len=kv_len, num_qo_heads=hq, num_kv_heads=hkv,
+               head_dim=d, dtype=dtype, page_size=page_size)
+    q = rand((chunk, hq, d), dtype)
+    pages_per = -(-kv_len // page_size)
+    perm = np.random.default_rng(0).permutation(pages_per).astype(np.int32)
+    cache = rand((pages_per, 2, page_size, hkv, d), dtype)
+    qo_indptr = np.array([0, chunk], np.int32)
+    last = np.array([kv_len - (pages_per - 1) * page_size], np.int32)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(qo_indptr, np.array([0, pages_per], np.int32), perm, last, hq, hkv, d, page_size, causal=True,
+            q_data_type=dtype)
+    out = cp.empty_like(q)
+    g = gpu_us(lambda: wp.run(q, cache, out=out), reps)
+    res.update(backend=wp.backend, paged_gpu_us=g, paged_gpu_tflops=f / (g * 1e-6) / 1e12)
+    if FA3:                  # the same keys / values contiguous, in token order
+        k = cache[perm, 0].reshape(-1, hkv, d)[:kv_len].copy()
+        v = cache[perm, 1].reshape(-1, hkv, d)[:kv_len].copy()
+        g3 = gpu_us(lambda: cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, backend="fa3"), reps)
+        res.update(fa3_gpu_us=g3, fa3_gpu_tflops=f / (g3 * 1e-6) / 1e12)
+        del k, v
+    if flashinfer is not None:
+        res.update(flashinfer(q, cache, qo_indptr, pages_per, perm, last, True, hq, hkv, d, page_size, dtype, reps, f))
     return res
 
 
@@ -524,6 +559,9 @@ def main():
                          "page, as fp8 caches take: the A/B of the two)")
     ap.add_argument("--fa3-stages", type=int, default=0, help="experiment: K/V stages of every fa3 spec (0: the spec's)")
     ap.add_argument("--fa3-tuning", nargs="*", default=[], help="experiment: -D defines for every fa3 spec")
+    ap.add_argument("--chunked", type=int, nargs="*", default=[],
+                    help="chunked-prefill rows: cached prefix lengths (e.g. 8192 32768), --chunk queries each")
+    ap.add_argument("--chunk", type=int, default=512, help="queries of a chunked-prefill row")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager 1x1024 calls")
     args = ap.parse_args()
@@ -587,11 +625,33 @@ def main():
                         r["peers_h100_not_this_run"] = dict(sdpa_cudnn_us=peer[0], flashinfer_fa2_us=peer[1])
                     rows.append(r)
                     print(json.dumps(r), flush=True)
+    chunked = []
+    for dtype in args.dtype:
+        for d in args.head_dim:
+            for prefix in args.chunked:
+                r = run_chunked(prefix, args.chunk, hq, hkv, d, dtype, args.reps, args.page_size, flashinfer)
+                chunked.append(r)
+                print(json.dumps(r), flush=True)
     out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                            f"prefill_{name.replace(' ', '_')}_{int(time.time())}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, variants=sweep, diagnose=diag,
+    out.write_text(json.dumps(dict(env=env, matmul_tflops=mm, rows=rows, chunked=chunked, variants=sweep, diagnose=diag,
                                    paged_diag=pdiag), indent=1))
+    if chunked:
+        print(f"\n{'chunked prefill (causal)':<30}{'backend':>8}{'paged us':>10}{'TF/s':>6}{'fa3 ct us':>10}{'pg/ct':>7}"
+              f"{'FI2 us':>9}{'FI2/pg':>7}{'FI3 us':>9}{'FI3/pg':>7}")
+        for r in chunked:
+            g, g3 = r["paged_gpu_us"], r.get("fa3_gpu_us")
+            ct = f"{g3:10.1f}{g3 / g:7.2f}" if g3 else f"{'-':>10}{'-':>7}"
+            peers = ""
+            for b in ("fa2", "fa3"):
+                fi = r.get(f"flashinfer_{b}_gpu_us")
+                peers += f"{fi:9.1f}{fi / g:7.2f}" if fi else f"{'-':>9}{'-':>7}"
+            print(f"{r['dtype'][:4] + ' hd' + str(r['head_dim']) + ' ' + str(r['chunk']) + ' x ' + str(r['prefix']):<30}"
+                  f"{r['backend']:>8}{g:10.1f}{r['paged_gpu_tflops']:6.0f}{ct}{peers}")
+        print("chunked = one request, --chunk new queries over a cached prefix (kv_len = prefix + chunk, causal "
+              "bottom-right), paged (random page order), GPU alone; pg/ct = contiguous fa3 time over paged; "
+              "FI2/pg, FI3/pg = FlashInfer fa2 / fa3 paged over ours (> 1: cuattn faster), same run.")
     print(f"\n{'case':<22}{'gpu us':>9}{'TF/s':>7}{'/mm':>6}{'call us':>9}{'b2b us':>8}{'host':>6}{'pg gpu us':>10}"
           f"{'pg/ct':>7}{'sdpa us':>9}{'sdpa/us':>8}{'FI2/pg':>8}{'FI3/pg':>8}{'fa3 us':>9}{'TF/s':>6}{'FI3/fa3':>8}")
     for r in rows:

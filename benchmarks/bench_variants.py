@@ -11,7 +11,7 @@ Compile: one cold NVRTC compile (empty cache dir) and one warm load of each vari
 fa2 prefill spec for this device's arch, in seconds.
 
     python benchmarks/bench_variants.py [--reps 30] [--rounds 3] [--variants rope ...] [--no-compile]
-        [--out results.json]
+        [--no-decode] [--tuning MASK_SPLIT=0] [--out results.json]
 """
 from __future__ import annotations
 
@@ -97,8 +97,6 @@ def prefill_rows(args, hq=32, hkv=8, d=128):
             continue
         calls = {}
         for name, (opts, extra) in variant_table(length).items():
-            if name == "rope" and backend == "fa3":
-                continue              # fa3 has no fused RoPE (auto runs fa2 for it)
             if extra == "sinks":
                 opts, extra = dict(variant=sink_v), (sinks,)
             calls[name] = (lambda opts=opts, extra=extra: cuattn.single_prefill_with_kv_cache(
@@ -152,15 +150,27 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="*", default=[], help="names to time besides plain (default: all)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time rows")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode rows")
+    ap.add_argument("--tuning", nargs="*", default=[],
+                    help="experiment: -D defines added to every prefill spec (fa2 and fa3) of this process, e.g. "
+                         "MASK_SPLIT=0; a second run without them is the A/B (the ratios to plain compare)")
     ap.add_argument("--out")
     args = ap.parse_args()
     ONLY[:] = args.variants
+    if args.tuning:
+        import dataclasses
+        from cuattn import prefill, prefill_sm90
+        for mod in (prefill, prefill_sm90):
+            def make(*a, _made=mod.make_spec, **kw):
+                return dataclasses.replace(_made(*a, **kw), tuning=tuple(args.tuning))
+            mod.make_spec = make
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# {dev}, cuattn {cuattn.__version__}, NVRTC {jit.nvrtc_version()}, {datetime.date.today()}")
     compile_res = [] if args.no_compile else compile_rows()
     flush = l2_flush()
     res = dict(device=dev, date=str(datetime.date.today()), method=__doc__, compile=compile_res,
-               decode=decode_rows(args, flush), prefill=prefill_rows(args))
+               tuning=args.tuning,
+               decode=[] if args.no_decode else decode_rows(args, flush), prefill=prefill_rows(args))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -51,6 +51,9 @@
 #include "common/variant.cuh"
 
 using namespace cuattn;
+#ifndef MASK_SPLIT
+#define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
+#endif
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
@@ -637,8 +640,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     }
     // -- the variant's logits transform (every tile) and masks: causal on diagonal tiles, the
     //    window below kv_full, variant masks (a custom mask too) on every tile
-    if (variant::HAS_TRANSFORM || variant::HAS_MASK || kv0 + BLOCK_N > mask_from ||
-        (variant::HAS_KV_BEGIN && kv0 < kv_full)) {
+    const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
+    if (MASK_SPLIT && variant::HAS_TRANSFORM && !edge) {   // -- a tile no mask reaches: the transform alone
+#pragma unroll
+      for (int i = 0; i < NUM_MMA_Q; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
+          const int qpos = pr / group;
+#pragma unroll
+          for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              s[i][n][2 * h + e] = variant_transform(vp, rs[i][h], s[i][n][2 * h + e], req, qpos, qpos + causal_shift,
+                                                     kv0 + n * 8 + 2 * t4 + e, kvh * group + pr % group, kvh, qo_len,
+                                                     kv_len);
+        }
+    } else if (variant::HAS_TRANSFORM || edge) {
 #pragma unroll
       for (int i = 0; i < NUM_MMA_Q; ++i)
 #pragma unroll

@@ -82,8 +82,17 @@
 #ifndef PAGED
 #define PAGED 0
 #endif
+#ifndef MASK_SPLIT
+#define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
+#endif
 #ifndef KV_FP8
 #define KV_FP8 0
+#endif
+#ifndef CONVERT_UNROLL      // KV_FP8: chunks each converter thread has in flight (experiments: bench_prefill --fa3-tuning)
+#define CONVERT_UNROLL 2
+#endif
+#ifndef CONVERT_SKIP        // experiment only: converters publish tiles unconverted (times the pipeline alone)
+#define CONVERT_SKIP 0
 #endif
 
 using namespace cuattn;
@@ -186,7 +195,8 @@ template <int DIM>
 __device__ __forceinline__ void convert_fp8_tile(uint32_t src, uint32_t dst, int ct, int valid) {
   constexpr int F8 = LoadTile<DIM>::COLS;
   constexpr int CH = DIM / 16, BCH = F8 / 16;        // 16-byte fp8 chunks per row, per column block
-#pragma unroll 2
+  if (CONVERT_SKIP) return;                          // experiment: the pipeline without the conversion (wrong output)
+#pragma unroll CONVERT_UNROLL
   for (int u = ct; u < BLOCK_N * CH; u += 32 * CONVERT_WARPS) {
     const int j = u % 8, c = (u / 8) % CH, r = (u / (8 * CH)) * 8 + j;
     const int cc = c % BCH;
@@ -589,9 +599,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       for (int i = 0; i < S_REGS; ++i) s[i] *= k_fac;
     }
     const int kv0 = kv_lo + t * BLOCK_N;
-    if (!variant::HAS_TRANSFORM && !variant::HAS_MASK && kv0 + BLOCK_N <= mask_from &&
-        !(variant::HAS_KV_BEGIN && kv0 < kv_full))
+    const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
+    if (!variant::HAS_TRANSFORM && !edge) return;
+    if (MASK_SPLIT && variant::HAS_TRANSFORM && !edge) {   // -- a tile no mask reaches: the transform alone
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int pr = my_row0 + 8 * h;
+        const int qpos = pr / group;
+#pragma unroll
+        for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            s[4 * n + 2 * h + e] = variant_transform(vp, rs[h], s[4 * n + 2 * h + e], req, qpos, qpos + causal_shift,
+                                                     kv0 + n * 8 + 2 * t4 + e, kvh * group + pr % group, kvh, qo_len,
+                                                     kv_len);
+      }
       return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int pr = my_row0 + 8 * h;

@@ -8,6 +8,7 @@
 //   (a kernel skips the per-element pass on a tile only when the variant has no logits transform
 //   and no logits_mask (!HAS_TRANSFORM && !HAS_MASK) and the tile lies inside the causal / kv_begin
 //   bounds: a mask variant, the built-in custom mask included, sees every tile);
+//   variant_transform() instead of score() on a tile no mask reaches (a transform without bound checks);
 //   finish_row() for a row's output scale and LSE: the sink joins the denominator there;
 //   transform_rows() on the query rows once and on each key tile as it lands in shared memory, with
 //   variant::query_transform / key_transform (CUATTN_VARIANT_QK; the built-in RoPE has its own below).
@@ -72,6 +73,16 @@ __device__ __forceinline__ float variant_score(const variant::Params& vp, const 
   if (variant::HAS_MASK)
     keep = keep && variant::logits_mask(vp, rs, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len);
   return keep ? s : __int_as_float(0xff800000);
+}
+
+// The logits transform alone, for a tile that no mask reaches (the kernels' interior tiles: inside the
+// causal and kv_begin bounds, below kv_len, no logits_mask): what variant_score gives there, without the
+// per-logit bound checks.
+__device__ __forceinline__ float variant_transform(const variant::Params& vp, const variant::RowState& rs, float s,
+                                                   int batch, int qo_idx, int qo_pos, int kv_idx, int qo_head,
+                                                   int kv_head, int qo_len, int kv_len) {
+  return variant::logits_transform(vp, rs, s * vp.sm_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                   kv_len);
 }
 
 // The output scale (multiplies the accumulated P V) and natural-log LSE of a finished row, from its
