@@ -82,6 +82,9 @@
 #ifndef PAGED
 #define PAGED 0
 #endif
+#ifndef PINGPONG
+#define PINGPONG 0          // 1: the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5)
+#endif
 #ifndef MASK_SPLIT
 #define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
 #endif
@@ -674,13 +677,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
+  // -- PINGPONG: the two consumer warpgroups take turns issuing their GEMMs (named barrier 4 + wg:
+  //    warpgroup wg's turn), so one's softmax runs while the tensor cores work on the other's products.
+  //    Consumer 1 opens consumer 0's first turn; its last turn passes nothing (the counts balance).
+  auto turn_wait = [&]() {
+    if (PINGPONG) named_barrier(4 + wg, 256);
+  };
+  auto turn_pass = [&](bool last) {
+    if (PINGPONG && !(last && wg == 1)) named_barrier_arrive(4 + (wg ^ 1), 256);
+  };
 
   if (num_tiles > 0) {
+    if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
       float s[S_REGS], corr[2];
       mbar_wait(K_LANDED(0), 0);
       if (PAGED == 2) fence_proxy_async();   // cp.async stores -> wgmma reads
+      turn_wait();
       issue_qk(s, 0);
+      turn_pass(false);
       wgmma_wait<0>();
       wgmma_fence_regs(s);
       release(EMPTY_K(0));
@@ -693,10 +708,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       const int ps = (t - 1) % STAGES;
       mbar_wait(K_LANDED(t % STAGES), (t / STAGES) & 1);
       if (PAGED == 2) fence_proxy_async();
+      turn_wait();
       issue_qk(s, t);
       mbar_wait(FULL_V(ps), ((t - 1) / STAGES) & 1);
       if (PAGED == 2) fence_proxy_async();
       issue_pv(t - 1);
+      turn_pass(false);
       wgmma_wait<1>();                     // S(t) has landed; P(t-1) V(t-1) may still run
       wgmma_fence_regs(s);
       release(EMPTY_K(t % STAGES));
@@ -727,7 +744,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       }
     }
 #endif
+    turn_wait();
     issue_pv(lt);
+    turn_pass(true);
     wgmma_wait<0>();
     wgmma_fence_regs(acc);
     release(EMPTY_V(lt % STAGES));
