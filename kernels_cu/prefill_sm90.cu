@@ -94,6 +94,9 @@
 #ifndef CONVERT_UNROLL      // KV_FP8: chunks each converter thread has in flight (experiments: bench_prefill --fa3-tuning)
 #define CONVERT_UNROLL 2
 #endif
+#ifndef CONVERT_K_AHEAD     // KV_FP8: the converters take K(t) before V(t - 1) (1) or K(t), V(t) (0)
+#define CONVERT_K_AHEAD 1
+#endif
 #ifndef CONVERT_SKIP        // experiment only: converters publish tiles unconverted (times the pipeline alone)
 #define CONVERT_SKIP 0
 #endif
@@ -456,13 +459,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #if KV_FP8
     else if (tid >= 32) {
       // -- converters (warps 1..3): staged fp8 tile t -> 16-bit buffer t % STAGES once the consumers have
-      //    released it; K then V, each published on its "full" barrier (generic stores -> wgmma reads)
+      //    released it, each published on its "full" barrier (generic stores -> wgmma reads). K runs a
+      //    tile ahead of V (K(t), then V(t - 1)): a consumer needs V(t - 1) only after it issued
+      //    S(t), so one conversion, not two, sits between a buffer's release and its next use
+      //    (CONVERT_K_AHEAD 0: K(t), V(t), the A/B)
       const int ct = tid - 32, lane = tid % 32;
-      for (int t = 0; t < num_tiles; ++t) {
+      auto convert_k = [&](int t) {
         const int s8 = t % LOAD_STAGES, s = t % STAGES;
-        const uint32_t ph8 = (t / LOAD_STAGES) & 1, ph = (t / STAGES) & 1;
-        mbar_wait(LOADED_K(s8), ph8);
-        mbar_wait(EMPTY_K(s), ph ^ 1);
+        mbar_wait(LOADED_K(s8), (t / LOAD_STAGES) & 1);
+        mbar_wait(EMPTY_K(s), ((t / STAGES) & 1) ^ 1);
         convert_fp8_tile<D_QK>(sK8 + s8 * LoadK::BYTES, sK + s * K_TILE_BYTES, ct, BLOCK_N);   // keys past the end: masked in S
         fence_proxy_async();
         __syncwarp();
@@ -470,8 +475,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           mbar_arrive(FULL_K(s));
           mbar_arrive(FREE_K(s8));
         }
-        mbar_wait(LOADED_V(s8), ph8);
-        mbar_wait(EMPTY_V(s), ph ^ 1);
+      };
+      auto convert_v = [&](int t) {
+        const int s8 = t % LOAD_STAGES, s = t % STAGES;
+        mbar_wait(LOADED_V(s8), (t / LOAD_STAGES) & 1);
+        mbar_wait(EMPTY_V(s), ((t / STAGES) & 1) ^ 1);
         convert_fp8_tile<D_VO>(sV8 + s8 * LoadV::BYTES, sV + s * V_TILE_BYTES, ct,
                                kv_len - (kv_lo + t * BLOCK_N));   // V rows past the end: zeros
         fence_proxy_async();
@@ -480,6 +488,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           mbar_arrive(FULL_V(s));
           mbar_arrive(FREE_V(s8));
         }
+      };
+      for (int t = 0; t < num_tiles + CONVERT_K_AHEAD; ++t) {
+        if (t < num_tiles) convert_k(t);
+        if (t >= CONVERT_K_AHEAD) convert_v(t - CONVERT_K_AHEAD);
       }
     }
 #endif
