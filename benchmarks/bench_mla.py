@@ -5,9 +5,7 @@ name in the same process when ``import flashinfer`` works (skipped with a note o
 Shapes (issue 14): decode (qo_len 1), batch {1, 16, 64, 128} x kv_len {1k, 4k, 16k, 32k}, heads 16 and
 128, head_dim_ckv 512 + head_dim_kpe 64, page 64 in random page order, bf16 (--dtype). --quick: batch
 {1, 64} x kv {1k, 16k}. --backend (the wrapper's): "auto" runs the Hopper kernel mla_sm90.cu ("fa3") on
-sm_90 and mla.cu ("fa2") elsewhere; every row names the kernel that ran. --sm90-version 1 2: one row per
-version of mla_sm90.cu for each shape (A/B in one run: mla_sm90.DEFAULT_VERSION set before each plan;
-FlashInfer and the fp8 columns measured once per shape, on the first version's row; ignored for "fa2").
+sm_90 and mla.cu ("fa2") elsewhere; every row names the kernel that ran.
 
 --fp8 e4m3|e5m2 (default e4m3; none: off) adds fp8 columns: the same shape over an fp8 latent cache
 (random finite bytes, bench_decode's filler; k_scale = v_scale = 1 so the peer, whose MLA wrapper takes
@@ -24,7 +22,7 @@ calls (default 30), median reported. Ceilings measured in the same run: read-onl
 below; TFLOP/s over the FLOPs below.
 
     python benchmarks/bench_mla.py [--quick] [--batch 1 16 64 128] [--kv-len 1024 4096 16384 32768]
-        [--heads 16 128] [--dtype bfloat16|float16] [--backend auto|fa2|fa3] [--sm90-version 1 2]
+        [--heads 16 128] [--dtype bfloat16|float16] [--backend auto|fa2|fa3]
         [--fp8 e4m3|e5m2|none] [--reps 30] [--check] [--out results.json]
 """
 from __future__ import annotations
@@ -44,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
 
 import cuattn  # noqa: E402
-from cuattn import jit, mla_sm90  # noqa: E402
+from cuattn import jit  # noqa: E402
 from bench_cascade import matmul_tflops  # noqa: E402
 from bench_decode import _FILL_FP8, ceilings, fill_random, l2_flush, time_events  # noqa: E402
 
@@ -183,8 +181,6 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--backend", default="auto", choices=["auto", "fa2", "fa3"],
                     help="cuattn's MLA kernel: auto = fa3 (mla_sm90.cu) on sm_90, else fa2 (mla.cu)")
-    ap.add_argument("--sm90-version", type=int, nargs="+", default=None, choices=mla_sm90.VERSIONS,
-                    help="versions of mla_sm90.cu to time, one row each (default: mla_sm90.DEFAULT_VERSION)")
     ap.add_argument("--fp8", default="e4m3", choices=["e4m3", "e5m2", "none"],
                     help="also time each shape over an fp8 latent cache (and FlashInfer's MLA wrapper over it)")
     ap.add_argument("--reps", type=int, default=30)
@@ -194,7 +190,6 @@ def main():
     if args.quick:
         args.batch, args.kv_len = [1, 64], [1024, 16384]
     reps = max(args.reps, 10)
-    versions = [None] if args.backend == "fa2" else (args.sm90_version or [mla_sm90.DEFAULT_VERSION])
 
     dev = cp.cuda.Device()
     gpu = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -226,60 +221,53 @@ def main():
             for kv_len in args.kv_len:
                 qo_indptr, kv_indptr, kv_indices, kv_lens, arrs = setup(batch, kv_len, heads, args.dtype, 1)
                 ckv, kpe, qn, qp = arrs
-                fi = None
-                for vi, ver in enumerate(versions):
-                    if ver is not None:
-                        mla_sm90.DEFAULT_VERSION = ver      # the version the next fa3 plan() runs
-                    w = cuattn.BatchMLAPagedAttentionWrapper(backend=args.backend)
-                    w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, CKV, KPE, PAGE, False, scale,
-                           args.dtype, args.dtype)
-                    out = cp.empty(qn.shape, qn.dtype)
-                    us = time_events(lambda: w.run(qn, qp, ckv, kpe, out=out), reps, flush)
-                    nbytes, flops = mla_bytes(batch, kv_len, heads, itemsize), mla_flops(batch, kv_len, heads)
-                    tbs, tflops = nbytes / (us * 1e-6) / 1e12, flops / (us * 1e-6) / 1e12
-                    desc = w.describe().splitlines()
-                    kernel = next(d for d in desc if d.startswith("kernel: ")).split()[1]    # the spec's name
-                    row = dict(heads=heads, batch=batch, kv_len=kv_len, us=round(us, 2), tbs=round(tbs, 3),
-                               pct_read=round(100 * tbs / read_tbs, 1), tflops=round(tflops, 1),
-                               pct_mma=round(100 * tflops / mma, 1), bytes=nbytes, flops=flops, kernel=kernel,
-                               plan=desc[1:])
-                    if ver is not None:
-                        row["sm90_version"] = ver
-                    if vi == 0:                             # the peer: once per shape
-                        fi = flashinfer_us(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, args.dtype, scale, arrs,
-                                           reps, flush)
-                    if fi is not None:
-                        row["flashinfer_us"] = round(fi[0], 2)
-                        row["flashinfer_over_ours"] = round(fi[0] / us, 3)
-                        a, b = (as_float64(x, args.dtype) for x in (out, fi[1]))
-                        row["rel_diff_vs_flashinfer"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-                    if args.check:
-                        row["rel_err_2_requests"] = check(out, arrs, kv_indptr, kv_indices, kv_len, heads,
-                                                          args.dtype, scale)
-                    f8s = ""
-                    if fp8 and vi == len(versions) - 1:     # (the fp8 cache runs mla.cu: once per shape, last)
-                        arrs = ckv = kpe = None             # the 16-bit cache freed before the fp8 one is made
-                        cp.get_default_memory_pool().free_all_blocks()
-                        r8 = row["fp8"] = time_fp8(fp8, batch, kv_len, heads, args.dtype, scale, qo_indptr, kv_indptr,
-                                                   kv_indices, kv_lens, qn, qp, reps, flush, mma, read_tbs, args.check)
-                        r8["speedup_over_16bit"] = round(us / r8["us"], 3)
-                        f8s = (f" {r8['us']:>9.1f} {r8['speedup_over_16bit']:>5.2f} {r8['pct_read']:>5.1f} "
-                               f"{r8['pct_mma']:>5.1f} {r8.get('flashinfer_us', '-'):>9} "
-                               f"{r8.get('flashinfer_over_ours', '-'):>6}"
-                               + (f" err8 {r8['rel_err_2_requests']:.1e}" if args.check else ""))
-                    rows.append(row)
-                    split = next((d for d in desc if d.startswith("split-KV")), "")
-                    print(f"{heads:>5} {batch:>5} {kv_len:>6} {us:>9.1f} {tbs:>6.3f} {row['pct_read']:>6.1f} "
-                          f"{tflops:>8.1f} {row['pct_mma']:>5.1f} {row.get('flashinfer_us', '-'):>9} "
-                          f"{row.get('flashinfer_over_ours', '-'):>7}{f8s}  {kernel}  {split[:70]}"
-                          + (f"  err {row['rel_err_2_requests']:.1e}" if args.check else "")
-                          + (f"  |ours-FI|/|FI| {row['rel_diff_vs_flashinfer']:.1e}" if fi is not None else ""),
-                          flush=True)
+                w = cuattn.BatchMLAPagedAttentionWrapper(backend=args.backend)
+                w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, CKV, KPE, PAGE, False, scale,
+                       args.dtype, args.dtype)
+                out = cp.empty(qn.shape, qn.dtype)
+                us = time_events(lambda: w.run(qn, qp, ckv, kpe, out=out), reps, flush)
+                nbytes, flops = mla_bytes(batch, kv_len, heads, itemsize), mla_flops(batch, kv_len, heads)
+                tbs, tflops = nbytes / (us * 1e-6) / 1e12, flops / (us * 1e-6) / 1e12
+                desc = w.describe().splitlines()
+                kernel = next(d for d in desc if d.startswith("kernel: ")).split()[1]    # the spec's name
+                row = dict(heads=heads, batch=batch, kv_len=kv_len, us=round(us, 2), tbs=round(tbs, 3),
+                           pct_read=round(100 * tbs / read_tbs, 1), tflops=round(tflops, 1),
+                           pct_mma=round(100 * tflops / mma, 1), bytes=nbytes, flops=flops, kernel=kernel,
+                           plan=desc[1:])
+                fi = flashinfer_us(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, args.dtype, scale, arrs,
+                                   reps, flush)
+                if fi is not None:
+                    row["flashinfer_us"] = round(fi[0], 2)
+                    row["flashinfer_over_ours"] = round(fi[0] / us, 3)
+                    a, b = (as_float64(x, args.dtype) for x in (out, fi[1]))
+                    row["rel_diff_vs_flashinfer"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                if args.check:
+                    row["rel_err_2_requests"] = check(out, arrs, kv_indptr, kv_indices, kv_len, heads,
+                                                      args.dtype, scale)
+                f8s = ""
+                if fp8:                                 # (the fp8 cache runs mla.cu)
+                    arrs = ckv = kpe = None             # the 16-bit cache freed before the fp8 one is made
+                    cp.get_default_memory_pool().free_all_blocks()
+                    r8 = row["fp8"] = time_fp8(fp8, batch, kv_len, heads, args.dtype, scale, qo_indptr, kv_indptr,
+                                               kv_indices, kv_lens, qn, qp, reps, flush, mma, read_tbs, args.check)
+                    r8["speedup_over_16bit"] = round(us / r8["us"], 3)
+                    f8s = (f" {r8['us']:>9.1f} {r8['speedup_over_16bit']:>5.2f} {r8['pct_read']:>5.1f} "
+                           f"{r8['pct_mma']:>5.1f} {r8.get('flashinfer_us', '-'):>9} "
+                           f"{r8.get('flashinfer_over_ours', '-'):>6}"
+                           + (f" err8 {r8['rel_err_2_requests']:.1e}" if args.check else ""))
+                rows.append(row)
+                split = next((d for d in desc if d.startswith("split-KV")), "")
+                print(f"{heads:>5} {batch:>5} {kv_len:>6} {us:>9.1f} {tbs:>6.3f} {row['pct_read']:>6.1f} "
+                      f"{tflops:>8.1f} {row['pct_mma']:>5.1f} {row.get('flashinfer_us', '-'):>9} "
+                      f"{row.get('flashinfer_over_ours', '-'):>7}{f8s}  {kernel}  {split[:70]}"
+                      + (f"  err {row['rel_err_2_requests']:.1e}" if args.check else "")
+                      + (f"  |ours-FI|/|FI| {row['rel_diff_vs_flashinfer']:.1e}" if fi is not None else ""),
+                      flush=True)
                 arrs = ckv = kpe = qn = qp = out = w = fi = None      # free this shape's cache before the next
                 cp.get_default_memory_pool().free_all_blocks()
     result = dict(env=env, ceilings=dict(read_only_tbs=read_tbs, matmul_tflops=mma), dtype=args.dtype, fp8=fp8,
                   flashinfer_fp8_refused=_FI_FP8_REFUSED[0] if _FI_FP8_REFUSED else None,
-                  page_size=PAGE, backend=args.backend, sm90_versions=versions, reps=reps,
+                  page_size=PAGE, backend=args.backend, reps=reps,
                   timing=__doc__.split("\n\n")[3], rows=rows)
     path = Path(args.out) if args.out else (Path(__file__).parent / "results" /
                                             f"mla_{gpu.replace(' ', '_')}_{env['date'][:10]}.json")

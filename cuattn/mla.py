@@ -255,7 +255,7 @@ class BatchMLAPagedAttentionWrapper:
             return
         # -- the backend and kernels of these dtypes on this device: as the last plan's (a serving loop's steady
         #    state); a refusal (UnsupportedError) is never stored, so it comes again
-        key = (device, p.q_dtype, p.kv_dtype, mla_sm90.DEFAULT_VERSION)
+        key = (device, p.q_dtype, p.kv_dtype)
         hit = self._device_memo.get(key)
         if hit is None:
             short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
@@ -268,7 +268,7 @@ class BatchMLAPagedAttentionWrapper:
                 # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout)
                 #    and mla.cu's spec, whose merge kernel joins split pieces of either
                 fa2 = MLASpec(short, stages_for(arch, kv), kv)
-                hit = (backend, fa2, fa2 if backend == "fa2" else mla_sm90.spec_for(short))
+                hit = (backend, fa2, fa2 if backend == "fa2" else mla_sm90.Sm90MLASpec(short))
             _plan.memo_put(self._device_memo, key, hit)
         backend, fa2, spec = hit
         if fa2 is None:

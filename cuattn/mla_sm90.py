@@ -6,9 +6,10 @@
 tile), so the plan and mla.cu's merge kernel serve both kernels; only the spec, the key tile (64 keys
 instead of 32, which sets the split granularity) and the launch geometry differ.
 
-Versions (``Sm90MLASpec.version``, the kernel's VERSION; the header of mla_sm90.cu describes both): 1 fills
-and frees a key stage whole; 2 as two halves with their own mbarriers, so a stage's refill overlaps the
-products instead of following them. ``spec_for`` gives plan() the spec of ``DEFAULT_VERSION``.
+Each key stage fills and frees as two halves with their own mbarriers, so a stage's refill overlaps the
+products instead of following them (the header of mla_sm90.cu; a version that filled and freed a stage whole
+was removed: H100, 64 x 16k, 128 heads 853 -> 691 us, 16 heads 84 -> 92% of the read ceiling; 16 heads x
+4096 4% slower; benchmarks/results/mla_H100_2026-11-25_session11_v1_v2.log).
 
 Cases with a kernel: device sm_90, q and the latent caches float16 or bfloat16 of one dtype (no fp8
 cache), any page size (the producer warpgroup gathers rows through the page table with cp.async),
@@ -27,15 +28,9 @@ BLOCK_M, BLOCK_N, THREADS = 64, 64, 384      # packed query rows, keys per tile,
 _D_QK = 512 + 64
 
 
-VERSIONS = (1, 2)
-DEFAULT_VERSION = 2      # the version plan() runs (spec_for; H100, 64 x 16k: 128 heads 853 -> 691 us, 16 heads 84 -> 92% of
-# the read ceiling; 16 heads x 4096: 4% slower; mla_H100_2026-11-25_session11_v1_v2.log); bench_mla.py --sm90-version and the tests set it
-
-
 @dataclass(frozen=True)
 class Sm90MLASpec:
     dtype: str              # "f16" | "bf16": q, ckv / kpe caches and out
-    version: int = 1        # mla_sm90.cu VERSION: 1 a key stage fills / frees whole; 2 as two halves (earlier refills)
     source = "mla_sm90.cu"
     entry = ENTRY
     threads = THREADS
@@ -44,31 +39,23 @@ class Sm90MLASpec:
     archs = (ARCH,)         # built for sm_90a alone (cli.shipped_specs(arch))
 
     @property
-    def name(self) -> str:   # "mla_sm90_ckv512_kpe64_qf16_bm64_bn64", version 2: "..._bn64_v2"
-        v = f"_v{self.version}" if self.version != 1 else ""
-        return f"mla_sm90_ckv512_kpe64_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}{v}"
+    def name(self) -> str:   # "mla_sm90_ckv512_kpe64_qf16_bm64_bn64_v2" (_v2: the name it had beside version 1)
+        return f"mla_sm90_ckv512_kpe64_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_v2"
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DVERSION={self.version}")
+        return (f"-DDTYPE=cuattn::{self.dtype}",)
 
     @property
     def smem_bytes(self) -> int:
         """mla_sm90.cu SMEM_BYTES + 1024 of alignment slack: Q, 2 key tiles (64 x 576 16-bit each), P
-        (64 x 64 16-bit), two rows of 64 floats, 6 mbarriers (version 2: 10)."""
+        (64 x 64 16-bit), two rows of 64 floats, 10 mbarriers."""
         tile = BLOCK_M * _D_QK * 2
-        return 1024 + 3 * tile + BLOCK_M * BLOCK_N * 2 + 2 * 256 + (10 if self.version >= 2 else 6) * 8
-
-
-def spec_for(dtype: str) -> Sm90MLASpec:
-    """The spec a GPU plan() with backend "fa3" runs: version ``DEFAULT_VERSION``."""
-    if DEFAULT_VERSION not in VERSIONS:
-        raise ValueError(f"mla_sm90.DEFAULT_VERSION must be one of {VERSIONS}, got {DEFAULT_VERSION!r}")
-    return Sm90MLASpec(dtype, DEFAULT_VERSION)
+        return 1024 + 3 * tile + BLOCK_M * BLOCK_N * 2 + 2 * 256 + 10 * 8
 
 
 def shipped_specs() -> list[Sm90MLASpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
-    return [Sm90MLASpec(d, v) for v in VERSIONS for d in ("f16", "bf16")]
+    return [Sm90MLASpec(d) for d in ("f16", "bf16")]
 
 
 def unsupported_reason(arch: str | None, q_dtype: str | None, kv_dtype: str | None) -> str | None:

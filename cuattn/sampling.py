@@ -44,7 +44,7 @@ _ORDERS = ("top_k_first", "joint")
 _MAX_VOCAB = 2**31 - 1
 _host_rng = np.random.default_rng()                                   # seeds when none is given
 _NBINS, _MAX_SPLITS = 2048, 32                                        # sampling.cu's NBINS, MAX_SPLITS
-_WS_ROW_BYTES = 3 * _NBINS * 16 + _MAX_SPLITS * 16 + 16               # sizeof(RowWs): sampling.cu asserts it
+_WS_ROW_BYTES = 3 * _NBINS * 16 + _MAX_SPLITS * 16 + 16               # sizeof(RowWs): sampling_group.cuh asserts it
 _MIN_CHUNK = 4096                                                     # elements a CTA of a group reads at least
 _ctas_per_row: int | None = None                                      # set_ctas_per_row; None: automatic
 _workspaces: dict = {}                                                # (device, stream handle) -> zeroed buffer
@@ -613,7 +613,7 @@ _LOW = np.uint64(0xFFFFFFFF)
 
 def philox4x32(c0, c1, c2, c3, k0: int, k1: int):
     """Philox4x32-10 of counters (broadcast uint32 arrays) under key (k0, k1): four uint32 arrays,
-    bit-identical to ``philox`` in sampling.cu."""
+    bit-identical to ``philox`` in common/sampling_math.cuh."""
     c0, c1, c2, c3 = (np.asarray(c, np.uint64) for c in np.broadcast_arrays(c0, c1, c2, c3))
     k0, k1 = np.uint64(k0), np.uint64(k1)
     for _ in range(10):

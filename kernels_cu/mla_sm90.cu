@@ -12,37 +12,37 @@
 //     [ckv 512 | kpe 64]) with 16-byte cp.async through the page table (any page size: a row's page id and
 //     slot come from kv_indices), into the 128-byte-swizzled layout wgmma reads: a tile is 9 column blocks
 //     of [64 rows][64 elements], chunk c of row r at (c / 8) * 8192 + r * 128 + ((c % 8) ^ (r % 8)) * 16.
-//     Keys past the piece are zero-filled (K and V rows 0: masked in S, and 0 x 0 in P V). Each thread's
-//     copies of a tile complete on the stage's "full" mbarrier (cp.async.mbarrier.arrive.noinc, 128
-//     arrivals); it waits on the stage's "empty" mbarrier (8 consumer warps) before refilling it.
-//   - warpgroup 1 (consumer A): S = Q K^T (wgmma m64n64k16, Q and K from smem, 36 k-steps over 576 dims),
-//     masks, online softmax (base 2, log2 e folded into the scale), P to 16 bits; P and the rows' rescale
-//     factors go to shared memory for warpgroup 2; O[:, 0:256] += P V[:, 0:256] (wgmma m64n256k16, P from
-//     registers, V = the ckv columns of the same smem tile read N-major). As prefill_sm90.cu: S(t) is issued
-//     together with P(t-1) V(t-1), and the softmax of S(t) runs while that product is in flight; P(t) is
-//     shared once it has landed (shared-memory stores while a wgmma reading registers is in flight make
-//     ptxas serialize every wgmma: warning C7513, which tests/test_mla_sm90.py checks is absent).
+//     Keys past the piece are zero-filled (K and V rows 0: masked in S, and 0 x 0 in P V). A key stage fills
+//     and frees as two halves, each with its own "full" and "empty" mbarriers: "high" = ckv 256..511 and kpe
+//     (column blocks 4..8: read by S and consumer B's P V) and "low" = ckv 0..255 (blocks 0..3: read by S and
+//     consumer A's P V only). The producer copies a tile's high half, then its low half; each thread's copies
+//     of a half complete on that half's full mbarrier (cp.async.mbarrier.arrive.noinc, 128 arrivals), and it
+//     waits on the half's empty mbarrier (high: 8 consumer warps; low: consumer A's 4) before refilling it.
+//   - warpgroup 1 (consumer A): S = Q K^T (wgmma m64n64k16, Q and K from smem, 36 k-steps over 576 dims:
+//     the high half's 20 as soon as that half has landed, the low half's 16 once it has), masks, online
+//     softmax (base 2, log2 e folded into the scale), P to 16 bits; P and the rows' rescale factors go to
+//     shared memory for warpgroup 2 (before A rescales its own accumulator, so B's P V(t) overlaps that
+//     rescale); O[:, 0:256] += P V[:, 0:256] (wgmma m64n256k16, P from registers, V = the ckv columns of
+//     the same smem tile read N-major). As prefill_sm90.cu: S(t) is issued together with P(t-1) V(t-1), and
+//     the softmax of S(t) runs while that product is in flight; P(t) is shared once it has landed
+//     (shared-memory stores while a wgmma reading registers is in flight make ptxas serialize every wgmma:
+//     warning C7513, which tests/test_mla_sm90.py checks is absent). A frees the high half once S has landed,
+//     the low half after its P V.
 //   - warpgroup 2 (consumer B): per tile, waits for P(t) (mbarrier "p_full"), rescales its accumulator by
 //     the shared factors, O[:, 256:512] += P V[:, 256:512] (wgmma m64n256k16, P and V from smem), then
-//     frees P (mbarrier "p_empty") and the stage.
+//     frees P (mbarrier "p_empty") and the stage's high half.
+//   Why halves: a stage freed whole only once both P V products of tile t - 1 are done (at the end of
+//   iteration t, just before S(t + 1) needs the refill) exposes every tile's whole load (72 KiB gathered) as
+//   latency, tensor cores and the read path idle in turn. In halves, the high half of tile t + 1 is requested
+//   as soon as consumer B's P V(t - 1) is done (about half way through iteration t) and the low half is
+//   needed only after S(t + 1)'s first 20 k-steps: both loads overlap a product instead of following it
+//   (H100, 64 x 16k: 128 heads 853 -> 691 us against a whole-stage version, since removed).
 //   Why P through shared memory and not S computed twice: S is 576 / 1088 of a tile's tensor work; both
 //   warpgroups computing it would cost 53% more tensor time at 128 heads (compute bound), while P is 8 KiB
 //   written once per tile. The price is one handshake per tile (consumer A waits p_empty before writing
 //   P(t), i.e. for consumer B's P(t-1) V product, which runs beside A's S(t) and softmax).
 //   Shared memory (227 KiB max): Q 72 KiB + 2 key stages 144 KiB + P 8 KiB + row factors: two stages only.
 //   Registers: producer 56, consumers 224 (setmaxnreg; 128 accumulators of O per thread + S and P in A).
-// VERSION 2 (-DVERSION=2, Sm90MLASpec.version): the same roles and products, but each key stage fills and frees
-//   as two halves with their own full / empty mbarriers: "high" = ckv 256..511 and kpe (column blocks 4..8: read
-//   by S and consumer B's P V) and "low" = ckv 0..255 (blocks 0..3: read by S and consumer A's P V only). The
-//   producer copies a tile's high half, then its low half; S(t) issues the high half's 20 k-steps as soon as
-//   that half has landed and waits for the low half before its last 16. Consumer A frees the high half once S
-//   has landed (consumer B after its P V), the low half after its P V. Why: in version 1 a stage frees only
-//   once both P V products of tile t - 1 are done, i.e. at the end of iteration t, just before S(t + 1) needs
-//   the refill: every tile's whole load (72 KiB gathered) is exposed latency, with tensor cores and the read
-//   path idle in turn. In version 2 the high half of tile t + 1 is requested as soon as consumer B's P V(t - 1)
-//   is done (about half way through iteration t) and the low half is needed only after S(t + 1)'s first 20
-//   k-steps: both loads overlap a product instead of following it. Same shared memory (+4 mbarriers). Also,
-//   consumer A shares P(t) before rescaling its own accumulator, so consumer B's P V(t) overlaps that rescale.
 // Masks: key j of row (token t) is visible when j < kv_end of the piece and, causal, j <= t + kv_len -
 //   qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
 // Output: final rows (DTYPE) and LSE (base 2 times lse_scale), or for a split item fp32 normalized rows in
@@ -66,12 +66,8 @@ constexpr uint32_t TILE_BYTES = (D_QK / 64) * COL_BLOCK;   // Q or a key tile: 9
 constexpr uint32_t OFF_K = TILE_BYTES, OFF_P = OFF_K + STAGES * TILE_BYTES;
 constexpr uint32_t OFF_SCALE = OFF_P + COL_BLOCK;     // 64 floats: the rows' rescale factors of the current P
 constexpr uint32_t OFF_L = OFF_SCALE + 256;           // 64 floats: the rows' final sums (epilogue)
-#ifndef VERSION
-#define VERSION 1           // 2: each key stage fills and frees as two halves (see the header)
-#endif
-constexpr bool HALVES = VERSION >= 2;
-constexpr int NUM_BARS = (HALVES ? 4 : 2) * STAGES + 2;
-constexpr uint32_t OFF_BAR = OFF_L + 256;             // full[2], empty[2], (v2: full_lo[2], empty_lo[2]), p_full, p_empty
+constexpr int NUM_BARS = 4 * STAGES + 2;
+constexpr uint32_t OFF_BAR = OFF_L + 256;   // full_hi[2], empty_hi[2], full_lo[2], empty_lo[2], p_full, p_empty
 constexpr uint32_t SMEM_BYTES = OFF_BAR + 8 * NUM_BARS;
 constexpr int V_HALF = D_CKV / 2;                     // output columns per consumer warpgroup
 constexpr int WORK_COLS = 4;                          // plan.PREFILL_COLS
@@ -126,9 +122,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   float* s_scale = reinterpret_cast<float*>(smem + OFF_SCALE);
   float* s_l = reinterpret_cast<float*>(smem + OFF_L);
   const uint32_t bars = base + OFF_BAR;
-#define FULL(s) (bars + 8 * (s))
-#define EMPTY(s) (bars + 8 * (STAGES + (s)))
-#define FULL_LO(s) (bars + 8 * (2 * STAGES + (s)))     // (v2 only)
+#define FULL_HI(s) (bars + 8 * (s))                    // key stage s, high half (ckv 256..511, kpe)
+#define EMPTY_HI(s) (bars + 8 * (STAGES + (s)))
+#define FULL_LO(s) (bars + 8 * (2 * STAGES + (s)))     // key stage s, low half (ckv 0..255)
 #define EMPTY_LO(s) (bars + 8 * (3 * STAGES + (s)))
 #define P_FULL (bars + 8 * (NUM_BARS - 2))
 #define P_EMPTY (bars + 8 * (NUM_BARS - 1))
@@ -154,12 +150,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(FULL(s), 128);          // every producer thread's cp.async arrival (v2: of the high half)
-      mbar_init(EMPTY(s), 8);           // lane 0 of every consumer warp
-      if (HALVES) {
-        mbar_init(FULL_LO(s), 128);
-        mbar_init(EMPTY_LO(s), 4);      // lane 0 of every consumer-A warp (the low half's only reader)
-      }
+      mbar_init(FULL_HI(s), 128);       // every producer thread's cp.async arrival
+      mbar_init(EMPTY_HI(s), 8);        // lane 0 of every consumer warp
+      mbar_init(FULL_LO(s), 128);
+      mbar_init(EMPTY_LO(s), 4);        // lane 0 of every consumer-A warp (the low half's only reader)
     }
     mbar_init(P_FULL, 128);             // every thread of consumer A
     mbar_init(P_EMPTY, 128);            // every thread of consumer B
@@ -215,20 +209,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     for (int t = 0; t < num_tiles; ++t) {
       const int s = t % STAGES;
       const uint32_t ph = ((t / STAGES) & 1) ^ 1, dst = sK + s * TILE_BYTES;
-      mbar_wait(EMPTY(s), ph);             // the consumers are done with (v2: the high half of) tile t - STAGES
-      if (HALVES) {
-        // -- v2: the high half (ckv 256..511, kpe) first: it frees first (consumer B's P V and the S
-        //    product are its readers) and S(t) reads it first; then the low half once consumer A's P V
-        //    of tile t - STAGES is done
-        copy_rows(dst, t, 4, 8, true);
-        cp_async_mbar_arrive_noinc(FULL(s));          // (tile 0's arrival covers the Q copies too)
-        mbar_wait(EMPTY_LO(s), ph);
-        copy_rows(dst, t, 0, 4, false);
-        cp_async_mbar_arrive_noinc(FULL_LO(s));
-      } else {
-        copy_rows(dst, t, 0, 8, true);
-        cp_async_mbar_arrive_noinc(FULL(s));          // (tile 0's arrival covers the Q copies too)
-      }
+      mbar_wait(EMPTY_HI(s), ph);          // the consumers are done with the high half of tile t - STAGES
+      // -- the high half (ckv 256..511, kpe) first: it frees first (consumer B's P V and the S product are its
+      //    readers) and S(t) reads it first; then the low half once consumer A's P V of tile t - STAGES is done
+      copy_rows(dst, t, 4, 8, true);
+      cp_async_mbar_arrive_noinc(FULL_HI(s));         // (tile 0's arrival covers the Q copies too)
+      mbar_wait(EMPTY_LO(s), ph);
+      copy_rows(dst, t, 0, 4, false);
+      cp_async_mbar_arrive_noinc(FULL_LO(s));
       if (t + 1 < num_tiles) page_ids(t + 1);
     }
     cp_async_wait<0>();                 // no copy lands after this thread has left
@@ -254,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  auto release = [&](int s) { arrive_warp(EMPTY(s)); };   // done reading key stage s (v2: its high half)
+  auto release_hi = [&](int s) { arrive_warp(EMPTY_HI(s)); };   // done reading key stage s's high half
   auto rescale = [&](float c0, float c1) {
 #pragma unroll
     for (int n = 0; n < V_HALF / 8; ++n) {
@@ -274,8 +262,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       lim[h] = causal ? min(kv_end, pr / num_heads + shift + 1) : kv_end;
     }
     uint32_t p[BLOCK_N / 16][4];           // P(t) as the A fragments of 4 k-steps of 16 keys
-    // -- S(t) = Q K(t)^T once tile t has landed. v2: the high half's 20 k-steps (ckv 256..511, kpe) as soon as
-    //    it has landed, then the low half's 16 (its copies may still run meanwhile): two commit groups
+    // -- S(t) = Q K(t)^T: the high half's 20 k-steps (ckv 256..511, kpe) as soon as it has landed, then the low
+    //    half's 16 (its copies may still run meanwhile): two commit groups
     auto issue_qk = [&](float (&s)[32], int t) {
       const int st = t % STAGES;
       const uint32_t ph = (t / STAGES) & 1;
@@ -288,19 +276,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
           wgmma_m64n64k16_ss<T>(s, dq + off, dk + off, !first || kk > k0);
         }
       };
-      mbar_wait(FULL(st), ph);
+      mbar_wait(FULL_HI(st), ph);
       fence_proxy_async();                 // cp.async writes (seen through the mbarrier) -> wgmma reads
       wgmma_fence();
-      if (HALVES) {
-        ksteps(D_CKV / 2 / 16, D_QK / 16, true);
-        wgmma_commit();
-        mbar_wait(FULL_LO(st), ph);
-        fence_proxy_async();
-        wgmma_fence();
-        ksteps(0, D_CKV / 2 / 16, false);
-      } else {
-        ksteps(0, D_QK / 16, true);
-      }
+      ksteps(D_CKV / 2 / 16, D_QK / 16, true);
+      wgmma_commit();
+      mbar_wait(FULL_LO(st), ph);
+      fence_proxy_async();
+      wgmma_fence();
+      ksteps(0, D_CKV / 2 / 16, false);
       wgmma_commit();
     };
     auto issue_pv = [&](int t) {           // V columns 0..255: column blocks 0..3, LBO = one block
@@ -358,12 +342,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     };
 
     if (num_tiles > 0) {
-      // -- v1: one release of a stage by consumer A, after its P V; v2: the high half once S is done, the low
-      //    half after its P V
-      auto release_s = [&](int t) {
-        if (HALVES) release(t % STAGES);
-      };
-      auto release_pv = [&](int t) { arrive_warp(HALVES ? EMPTY_LO(t % STAGES) : EMPTY(t % STAGES)); };
+      // -- consumer A frees a stage's high half once S is done, the low half after its P V
+      auto release_s = [&](int t) { release_hi(t % STAGES); };
+      auto release_pv = [&](int t) { arrive_warp(EMPTY_LO(t % STAGES)); };
       {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
         float s[32], corr[2];
         issue_qk(s, 0);
@@ -386,15 +367,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
         wgmma_wait<0>();
         wgmma_fence_regs(acc);
         release_pv(t - 1);
-        if (HALVES) {                      // v2: P(t) to consumer B first, so its P V(t) overlaps this rescale
-          pack_p(s);
-          share_p(corr, t);
-          rescale(corr[0], corr[1]);
-        } else {
-          rescale(corr[0], corr[1]);
-          pack_p(s);
-          share_p(corr, t);
-        }
+        pack_p(s);                         // P(t) to consumer B first, so its P V(t) overlaps this rescale
+        share_p(corr, t);
+        rescale(corr[0], corr[1]);
       }
       issue_pv(num_tiles - 1);
       wgmma_wait<0>();
@@ -418,8 +393,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       const int s = t % STAGES;
       mbar_wait(P_FULL, t & 1);
       const float c0 = s_scale[r_lo], c1 = s_scale[r_lo + 8];
-      mbar_wait(FULL(s), (t / STAGES) & 1);    // complete already (consumer A saw it): V visible to this thread
-                                               // (v2: the high half, the one this warpgroup reads)
+      mbar_wait(FULL_HI(s), (t / STAGES) & 1);  // complete already (consumer A saw it): the high half, the one
+                                                // this warpgroup reads, visible to this thread
       fence_proxy_async();
       rescale(c0, c1);
       // V columns 256..511: column blocks 4..7 of the stage
@@ -433,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       wgmma_wait<0>();
       wgmma_fence_regs(acc);
       mbar_arrive(P_EMPTY);                // P(t) and its factors are read
-      release(s);
+      release_hi(s);
     }
   }
   named_barrier(1, 256);                   // consumer A's row sums are in s_l
@@ -466,8 +441,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       if (wg == 0 && t4 == 0) part_lse[prow] = lse2;
     }
   }
-#undef FULL
-#undef EMPTY
+#undef FULL_HI
+#undef EMPTY_HI
 #undef FULL_LO
 #undef EMPTY_LO
 #undef P_FULL

@@ -29,7 +29,9 @@
 // proportional to the kept values, needs no normalizing sum, and depends only on (seed, offset, output
 // row, element): not on the block size or the order in which threads run. Ties go to the lower index.
 // cuattn/sampling.py mirrors the random stream bit for bit on the NumPy path.
-// common/dtypes.cuh: the integer typedefs (NVRTC has no system headers here)
+// common/sampling_math.cuh: keys, Philox, fixed-point masses, warp reductions; common/sampling_group.cuh: the
+// group of CTAs of a row (workspace, barrier, ring). common/dtypes.cuh: the integer typedefs (NVRTC has no
+// system headers here).
 #include "common/dtypes.cuh"
 
 #ifndef BLOCK
@@ -43,62 +45,15 @@ static_assert(NBINS % BLOCK == 0 && BLOCK % 32 == 0, "BLOCK must be a multiple o
 #ifndef MAX_SPLITS
 #define MAX_SPLITS 32
 #endif
+// (sampling_group.cuh uses BLOCK, NBINS, MAX_SPLITS)
+#include "common/sampling_math.cuh"
+#include "common/sampling_group.cuh"
 
 namespace cuattn {
 
 #define kInf __int_as_float(0x7f800000)
 constexpr uint32_t kTagRace = 0, kTagAccept = 1, kTagRecount = 2;
 enum Flags { kFromLogits = 1, kJoint = 2, kTopK = 4, kTopP = 8, kMinP = 16 };
-
-// -- order-preserving key of a float (-0 counted as +0)
-__device__ __forceinline__ uint32_t ord_key(float f) {
-  uint32_t b = __float_as_uint(f == 0.f ? 0.f : f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_float(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// -- Philox4x32-10 (Salmon et al., Random123's round and key schedule)
-__device__ __forceinline__ uint4 philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                        uint32_t k1) {
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
-    const uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
-    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
-  }
-  return make_uint4(c0, c1, c2, c3);
-}
-
-struct Rng {
-  uint32_t k0, k1, off_lo, off_hi;
-  __device__ uint4 draw(uint32_t group, uint32_t row, uint32_t tag) const {
-    return philox(group, row, off_lo, off_hi ^ (tag << 24), k0, k1);
-  }
-};
-
-// -- uniform in (0, 1) from 32 random bits, then an exponential variate: -log(1 - V) (fine near 0)
-__device__ __forceinline__ float uniform01(uint32_t bits) {
-  const float v = __fmul_rn(__uint2float_rn(bits), 2.3283064365386963e-10f);   // 2^-32
-  return fminf(fmaxf(v, 1.1641532182693481e-10f), 0.99999994f);               // [2^-33, 1 - 2^-24]
-}
-__device__ __forceinline__ float exponential(uint32_t bits) { return -log1pf(-uniform01(bits)); }
-__device__ __forceinline__ uint32_t pick(uint4 r, int e) { return e == 0 ? r.x : e == 1 ? r.y : e == 2 ? r.z : r.w; }
-
-// -- block reductions in a fixed order (deterministic): every thread gets the result
-template <typename T, typename Op>
-__device__ __forceinline__ T warp_reduce(T x, Op op) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-struct Sum { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
-struct Min { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a < b ? a : b; } };
-struct Max { __device__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; } };
 
 // -- a radix_select histogram: per bin a count and a 64-bit mass kept as two 32-bit words (shared-memory
 //    atomics are 32-bit; the low word's wraps are carried into the high word, so sums are exact)
@@ -107,7 +62,6 @@ struct Hist {
   uint32_t hi[NBINS];
   uint32_t cnt[NBINS];
 };
-
 
 // -- the elements [chunk_beg, chunk_end) of the row that this CTA visits (shared memory, not registers: set by
 //    thread 0 with set_chunk before the kernel's first __syncthreads). Chunk `part` of `parts`: ceil(vocab / parts)
@@ -157,72 +111,6 @@ struct Row {
   }
 };
 
-// -- the per-row workspace of a group of CTAs (splits > 1); all zero between launches
-struct GBin { unsigned long long mass; uint32_t cnt; uint32_t pad; };
-struct Part { uint32_t min_key, max_key; float m, s; };   // one CTA's row stats
-struct RowWs {
-  GBin ring[3][NBINS];          // histograms of the group's reductions, used in turn (cleared two steps later)
-  Part part[MAX_SPLITS];        // row stats of each CTA
-  unsigned long long best;      // ~ the packed (score, index) of the race's winner so far (atomicMax of ~key)
-  uint32_t arrive, depart;      // barrier counters
-};
-#ifdef WS_ROW_BYTES
-static_assert(sizeof(RowWs) == WS_ROW_BYTES, "RowWs layout must match sampling.py's _WS_ROW_BYTES");
-#endif
-
-// -- the CTAs that share one row: g of G, and the group's barrier. Kept in shared memory (Shared::grp, written by
-//    thread 0 before the first __syncthreads; nbar and step change only in thread 0, between barriers), which
-//    keeps it out of the registers. Every CTA of a group takes the same branches (they decide on the same reduced
-//    data), so they call sync() and use the ring equally often.
-struct Group {
-  RowWs* ws;
-  int G, g;
-  uint32_t nbar;     // barriers passed (the arrival counter reaches G * nbar)
-  uint32_t step;     // reductions through ws->ring done (reduction s uses ring[s % 3])
-  __device__ __forceinline__ void init(int G_, int g_, void* base, int64_t slot) {
-    if (threadIdx.x == 0) {
-      ws = G_ > 1 ? static_cast<RowWs*>(base) + slot : nullptr;
-      G = G_; g = g_; nbar = 0; step = 0;
-    }
-  }
-  // -- every CTA of the group has reached this point, and sees the global writes made before it
-  __device__ __forceinline__ void sync() {
-    if (G == 1) { __syncthreads(); return; }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const uint32_t target = ++nbar * uint32_t(G);
-      atomicAdd(&ws->arrive, 1u);
-      while (*reinterpret_cast<volatile uint32_t*>(&ws->arrive) < target) __nanosleep(32);
-      __threadfence();
-    }
-    __syncthreads();
-  }
-  // -- the ring histogram of this reduction; clears this CTA's share of the next one (last read two reductions
-  //    ago: every CTA has passed a barrier since). The caller calls done() after its group sync.
-  __device__ __forceinline__ GBin* next_ring() {
-    GBin* nxt = ws->ring[(step + 1) % 3];
-    for (int j = g * BLOCK + threadIdx.x; j < NBINS; j += G * BLOCK) { nxt[j].mass = 0; nxt[j].cnt = 0; }
-    return ws->ring[step % 3];
-  }
-  __device__ __forceinline__ void done() {   // (every thread has taken its ring pointer; a __syncthreads follows)
-    if (threadIdx.x == 0) ++step;
-  }
-  // -- before the kernel exits: clear what is still set, then the barrier counters (the last CTA to leave)
-  __device__ __forceinline__ void finish() {
-    if (G == 1) return;
-    sync();
-    for (int j = g * BLOCK + threadIdx.x; j < 3 * NBINS; j += G * BLOCK) {
-      ws->ring[j / NBINS][j % NBINS].mass = 0;
-      ws->ring[j / NBINS][j % NBINS].cnt = 0;
-    }
-    if (g == 0 && threadIdx.x == 0) ws->best = 0;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&ws->depart, 1u) == uint32_t(G) - 1) { ws->arrive = 0; ws->depart = 0; }
-  }
-};
-
 struct Shared {
   float f[NUM_WARPS];
   float g[NUM_WARPS];
@@ -242,37 +130,6 @@ struct Shared {
   int n, m, hit;
   Group grp;                     // the CTAs sharing this row
 };
-
-// -- the fixed-point mass of a value: q(w) = floor(w * 2^(S - E)) = floor(sig * 2^(e + shift_c)), with
-//    shift_c = S - E - 150 (fixed_shift), w = sig * 2^(e - 150) (e the biased exponent, 1 for subnormals)
-__device__ __forceinline__ uint64_t fixed_mass(float w, int shift_c) {
-  if (!(w > 0.f)) return 0ull;
-  const uint32_t b = __float_as_uint(w);
-  const int e = int(b >> 23);
-  const uint32_t sig = e ? (b & 0x7fffffu) | 0x800000u : b;
-  const int sh = max(e, 1) + shift_c;
-  return sh >= 0 ? uint64_t(sig) << min(sh, 40) : sh > -24 ? uint64_t(sig >> -sh) : 0ull;
-}
-
-// -- shift_c of a row whose largest value is w_max > 0 (S = 62 - bit_length(vocab))
-__device__ __forceinline__ int fixed_shift(float w_max, int vocab) {
-  const uint32_t b = __float_as_uint(w_max);
-  const int e = int(b >> 23);
-  const int E = e ? e - 127 : (31 - __clz(int(b & 0x7fffffu))) - 149;
-  return (62 - (32 - __clz(vocab))) - E - 150;
-}
-
-// -- value of a fixed-point mass: q * 2^(E - S)
-__device__ __forceinline__ double fixed_value(uint64_t q, int shift_c) {
-  return ldexp(__ull2double_rn(q), -(shift_c + 150));
-}
-
-// -- the mass top-p needs: min(ceil(fp64(total) * fp64(p)), total), at least 1 (the NumPy path's formula)
-__device__ __forceinline__ uint64_t mass_target(uint64_t total, float p) {
-  const double t = ceil(__dmul_rn(__ull2double_rn(total), double(p)));
-  const uint64_t q = __double2ull_rz(t);
-  return max(min(q, total), 1ull);
-}
 
 // -- block sum of a uint64 (exact, so the order does not matter); every thread gets it
 __device__ __forceinline__ uint64_t block_sum(uint64_t v, Shared& sm) {
@@ -643,16 +500,6 @@ __device__ __forceinline__ uint32_t threshold(const Row& row, const Filter& f, c
 }
 
 __device__ __forceinline__ int block_argmin(float best, int best_i, Group& grp, Shared& sm);
-
-// -- the group's smallest (score, index) from each CTA's: ord_key(score) << 32 | index orders them as the
-//    block does, and an atomicMax of its complement finds it (the slot is zero between launches: finish()
-//    clears it).
-__device__ __forceinline__ int group_argmin(float best, int best_i, Group& grp) {
-  const uint64_t key = (uint64_t(ord_key(best)) << 32) | uint32_t(best_i);
-  if (threadIdx.x == 0) atomicMax(&grp.ws->best, ~key);
-  grp.sync();
-  return int(uint32_t(~__ldcg(&grp.ws->best)));
-}
 
 // -- exponential race over {key >= t}: the index of the smallest E_i / value_i (ties: lower index).
 //    E_i = -log1p(-u_i) >= u_i, so an element with u_i > best * value_i (with a 2^-16 margin for the

@@ -1,8 +1,7 @@
 """The Hopper MLA kernel (backend "fa3", kernels_cu/mla_sm90.cu): its compile (sm_90a, no spills, no
 serialized wgmma), parameter list and backend choice on the CPU; on an sm_90 GPU (gpu marker) the kernel
 against tests/test_mla.py's float64 oracle (decode at 16, 64 and 128 heads, multi-token causal, page sizes
-1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay), each asserting that the fa3 kernel of the version
-under test ran (every version in mla_sm90.VERSIONS: the ``version`` fixture)."""
+1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay), each asserting that the fa3 kernel ran."""
 import numpy as np
 import pytest
 
@@ -30,22 +29,16 @@ def test_sm90_mla_compiles_without_spills_or_serialized_wgmma(spec):
 
 def test_sm90_mla_specs_are_shipped_for_sm90a_only():
     names = {s.name for s in mla_sm90.shipped_specs()}
-    assert len(names) == 2 * len(mla_sm90.VERSIONS)
+    assert len(names) == 2
     assert names <= {s.name for s in cli.shipped_specs("sm_90a")}
     assert not names & {s.name for s in cli.shipped_specs("sm_80")}
 
 
-def test_sm90_mla_version_names_and_defines(monkeypatch):
-    v1, v2 = mla_sm90.Sm90MLASpec("bf16"), mla_sm90.Sm90MLASpec("bf16", 2)
-    assert v1.name == "mla_sm90_ckv512_kpe64_qbf16_bm64_bn64"      # version 1 keeps its name (caches, journals)
-    assert v2.name == v1.name + "_v2" and "-DVERSION=2" in v2.defines() and "-DVERSION=1" in v1.defines()
-    assert v2.smem_bytes == v1.smem_bytes + 4 * 8                   # 4 more mbarriers
-    for v in mla_sm90.VERSIONS:
-        monkeypatch.setattr(mla_sm90, "DEFAULT_VERSION", v)
-        assert mla_sm90.spec_for("f16") == mla_sm90.Sm90MLASpec("f16", v)
-    monkeypatch.setattr(mla_sm90, "DEFAULT_VERSION", 7)
-    with pytest.raises(ValueError, match="DEFAULT_VERSION must be one of"):
-        mla_sm90.spec_for("f16")
+def test_sm90_mla_spec_name_and_defines():
+    spec = mla_sm90.Sm90MLASpec("bf16")
+    assert spec.name == "mla_sm90_ckv512_kpe64_qbf16_bm64_bn64_v2"   # the name it had as version 2 (results, logs)
+    assert spec.defines() == ("-DDTYPE=cuattn::bf16",)
+    assert spec.smem_bytes == 230992     # 1024 slack + Q + 2 key stages (64 x 576 x 2 B) + P + 2 x 256 + 10 mbarriers
 
 
 def test_sm90_mla_takes_mla_cu_parameter_list():
@@ -110,18 +103,9 @@ def entries(monkeypatch):
     return seen
 
 
-@pytest.fixture(params=[pytest.param(v, marks=() if v == mla_sm90.DEFAULT_VERSION else pytest.mark.slow)
-                        for v in mla_sm90.VERSIONS], ids=lambda v: f"v{v}")
-def version(request, monkeypatch):
-    """Each version of mla_sm90.cu in turn as the one plan() picks for backend "fa3" (versions auto does not
-    run: under the slow marker, to keep ``pytest -m gpu`` within its 5 minutes)."""
-    monkeypatch.setattr(mla_sm90, "DEFAULT_VERSION", request.param)
-    return request.param
-
-
-def ran_version(entries, version, dtype=np.float16):
-    """The fa3 kernel of ``version`` ran (and mla.cu's attention kernel did not)."""
-    name = mla_sm90.Sm90MLASpec("bf16" if dtype == BF16 else "f16", version).name
+def ran_fa3(entries, dtype=np.float16):
+    """The fa3 kernel of ``dtype`` ran (and mla.cu's attention kernel did not)."""
+    name = mla_sm90.Sm90MLASpec("bf16" if dtype == BF16 else "f16").name
     assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
     assert name in entries.specs, (name, entries.specs)
     return name
@@ -156,10 +140,10 @@ FA3_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'ful
 @sm90
 @pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal", FA3_CASES, ids=FA3_IDS)
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
-def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, version, entries):
+def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, entries):
     c = mla_case(31, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
     w, out, lse = run_fa3(c, causal, dtype, lse_base_e=dtype == BF16)
-    name = ran_version(entries, version, dtype)
+    name = ran_fa3(entries, dtype)
     assert f"kernel: {name} (backend fa3)" in w.describe()
     check_gpu(c, causal, dtype, out, lse, lse_base_e=dtype == BF16)
 
@@ -169,7 +153,7 @@ def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, caus
 def test_mla_auto_runs_fa3_on_sm90_and_fa2_when_asked(entries):
     c = mla_case(32, [1, 2], [700, 90], 16, heads=16)
     _, out3, lse3 = run_fa3(c, False, np.float16, backend="auto")
-    ran_version(entries, mla_sm90.DEFAULT_VERSION)
+    ran_fa3(entries)
     entries.clear()
     _, out2, lse2 = run_fa3(c, False, np.float16, backend="fa2")
     assert mla._ENTRY in entries and mla_sm90.ENTRY not in entries
@@ -181,7 +165,7 @@ def test_mla_auto_runs_fa3_on_sm90_and_fa2_when_asked(entries):
 
 @pytest.mark.gpu
 @sm90
-def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(version, entries):
+def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(entries):
     c = mla_case(33, [1, 1, 4], [9000, 3000, 2000], 16, heads=128)
     w, out_split, lse_split = run_fa3(c, True, np.float16, fixed_split_size=1000)
     assert "pieces of 1024 keys" in w.describe() and mla._MERGE_ENTRY in entries
@@ -192,22 +176,22 @@ def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(version, entries):
     a, b = (_cp().asnumpy(x).astype(np.float64) for x in (out_split, out_one))
     assert rel_err(a, b) < 2e-3
     assert entries.count(mla_sm90.ENTRY) == 2
-    ran_version(entries, version)
+    ran_fa3(entries)
 
 
 @pytest.mark.gpu
 @sm90
-def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(version, entries):
+def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(entries):
     c = mla_case(34, [1, 1, 2], [0, 50, 0], 16)
     _, out, lse = run_fa3(c, False, np.float16)
     o, s = _cp().asnumpy(out), _cp().asnumpy(lse)
     assert np.all(o[0] == 0) and np.all(o[2:] == 0) and np.all(s[0] == -np.inf) and np.all(s[2:] == -np.inf)
     check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
-    ran_version(entries, version)
+    ran_fa3(entries)
 
 
 @pytest.mark.gpu
 @sm90
-def test_mla_fa3_cuda_graph_replays_after_replan(version, entries):
+def test_mla_fa3_cuda_graph_replays_after_replan(entries):
     graph_replay_after_replan(128, "fa3", 35)
-    ran_version(entries, version)
+    ran_fa3(entries)
