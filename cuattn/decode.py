@@ -191,6 +191,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
 
         heads_work = p.num_kv_heads * _m_tiles(p.group)
+        # -- the lengths' sum and range, read once (the warps, the split choice, the work list's order)
+        tokens = int(kv_lens.sum())
+        bounds = (int(kv_lens.min()), int(kv_lens.max())) if p.batch else None
         # -- 8 warps x 3 stages (one 217 KB CTA per SM) when the batch gives at most one CTA per
         #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
         #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9),
@@ -208,7 +211,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not warps and (fixed_split_size is not None or disable_split_kv):
                 warps = 4     # batch invariance: the same kernel whatever the batch (8 warps split a tile otherwise)
             if not warps:
-                ctas, sms, tokens = p.batch * heads_work, _num_sms(device), int(kv_lens.sum())
+                ctas, sms = p.batch * heads_work, _num_sms(device)
                 long_waves = ctas >= 8 * sms and tokens >= 2048 * p.batch
                 # fp8 K/V: 8 warps for requests of >= 2048 tokens on average (H100, one run, bs64x8192
                 # 32:8 e4m3, TMA: 4 warps x 5 stages 393.0 us, 8 warps 387.5; fp16 705.3)
@@ -236,10 +239,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             chunk, why = int(fixed_split_size), f"fixed_split_size={int(fixed_split_size)}"
         else:
             cps = p.run_spec.ctas_per_sm
-            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), cps, p.run_spec.block_n)
+            chunk = _plan.choose_chunk(kv_lens, heads_work, _num_sms(device), cps, p.run_spec.block_n,
+                                       max_len=bounds and bounds[1], total=tokens)
             why = _plan.split_reason(p.batch * heads_work, _num_sms(device) * cps, chunk)
         p.split_why = why
-        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, p.run_spec.block_n, _TMA_ALIGN if tma else 1)
+        wl = _plan.decode_work_list(indptr_h, kv_lens, chunk, p.run_spec.block_n, _TMA_ALIGN if tma else 1, bounds)
         if len(wl.work) > 65535:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit 65535; "
                                    f"pass a larger fixed_split_size")

@@ -214,7 +214,8 @@ class BatchMLAPagedAttentionWrapper:
         kvl = _plan.host_ints(kv_len_arr, "kv_len_arr", fn).astype(np.int64)
         batch = len(qo) - 1
         qo_lens, pages = qo[1:] - qo[:-1], kp[1:] - kp[:-1]        # np.diff, without its wrapper's cost
-        if batch < 0 or qo[0] != 0 or (batch and qo_lens.min() < 0):
+        qo_range = (int(qo_lens.min()), int(qo_lens.max())) if batch > 0 else None
+        if batch < 0 or qo[0] != 0 or (qo_range and qo_range[0] < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         if len(kp) != batch + 1 or len(kvl) != batch or kp[0] != 0 or (batch and pages.min() < 0):
             raise ValueError(f"{fn}: kv_indptr (batch + 1 = {batch + 1}, from 0, non-decreasing) and kv_len_arr "
@@ -237,9 +238,9 @@ class BatchMLAPagedAttentionWrapper:
                                    f"float16 / bfloat16 over an fp8 cache, got {q_dt}")
         p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe, q_dt, kv_dt,
                        float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
-                       None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, qo_lens=qo_lens, kv_indptr=kp,
-                       kv_indices=idx.astype(np.int32), max_page=(hi if len(idx) == n_idx else
-                                                                  int(idx[:n_idx].max()) if n_idx else -1))
+                       None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, qo_lens=qo_lens,
+                       qo_range=qo_range, kv_indptr=kp, kv_indices=idx.astype(np.int32),
+                       max_page=(hi if len(idx) == n_idx else int(idx[:n_idx].max()) if n_idx else -1))
         self._plan = None
         self._plan_device(fn, p, kv_indices, fixed_split_size, disable_split_kv)
         self._plan = p
@@ -275,7 +276,7 @@ class BatchMLAPagedAttentionWrapper:
             return
         p.spec = fa2
         h, qo_lens = p.num_qo_heads, p.qo_lens
-        items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal)
+        items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal, p.qo_range)
         top = int(items[2].max()) if len(items[2]) else 0      # (read once: the split choice and the work list)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)

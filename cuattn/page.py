@@ -154,7 +154,37 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
 
     ``prefix`` names the arguments in messages ("kv_" -> kv_indptr, kv_last_page_len, kv_indices).
     ``indices`` (host) are range-checked against ``num_pages`` when both are given.
+
+    A valid table (every plan()'s steady state) builds no message: any failing check falls through to
+    ``_page_table_error`` / ``_lpl_error``, which raise the first error in the order of the checks.
     """
+    batch = len(indptr) - 1 if indptr.ndim == 1 else -1
+    if batch < 0 or last_page_len.shape != (batch,) or indptr.dtype.kind not in "iu" \
+            or last_page_len.dtype.kind not in "iu" or page_size < 1 or indptr[0] != 0 or indptr[-1] != num_indices:
+        _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
+    ip = indptr.astype(np.int64)
+    pages = ip[1:] - ip[:-1]                          # (np.diff costs ~5 µs more)
+    lpl = last_page_len.astype(np.int64)
+    kv_lens = (pages - 1) * page_size + lpl
+    if batch:
+        min_pages = int(pages.min())
+        if min_pages < 0:
+            _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
+        if lpl.min() < 1 or lpl.max() > page_size:    # (fast path: all in range)
+            _lpl_error(fn, pages, lpl, page_size, prefix)
+        if min_pages == 0:
+            kv_lens[pages == 0] = 0
+    if indices is not None and len(indices):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or (num_pages is not None and hi >= num_pages):
+            limit = f"in 0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
+            raise ValueError(f"{fn}: {prefix}indices must be {limit}, got values in {lo}..{hi}")
+    return kv_lens
+
+
+def _page_table_error(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, num_indices: int,
+                      prefix: str) -> None:
+    """The first error of ``validate_page_table``'s checks of the indptr (raised; returns only if none fails)."""
     n_indptr, n_last, n_indices = f"{prefix}indptr", f"{prefix}last_page_len", f"{prefix}indices"
     if indptr.ndim != 1 or len(indptr) < 1:
         raise ValueError(f"{fn}: {n_indptr} must be 1-D of length batch + 1, got shape {indptr.shape}")
@@ -167,33 +197,26 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
                         f"got {indptr.dtype} and {last_page_len.dtype}")
     if page_size < 1:
         raise ValueError(f"{fn}: page_size must be >= 1, got {page_size}")
-    indptr64 = indptr.astype(np.int64)
-    pages = indptr64[1:] - indptr64[:-1]          # np.diff costs ~5 µs more per plan()
     if int(indptr[0]) != 0:
         raise ValueError(f"{fn}: {n_indptr}[0] must be 0 (CSR offsets into {n_indices}), got {int(indptr[0])}")
-    min_pages = int(pages.min()) if batch else 1
-    if min_pages < 0:
+    pages = indptr.astype(np.int64)[1:] - indptr.astype(np.int64)[:-1]
+    if batch and int(pages.min()) < 0:
         bad = int(np.argmax(pages < 0))
         raise ValueError(f"{fn}: {n_indptr} must be non-decreasing, got {n_indptr}[{bad}]={int(indptr[bad])} > "
                          f"{n_indptr}[{bad + 1}]={int(indptr[bad + 1])}")
     if int(indptr[-1]) != num_indices:
         raise ValueError(f"{fn}: {n_indptr}[-1] must equal len({n_indices}) = {num_indices}, got {int(indptr[-1])}")
-    lpl = last_page_len.astype(np.int64)
-    kv_lens = (pages - 1) * page_size + lpl
-    if batch and (lpl.min() < 1 or lpl.max() > page_size):    # fast path: all in range
-        bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
-        if np.any(bad):
-            b = int(np.argmax(bad))
-            raise ValueError(f"{fn}: {n_last} must be in 1..page_size={page_size} for every request "
-                             f"with pages, got {n_last}[{b}]={int(lpl[b])}")
-    if min_pages == 0:
-        kv_lens[pages == 0] = 0
-    if indices is not None and len(indices):
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or (num_pages is not None and hi >= num_pages):
-            limit = f"in 0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
-            raise ValueError(f"{fn}: {n_indices} must be {limit}, got values in {lo}..{hi}")
-    return kv_lens
+
+
+def _lpl_error(fn: str, pages: np.ndarray, last_page_len: np.ndarray, page_size: int, prefix: str) -> None:
+    """A last_page_len out of 1..page_size: an error where its request has pages (requests without pages
+    may hold any value there)."""
+    lpl = last_page_len
+    bad = (pages > 0) & ((lpl < 1) | (lpl > page_size))
+    if np.any(bad):
+        b = int(np.argmax(bad))
+        raise ValueError(f"{fn}: {prefix}last_page_len must be in 1..page_size={page_size} for every request "
+                         f"with pages, got {prefix}last_page_len[{b}]={int(lpl[b])}")
 
 
 # ---------------------------------------------------------------------------- ops

@@ -46,18 +46,20 @@ class DecodeWorkList:
 
 
 def choose_chunk(kv_lens: np.ndarray, heads_work: int, num_sms: int, ctas_per_sm: int,
-                 block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK, max_len: int | None = None) -> int:
+                 block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK, max_len: int | None = None,
+                 total: int | None = None) -> int:
     """Tokens per piece for split-KV; 0 means no request is split.
 
     Enough CTAs to fill every SM with ctas_per_sm resident CTAs when the batch alone cannot (one
     CTA per SM does not reach the bandwidth wall: measured 48-62% on H100), and long requests in a
-    skewed batch cut to ~2x the mean so one request does not set the time. ``max_len``: ``kv_lens.max()``
-    when the caller has it already.
+    skewed batch cut to ~2x the mean so one request does not set the time. ``max_len``, ``total``:
+    ``kv_lens.max()``, ``kv_lens.sum()`` when the caller has them already.
     """
     batch = len(kv_lens)
     if batch == 0:
         return 0
-    total = int(kv_lens.sum())
+    if total is None:
+        total = int(kv_lens.sum())
     if max_len is None:
         max_len = int(kv_lens.max())
     mean = -(-total // batch)
@@ -89,14 +91,17 @@ def split_reason(ctas: int, slots: int, chunk: int) -> str:
 
 
 def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
-                     block_n: int = BLOCK_N, align: int = 1) -> DecodeWorkList:
+                     block_n: int = BLOCK_N, align: int = 1, bounds: tuple | None = None) -> DecodeWorkList:
     """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first; pieces start
-    at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed."""
+    at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed.
+    ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already."""
     batch = len(kv_lens)
     kv_lens = kv_lens.astype(np.int64)
-    if chunk <= 0 or (batch and kv_lens.max() <= chunk):     # nothing split: one row per request
+    if batch and bounds is None:
+        bounds = int(kv_lens.min()), int(kv_lens.max())
+    if chunk <= 0 or (batch and bounds[1] <= chunk):     # nothing split: one row per request
         work = np.zeros((batch, WORK_COLS), np.int32)
-        lo, hi = (int(kv_lens.min()), int(kv_lens.max())) if batch > 1 else (0, 0)
+        lo, hi = bounds if batch > 1 else (0, 0)
         if lo != hi:     # longest first: the columns gathered in that order (1-D gathers, not one of rows)
             order = descending(kv_lens, lo, hi)
             work[:, 0] = order
@@ -224,9 +229,12 @@ def _uniform_items(n: int, t0: int, block_m: int, group: int) -> tuple:
     return hit
 
 
-def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool):
+def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m: int, causal: bool,
+                  qo_range: tuple | None = None):
     """(request, tile, keys it reads) of every query tile of ``block_m`` packed rows (the GQA group's
     heads packed with the tokens), causal tiles trimmed to their last row's keys (bottom-right).
+    ``qo_range``: (``qo_lens.min()``, ``qo_lens.max()``) when the caller has them already (a uniform batch
+    then builds no tile counts).
 
     Causal: tile t's last row is query ``min(q - 1, lim_t)``, ``lim_t = ((t + 1) * block_m - 1) // group``,
     and it reads ``max(0, min(q - 1, lim_t) + kv - q + 1) = max(0, min(lim_t + kv - q + 1, kv))`` keys."""
@@ -235,9 +243,14 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
     if not n:
         e = np.zeros(0, np.int64)
         return e, e.copy(), e.copy()
-    tiles = _div(qo_lens * group + (block_m - 1), block_m)
-    t0, total = int(tiles.max()), int(tiles.sum())
-    if t0 and total == n * t0:          # every request t0 tiles (a uniform batch): no repeats of request arrays
+    if qo_range is not None:
+        t0, t_min = (qo_range[1] * group + block_m - 1) // block_m, (qo_range[0] * group + block_m - 1) // block_m
+        uniform = t0 == t_min
+    else:
+        tiles = _div(qo_lens * group + (block_m - 1), block_m)
+        t0 = int(tiles.max())
+        uniform = int(tiles.sum()) == n * t0
+    if t0 and uniform:          # every request t0 tiles (a uniform batch): no repeats of request arrays
         req, tile, lim = _uniform_items(n, t0, block_m, group)
         if not causal:
             return req, tile, (kv_lens.copy() if t0 == 1 else kv_lens.repeat(t0))
@@ -247,6 +260,9 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
         np.minimum(ext, kv_lens, out=ext)
         np.maximum(ext, 0, out=ext)
         return req, tile, (ext[0] if t0 == 1 else ext.T.ravel())
+    if qo_range is not None:
+        tiles = _div(qo_lens * group + (block_m - 1), block_m)
+    total = int(tiles.sum())
     ends = np.cumsum(tiles)
     req = np.arange(n).repeat(tiles)
     tile = np.arange(total) - (ends - tiles)[req]
@@ -383,8 +399,10 @@ class Plan:
     kv_lens: np.ndarray | None = None   # int64 [batch]: keys of every request
     qo_indptr: np.ndarray | None = None     # [batch + 1] (prefill)
     qo_lens: np.ndarray | None = None       # int64 [batch] (prefill)
+    qo_range: tuple | None = None       # (min, max) of qo_lens (prefill, MLA: read once)
     kv_indptr: np.ndarray | None = None     # [batch + 1]: pages (paged) or keys (ragged)
-    kv_indices: np.ndarray | None = None    # [nnz pages]: host page ids (None: decode's device ids)
+    kv_indices: np.ndarray | None = None    # [nnz pages]: host page ids (None: decode's device ids; paged
+                                        # prefill on a GPU: the caller's array, read only by the upload)
     kv_indices_src: Any = None          # decode: the caller's page ids as given (a device array used in place)
     last_page_len: np.ndarray | None = None
     max_page: int = -1                  # largest page id (-1: none, or not known on the host)
@@ -623,8 +641,8 @@ class PlanBuffers:
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
         of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
         otherwise)."""
-        lens = [0 if a is None else len(a) for _, a, _ in segments]
         if self.graph:
+            lens = [0 if a is None else len(a) for _, a, _ in segments]
             sizes = {name: n for (name, _, _), n in zip(segments, lens)}
             if self.caps is None:
                 self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
@@ -640,8 +658,8 @@ class PlanBuffers:
                                      f"use_cuda_graph=True ({self.caps[n]}); plan the largest batch first or make "
                                      f"a new wrapper")
             caps = [self.caps[name] for name, _, _ in segments]
-        else:
-            caps = lens
+        else:       # eager: every segment's capacity is its length
+            caps = lens = [0 if a is None else len(a) for _, a, _ in segments]
         offsets, total = [], 0
         for cap in caps:
             offsets.append(total)
@@ -651,7 +669,9 @@ class PlanBuffers:
             bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
         host = bufs.staging(total)
         for (_, a, fill), o, n, cap in zip(segments, offsets, lens, caps):
-            if n:
+            if n == 1 and type(a) is tuple:                # a scalar segment (kv_chunk)
+                host[o] = a[0]
+            elif n:
                 host[o:o + n] = a
             if cap > n:
                 host[o + n:o + cap] = fill
@@ -662,7 +682,7 @@ class PlanBuffers:
             dev = bufs._ensure("plan", total, np.int32, "the plan")
         bufs.upload(dev.data.ptr, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
         base = dev.data.ptr
-        return {name: base + 4 * o if cap else 0 for (name, _, _), o, cap in zip(segments, offsets, caps)}
+        return {seg[0]: base + 4 * o if cap else 0 for seg, o, cap in zip(segments, offsets, caps)}
 
     def rows(self, name: str, n: int, cols: int) -> int:
         """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""

@@ -262,7 +262,8 @@ class _BatchPrefillBase:
                      page_size=None):
         qo = _plan.host_ints(qo_indptr, "qo_indptr", fn).astype(np.int64)
         qo_lens = qo[1:] - qo[:-1]          # np.diff, without its wrapper's cost
-        if len(qo) < 1 or qo[0] != 0 or (len(qo_lens) and qo_lens.min() < 0):
+        qo_range = (int(qo_lens.min()), int(qo_lens.max())) if len(qo_lens) else None
+        if len(qo) < 1 or qo[0] != 0 or (qo_range and qo_range[0] < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         batch = len(qo) - 1
         if len(kv_lens) != batch:
@@ -304,7 +305,7 @@ class _BatchPrefillBase:
         group = num_qo_heads // num_kv_heads
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
-        small_q = paged and not self._bufs.graph and batch > 0 and int(qo_lens.max()) * group <= 64
+        small_q = paged and not self._bufs.graph and batch > 0 and qo_range[1] * group <= 64
         if config is None:
             specs = {s: make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, s,
                                   kv_short, head_dim_vo) if arrays.SHORT_NAME.get(q_dt) in DTYPES else None
@@ -318,8 +319,8 @@ class _BatchPrefillBase:
         spec = specs[small_q]
         return _plan.Plan(self._fn, batch, num_qo_heads, num_kv_heads, head_dim_qk, q_dt, kv_dt,
                           sm_scale or 1 / math.sqrt(head_dim_qk), bound, bool(causal), page_size, spec,
-                          kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, mask=mask_host,
-                          mask_indptr=mask_indptr, head_dim_vo=head_dim_vo)
+                          kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, qo_range=qo_range,
+                          mask=mask_host, mask_indptr=mask_indptr, head_dim_vo=head_dim_vo)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
@@ -363,7 +364,7 @@ class _BatchPrefillBase:
             _, backend, spec = hit
             self.backend = backend
         h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
-        items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal)
+        items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal, plan.qo_range)
         ext = items[2]
         top = int(ext.max()) if len(ext) else 0       # (read once: the split choice and the work list)
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
@@ -652,9 +653,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
                                  paged=True, options=options, page_size=int(page_size))
-        plan.kv_indptr, plan.kv_indices = indptr.astype(np.int32), indices.astype(np.int32)
+        # -- the page ids as given until uploaded (the staging copy casts); a host snapshot only for a plan that
+        #    does not upload them (the NumPy path reads it at run())
+        plan.kv_indptr, plan.kv_indices = indptr.astype(np.int32), indices
         plan.last_page_len, plan.max_page = last.astype(np.int32), hi
         self._plan_device(fn, plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
+        if plan.meta is None:
+            plan.kv_indices = indices.astype(np.int32)
         self._plan = plan
 
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,

@@ -110,6 +110,33 @@ def test_validate_page_table_rejects_bad_metadata(indptr, lpl, match):
         validate_page_table("f", np.array(indptr), np.array(lpl), 16, 2)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint32", "uint64", "int16"])
+def test_validate_page_table_lengths_of_any_int_dtype_and_of_requests_without_pages(dtype):
+    # a request without pages may hold any last_page_len (0, or past page_size): its kv_len is 0
+    indptr = np.array([0, 3, 3, 4, 4, 6], dtype)
+    lpl = np.array([16, 0, 1, 17, 5], dtype)
+    assert validate_page_table("f", indptr, lpl, 16, 6).tolist() == [48, 0, 1, 0, 21]
+    assert validate_page_table("f", np.array([0], dtype), np.zeros(0, dtype), 16, 0).tolist() == []
+    bad = lpl.copy()
+    bad[3], bad[4] = 3, 0
+    with pytest.raises(ValueError, match=r"last_page_len\[4\]=0"):
+        validate_page_table("f", indptr, bad, 16, 6)
+
+
+def test_validate_page_table_raises_the_first_failing_check():
+    # non-decreasing is checked before indptr[-1] == len(indices), the shape before the dtype
+    with pytest.raises(ValueError, match="non-decreasing"):
+        validate_page_table("f", np.array([0, 2, 1]), np.array([1, 1]), 16, 5)
+    with pytest.raises(ValueError, match="must have shape"):
+        validate_page_table("f", np.array([0.0, 2.0]), np.array([1, 1]), 16, 2)
+    with pytest.raises(TypeError, match="integer arrays"):
+        validate_page_table("f", np.array([0.0, 2.0]), np.array([1]), 16, 2)
+    with pytest.raises(ValueError, match="1-D"):
+        validate_page_table("f", np.array(0), np.array([1]), 16, 2)
+    with pytest.raises(ValueError, match=r"kv_indptr\[0\] must be 0"):
+        validate_page_table("f", np.array([1, 2]), np.array([1]), 16, 2, prefix="kv_")
+
+
 # ---------------------------------------------------------------------------- prefill
 
 
@@ -246,6 +273,9 @@ def test_decode_work_list_equals_the_loop_reference(lens, chunk, block_n, align)
     rows, merge, slots = _decode_work_list_loop(indptr, kv_lens, chunk, block_n, align)
     assert wl.work.dtype == np.int32 and wl.work.tolist() == [list(w) for w in rows]
     assert wl.merge.tolist() == [list(m) for m in merge] and wl.num_slots == slots
+    # the lengths' range handed in (decode.plan reads it once): the same list
+    given_bounds = plan.decode_work_list(indptr, kv_lens, chunk, block_n, align, (min(lens), max(lens)))
+    assert given_bounds.work.tolist() == wl.work.tolist() and given_bounds.merge.tolist() == wl.merge.tolist()
     assert wl.chunk == (chunk if merge or (chunk > 0 and max(lens) > chunk) else 0)
 
 
@@ -259,6 +289,9 @@ def test_prefill_work_list_equals_the_loop_reference(qo, extra, group, block_m, 
     req, tile, ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal)
     items = _prefill_items_loop(qo_lens, kv_lens, group, block_m, causal)
     assert list(zip(req.tolist(), tile.tolist(), ext.tolist())) == items
+    if qo:          # qo_lens' range handed in (prefill / MLA plan() read it once): the same items
+        r2, t2, e2 = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal, (min(qo), max(qo)))
+        assert list(zip(r2.tolist(), t2.tolist(), e2.tolist())) == items
     wl = plan.prefill_work_list(qo_lens, kv_lens, group, block_m, block_n, causal, chunk)
     rows, extents, merge, slots = _prefill_work_list_loop(items, block_n, chunk)
     assert wl.work.dtype == np.int32 and wl.work.tolist() == [list(w) for w in rows]
@@ -278,9 +311,11 @@ def test_prefill_items_of_a_uniform_batch_equal_the_loop_reference(qo, group, bl
     tiles = -(-qo_lens * group // block_m)
     assert tiles.min() == tiles.max()
     kv_lens = qo_lens + np.array([0, 7, 3000, 65, 1][:len(qo)], np.int64)
-    req, tile, ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal)
-    assert list(zip(req.tolist(), tile.tolist(), ext.tolist())) == _prefill_items_loop(qo_lens, kv_lens, group,
-                                                                                        block_m, causal)
+    expect = _prefill_items_loop(qo_lens, kv_lens, group, block_m, causal)
+    for qo_range in (None, (min(qo), max(qo))):
+        r, t, e = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal, qo_range)
+        assert list(zip(r.tolist(), t.tolist(), e.tolist())) == expect
+    req, tile, ext = plan.prefill_items(qo_lens, kv_lens, group, block_m, causal, (min(qo), max(qo)))
     ext[:] = -7                   # the extents are the caller's to keep: not a view of kv_lens
     assert kv_lens.min() >= 0
 

@@ -174,6 +174,11 @@ def test_batch_paged_numpy_matches_oracle(layout):
     assert rel_err(out, ref_o) < 2e-3 and rel_err(lse, ref_s) < 1e-5
     k_half, v_half = cache[:, 0].copy(), cache[:, 1].copy()
     np.testing.assert_array_equal(out, w.run(q, (k_half, v_half)))
+    # the NumPy plan snapshots the page ids (a GPU plan uploads them inside plan()): the caller's array is theirs
+    ids = indices.astype(np.int64)
+    w.plan(qo_indptr, indptr, ids, last, 6, 2, 64, 5, causal=True)
+    ids[:] = ids[::-1].copy()
+    np.testing.assert_array_equal(out, w.run(q, cache))
 
 
 # ---------------------------------------------------------------------------- errors (CI)
