@@ -197,7 +197,8 @@ __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float*
 #pragma unroll
       for (int g = 0; g < MAX_GROUPS; ++g) {
         const int e0 = group_elem(g, 0, true, t, T);
-        if (g < groups && e0 + GROUP <= hidden) cp_async_16(smem_u32(slots + g * blockDim.x + threadIdx.x), src + e0, 16);
+        if (g < groups && e0 + GROUP <= hidden)
+          cp_async_16(smem_u32(slots + g * blockDim.x + threadIdx.x), src + e0, 16);
       }
     }
     cp_async_commit();
