@@ -342,10 +342,19 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form, monkeypat
         poison_pool(2 * rows * hidden)
         y = norm.layernorm(view, g_dev, b_dev, 1e-5)
         assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
+    # 16-byte path with a tail group: rows of 4092 (no multiple of 8) at an aligned stride of 4096
+    rng = np.random.default_rng(17)
+    raw = to_gpu(randn(rng, (1500, 4096), dtype, scale=2.0, shift=-1.0))
+    view = raw[:, :4092]
+    gamma, beta = randn(rng, (4092,), np.float32), randn(rng, (4092,), np.float32)
+    g_dev, b_dev = cupy.asarray(gamma), cupy.asarray(beta)
+    poison_pool(2 * 1500 * 4092)
+    y = norm.layernorm(view, g_dev, b_dev, 1e-5)
+    assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
 
 
 # fused_add_rmsnorm's launch forms (norm._FUSED_ADD_FORM, the A/B switch) at large calls: the serving sizes,
-# a row past g1's 8192 (runs the "old" spec) and past g2's 16384 is not possible (32768 is every form's limit)
+# a non-multiple of 8, and rows past a form's limit (16384 > g1's 8192, 32768 > g2's 16384: the old spec runs)
 FUSED_FORM_HIDDEN = [4096, 8192, 16384, 4099, 32768]
 
 
