@@ -31,6 +31,29 @@ _LATENCY_ELEMENTS = 1 << 20
 # this hidden stage them in shared memory once per block (64 KB at 8192) and serve several rows a block.
 _STAGED_HIDDEN = 8192
 _LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: the staged form's block
+# Launch form of fused_add_rmsnorm / gemma_fused_add_rmsnorm for large calls (rows * hidden above
+# _LATENCY_ELEMENTS), an A/B switch for benchmarks/bench_norm_act.py --ab (issue #13):
+#   "old": NormSpec max_groups 4 (60 registers), a thread per 32 elements: at hidden 4096 blocks of 128, 8 rows
+#          an SM in flight (H100 session 11: 49.8 µs at 4096 x 4096 bf16, 0.88x FlashInfer; 0.99x at 8192);
+#   "g1":  max_groups 1 (32 registers), a thread per 8 elements (FlashInfer's geometry: 512 threads at 4096,
+#          4 rows an SM, 2048 threads), for hidden <= 8192; larger rows as "old";
+#   "g2":  max_groups 2 (50 registers), a thread per 16 elements, for hidden <= 16384; larger as "old".
+# The same kernel source and arithmetic in every form: only the registers a thread keeps and the block change.
+_FUSED_ADD_FORMS = ("old", "g1", "g2")
+# Launch form of layernorm's large calls with hidden <= _STAGED_HIDDEN (A/B switch, bench_norm_act.py --ab):
+#   "staged": cuattn_layernorm_staged (H100 session 11: 79% / 77% of the copy ceiling at 4096 x 4096 / 8192);
+#   "pipe":   cuattn_layernorm_pipe, the same with the next tile's rows copied (cp.async) into shared memory
+#             while the current one is reduced and written; its shared memory is always _PIPE_SMEM bytes.
+_LAYERNORM_FORMS = ("staged", "pipe")
+_LAYERNORM_FORM = "pipe"
+_FUSED_ADD_FORM = "g1"
+
+
+def _pipe_smem(spec) -> int:
+    """cuattn_layernorm_pipe's dynamic shared memory: gamma and beta of up to _STAGED_HIDDEN floats, then
+    a 16-byte slot per group of each of up to _LAYERNORM_BLOCK threads (one size per spec: the function's
+    raised limit never shrinks)."""
+    return 2 * 4 * _STAGED_HIDDEN + 16 * spec.max_groups * _LAYERNORM_BLOCK
 
 
 @dataclass(frozen=True)
@@ -77,8 +100,20 @@ class NormSpec:
         return threads, per_block, smem if smem <= 48 * 1024 else 2 * 4 * _STAGED_HIDDEN
 
 
+def fused_add_spec(dtype: str, hidden: int, rows: int, fn: str = "fused_add_rmsnorm") -> NormSpec:
+    """The NormSpec (its max_groups) that runs fused_add_rmsnorm on rows x hidden under _FUSED_ADD_FORM;
+    its ``threads(hidden, rows)`` is the block."""
+    if _FUSED_ADD_FORM not in _FUSED_ADD_FORMS:
+        raise ValueError(f"{fn}: norm._FUSED_ADD_FORM must be one of {_FUSED_ADD_FORMS}, got {_FUSED_ADD_FORM!r}")
+    if _FUSED_ADD_FORM != "old" and rows * hidden > _LATENCY_ELEMENTS:
+        small = NormSpec(dtype, 1 if _FUSED_ADD_FORM == "g1" else 2)
+        if hidden <= small.max_hidden:
+            return small
+    return NormSpec(dtype)
+
+
 def shipped_specs() -> list[NormSpec]:
-    return [NormSpec(d) for d in _DTYPES]
+    return [NormSpec(d, g) for d in _DTYPES for g in (4, 1)]
 
 
 # ---------------------------------------------------------------------------- public API
@@ -202,7 +237,11 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     if rows:
         spec = NormSpec(arrays.SHORT_NAME[dtype])
         threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        if _LAYERNORM_FORM not in _LAYERNORM_FORMS:
+            raise ValueError(f"{fn}: norm._LAYERNORM_FORM must be one of {_LAYERNORM_FORMS}, got {_LAYERNORM_FORM!r}")
         entry = "cuattn_layernorm_staged" if smem else "cuattn_layernorm"
+        if smem and _LAYERNORM_FORM == "pipe":
+            entry, smem = "cuattn_layernorm_pipe", _pipe_smem(spec)
         launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
         tiles = -(-rows // per_block)
         grid = min(tiles, _resident_blocks(spec, entry, ctx.device, threads * per_block, smem)) if smem else tiles
@@ -266,7 +305,7 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
                          tx.ptr == tr.ptr and all(tx.shape))
     rows, hidden = tx.shape
     if rows:
-        spec = NormSpec(arrays.SHORT_NAME[dtype])
+        spec = fused_add_spec(arrays.SHORT_NAME[dtype], hidden, rows, fn)
         launch = jit.get_launcher(spec, "cuattn_fused_add_rmsnorm", ctx.device, "ppp" "i" "qq" "ff" "i")
         launch((rows,), spec.threads(hidden, rows), ctx.stream, tx.ptr, tr.ptr, tw.ptr, hidden, tx.strides[0],
                tr.strides[0], float(weight_bias), float(eps), _aligned((tx, tr, tw)),

@@ -15,6 +15,7 @@
 #include "common/dtypes.cuh"
 #include "common/elem_dtype.cuh"
 #include "common/grid_dependency.cuh"
+#include "common/mma.cuh"
 #include "common/row_io.cuh"
 
 namespace cuattn {
@@ -97,7 +98,10 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_rmsnorm(
 //   x = input + residual (fp32);  residual = x (rounded to DTYPE);
 //   input = x / sqrt(mean(x^2) + eps) * (weight_bias + weight)   (the fp32 x, as FlashInfer's kernel).
 // input and residual stay in registers as raw bits, so the fp32 x is recomputed exactly for the second use.
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_fused_add_rmsnorm(
+// MAX_GROUPS 1 (norm.py's "g1" form, a thread per 8 elements), bf16: at most 32 registers, 2048 threads an
+// SM (FlashInfer's occupancy). f16 spills under that cap (NVRTC 12, sm_80 and sm_90a) and keeps 41.
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, MAX_GROUPS == 1 && DTYPE == 1 ? 2 : 1)
+    cuattn_fused_add_rmsnorm(
     elem_t* __restrict__ input, elem_t* __restrict__ residual, const elem_t* __restrict__ weight, int hidden,
     int64_t in_s, int64_t res_s, float weight_bias, float eps, int vec) {
   __shared__ float red[33];
@@ -161,8 +165,16 @@ constexpr int STAGED_THREADS = 512;
 // instead, they are 4x the row's own bytes and the kernel was bound by L2 bandwidth (H100: 63% of the
 // copy ceiling at hidden 4096). cuattn_layernorm (small calls, hidden > 8192: one row a block): they are read from global
 // memory after the reductions, an L2 prefetch issued with the row's loads taking their latency off that path.
+// cuattn_layernorm_pipe (the staged form, software-pipelined; cuattn/norm.py _LAYERNORM_FORM): the staged
+// form issues a tile's loads only after the previous tile's rows are written, so an SM has loads in flight
+// only part of the time (H100 session 11: 77-79% of the copy ceiling). Here each thread copies its own
+// 16-byte groups of the next tile's row with cp.async into its own slots of shared memory (MAX_GROUPS *
+// blockDim.x slots after gamma and beta) as soon as it has read the current tile's out of them (after the
+// mean's partial sum consumed them: a data dependence, so the slots' reads are done), and waits for them at
+// the top of the next tile: one tile's loads are in flight through the reductions, normalization and stores.
+// Only the vec path pipelines (cp.async moves 16 bytes); groups crossing the row's end load directly.
 namespace cuattn {
-template <bool STAGED>
+template <bool STAGED, bool PIPE = false>
 __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, elem_t* out, int rows, int hidden,
                                                int threads_per_row, int64_t in_s, int64_t out_s, float eps, bool vec) {
@@ -176,18 +188,41 @@ __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float*
   float* const s_beta = s_gamma + ((hidden + 7) & ~7);     // 32-byte aligned for the groups' float4 reads
   const float* const gm_src = staged ? s_gamma : gamma;
   const float* const bt_src = staged ? s_beta : beta;
+  const bool pipe = PIPE && vec;
+  uint4* const slots = reinterpret_cast<uint4*>(s_beta + ((hidden + 7) & ~7));   // PIPE: [MAX_GROUPS][blockDim.x]
+  // -- PIPE: cp.async of row r's whole 16-byte groups into this thread's slots
+  auto prefetch_row = [&](int64_t r) {
+    if (r < rows) {
+      const elem_t* src = input + r * in_s;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUPS; ++g) {
+        const int e0 = group_elem(g, 0, true, t, T);
+        if (g < groups && e0 + GROUP <= hidden)
+          cp_async_16(smem_u32(slots + g * blockDim.x + threadIdx.x), src + e0, 16);
+      }
+    }
+    cp_async_commit();
+  };
   wait_prior_grids();
+  if (pipe) prefetch_row(int64_t(blockIdx.x) * R + sub);
   for (int64_t row0 = int64_t(blockIdx.x) * R; row0 < rows; row0 += int64_t(gridDim.x) * R) {
     const int64_t row = row0 + sub;
     const bool live = row < rows;
     const elem_t* x_row = input + row * in_s;
-    // -- issue the loads of the row
+    // -- issue the loads of the row (PIPE: take the prefetched groups from the slots)
     uint32_t xb[MAX_GROUPS][4];
+    if (pipe) cp_async_wait<0>();
 #pragma unroll
     for (int g = 0; g < MAX_GROUPS; ++g) {
       if (g < groups) {
-        if (live) load_bits(x_row, hidden, g, vec, xb[g], t, T);
-        else xb[g][0] = xb[g][1] = xb[g][2] = xb[g][3] = 0;
+        if (pipe && live && group_elem(g, 0, true, t, T) + GROUP <= hidden) {
+          const uint4 v = slots[g * blockDim.x + threadIdx.x];
+          xb[g][0] = v.x, xb[g][1] = v.y, xb[g][2] = v.z, xb[g][3] = v.w;
+        } else if (live) {
+          load_bits(x_row, hidden, g, vec, xb[g], t, T);
+        } else {
+          xb[g][0] = xb[g][1] = xb[g][2] = xb[g][3] = 0;
+        }
         if (!staged) {
           prefetch_l2(gamma, hidden, g);
           prefetch_l2(beta, hidden, g);
@@ -216,6 +251,10 @@ __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float*
 #pragma unroll
         for (int k = 0; k < GROUP; ++k) sum += x[k];
       }
+    }
+    if (pipe) {
+      asm volatile("" ::"f"(sum) : "memory");   // sum consumed every slot's value: their reads are complete
+      prefetch_row(row + int64_t(gridDim.x) * R);  // the next tile's row into the slots
     }
     sum = warp_sum(sum);
     if (lane == 0) red[0][threadIdx.x >> 5] = sum;
@@ -275,5 +314,12 @@ extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm
     const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
     int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
   layernorm_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
+}
+
+// The pipelined staged form (see layernorm_rows): dynamic shared memory gamma, beta, then the slots.
+extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm_pipe(
+    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
+    int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
+  layernorm_rows<true, true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
 }
 

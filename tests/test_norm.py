@@ -133,6 +133,20 @@ def test_norms_of_zero_rows_return_empty_results():
     assert norm.layernorm(x, np.ones(4099, np.float32), np.zeros(4099, np.float32)).shape == (0, 4099)
 
 
+def test_fused_add_spec_follows_the_form_and_the_row_limits(monkeypatch):
+    big = norm._LATENCY_ELEMENTS // 4096 + 1
+    for form, hidden, groups in [("old", 4096, 4), ("g1", 4096, 1), ("g1", 8192, 1), ("g1", 16384, 4),
+                                 ("g2", 16384, 2), ("g2", 32768, 4)]:
+        monkeypatch.setattr(norm, "_FUSED_ADD_FORM", form)
+        spec = norm.fused_add_spec("bf16", hidden, big)
+        assert spec.max_groups == groups and spec.max_hidden >= hidden
+        assert spec.threads(hidden, big) * 8 * spec.max_groups >= hidden
+        assert norm.fused_add_spec("bf16", hidden, 1).max_groups == 4      # small calls: unchanged
+    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", "bogus")
+    with pytest.raises(ValueError, match="_FUSED_ADD_FORM"):
+        norm.fused_add_spec("bf16", 4096, big)
+
+
 def test_norms_reject_bad_inputs_naming_the_argument():
     x = np.ones((2, 64), np.float16)
     w = np.ones(64, np.float16)
@@ -202,9 +216,13 @@ def test_layernorm_rejects_bad_inputs_naming_the_argument():
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
 def test_shipped_norm_kernels_compile_without_spills(arch):
-    for spec in norm.shipped_specs():
+    # + max_groups 2: fused_add_rmsnorm's "g2" form (A/B only, not shipped)
+    for spec in norm.shipped_specs() + [norm.NormSpec(d, 2) for d in norm._DTYPES]:
         resources = jit.compile_kernel(spec, arch).resources
-        assert set(resources) >= {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm"} or not resources
+        assert set(resources) >= {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
+                                  "cuattn_layernorm_staged", "cuattn_layernorm_pipe"} or not resources
+        if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # "g1" keeps 2048 threads an SM
+            assert resources["cuattn_fused_add_rmsnorm"]["registers"] <= 32, resources
         for entry, r in resources.items():
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
 
@@ -296,11 +314,23 @@ STAGED = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024,
           (131, 16384, 16384)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
+def poison_pool(nbytes):
+    """Leave a freed block of NaN bits (0x7FC0: NaN as bf16 and as f16) in CuPy's memory pool, so that a
+    fresh output of ``nbytes`` (the pool reuses the block) starts as poison, not as an earlier result."""
     import cupy
-    for rows, hidden, stride in STAGED:
+    junk = cupy.full(nbytes // 2, 0x7FC0, cupy.uint16)
+    cupy.cuda.get_current_stream().synchronize()
+    del junk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", norm._LAYERNORM_FORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form, monkeypatch):
+    import cupy
+    monkeypatch.setattr(norm, "_LAYERNORM_FORM", form)
+    # + blocks that loop over several tiles at the serving sizes (an H100 holds 1056 rows of 4096 a wave)
+    for rows, hidden, stride in STAGED + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
         assert (rows * hidden > norm._LATENCY_ELEMENTS) and (stride >= hidden)
         rng = np.random.default_rng(rows + hidden)
         x = randn(rng, (rows, hidden), dtype, scale=2.0, shift=3.0)
@@ -308,8 +338,59 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
         raw = to_gpu(np.zeros((rows, stride), dtype))
         view = raw[:, stride - hidden:]          # contiguous, or starting 6 bytes into a row of odd stride
         view[...] = to_gpu(x)
-        y = norm.layernorm(view, cupy.asarray(gamma), cupy.asarray(beta), 1e-5)
+        g_dev, b_dev = cupy.asarray(gamma), cupy.asarray(beta)
+        poison_pool(2 * rows * hidden)
+        y = norm.layernorm(view, g_dev, b_dev, 1e-5)
         assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
+    # 16-byte path with a tail group: rows of 4092 (no multiple of 8) at an aligned stride of 4096
+    rng = np.random.default_rng(17)
+    raw = to_gpu(randn(rng, (1500, 4096), dtype, scale=2.0, shift=-1.0))
+    view = raw[:, :4092]
+    gamma, beta = randn(rng, (4092,), np.float32), randn(rng, (4092,), np.float32)
+    g_dev, b_dev = cupy.asarray(gamma), cupy.asarray(beta)
+    poison_pool(2 * 1500 * 4092)
+    y = norm.layernorm(view, g_dev, b_dev, 1e-5)
+    assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
+
+
+# fused_add_rmsnorm's launch forms (norm._FUSED_ADD_FORM, the A/B switch) at large calls: the serving sizes,
+# a non-multiple of 8, and rows past a form's limit (16384 > g1's 8192, 32768 > g2's 16384: the old spec runs)
+FUSED_FORM_HIDDEN = [4096, 8192, 16384, 4099, 32768]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", norm._FUSED_ADD_FORMS)
+@pytest.mark.parametrize("hidden", FUSED_FORM_HIDDEN)
+@pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
+def test_fused_add_rmsnorm_gpu_every_form_updates_residual_and_input(gemma, hidden, form, monkeypatch):
+    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", form)
+    dtype = BF16 if hidden % 2 == 0 else np.dtype(np.float16)
+    rng = np.random.default_rng(hidden + 15)
+    rows = rows_for("throughput", hidden)
+    x = randn(rng, (rows, hidden), dtype)
+    r = randn(rng, (rows, hidden), dtype, scale=2.0, shift=0.5)
+    w = randn(rng, (hidden,), dtype)
+    total = x.astype(np.float64) + r.astype(np.float64)
+    dx, dr = to_gpu(x), to_gpu(r)
+    op = norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm
+    assert op(dx, dr, to_gpu(w), 1e-6) is None
+    assert_close(from_gpu(dr, dtype), total, dtype)
+    assert_close(from_gpu(dx, dtype), rmsnorm64(total, w, 1e-6, 1.0 if gemma else 0.0), dtype)
+    # the residual is the float32 sum rounded once, bit for bit as the NumPy path
+    (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, r, w, 1e-6)
+    np.testing.assert_array_equal(from_gpu(dr, dtype).view(np.uint16), r.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_norm_forms_refuse_unknown_names(monkeypatch):
+    import cupy
+    x, w = to_gpu(np.ones((3, 64), np.float16)), to_gpu(np.ones(64, np.float16))
+    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", "bogus")
+    with pytest.raises(ValueError, match="norm._FUSED_ADD_FORM must be one of"):
+        norm.fused_add_rmsnorm(x, to_gpu(np.ones((3, 64), np.float16)), w)
+    monkeypatch.setattr(norm, "_LAYERNORM_FORM", "bogus")
+    with pytest.raises(ValueError, match="norm._LAYERNORM_FORM must be one of"):
+        norm.layernorm(x, cupy.ones(64, cupy.float32), cupy.ones(64, cupy.float32))
 
 
 @pytest.mark.gpu
