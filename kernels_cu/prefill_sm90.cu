@@ -94,6 +94,9 @@
 #ifndef CONVERT_UNROLL      // KV_FP8: chunks each converter thread has in flight (experiments: bench_prefill --fa3-tuning)
 #define CONVERT_UNROLL 2
 #endif
+#ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers)
+#define GATHER_UNROLL 1
+#endif
 #ifndef CONVERT_K_AHEAD     // KV_FP8: the converters take K(t) before V(t - 1) (1) or K(t), V(t) (0)
 #define CONVERT_K_AHEAD 1
 #endif
@@ -139,7 +142,7 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // setmaxnreg: the producer warpgroup's count (the RoPE transform keeps its chunk's frequencies, 32
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
-constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : K_XFORM ? 56 : 40;
+constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : (K_XFORM || (PAGED == 2 && GATHER_UNROLL > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 constexpr int CONVERT_WARPS = 3;                    // KV_FP8: producer warps 1..3
@@ -384,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       // -- this thread's rows (row ids by shuffle, -1 past the end: zero-filled) of a tile into buffer sb,
       //    ch 16-byte chunks a row (D_QK or D_VO / 8)
       const auto copy_rows = [&](uint32_t sb, const uint8_t* base, int64_t s_row, int row_id, const int ch) {
-#pragma unroll 1                             // (a rolled loop: the producer's registers are few)
+#pragma unroll GATHER_UNROLL                 // (1: a rolled loop in the producer's 40 registers; > 1: 56)
         for (int i = 0; i < ROWS; ++i) {
           const int r = r0 + ROW_STEP * i, rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
           const uint8_t* src = rid >= 0 ? base + int64_t(rid) * s_row : base;
