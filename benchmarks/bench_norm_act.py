@@ -10,13 +10,10 @@ Runs only where CuPy sees a GPU.
 
     python benchmarks/bench_norm_act.py [--rows 1 16 256 4096 16384] [--hidden 4096 8192 16384 4099]
         [--dtype bfloat16|float16] [--ops rmsnorm fused_add_rmsnorm ...] [--reps 50] [--check]
-        [--flashinfer] [--latency-elements N] [--ab] [--out results.json]
+        [--flashinfer] [--latency-elements N] [--out results.json]
 
---ab (issue #13): for the ops with launch forms (fused_add_rmsnorm: norm._FUSED_ADD_FORM; layernorm:
-norm._LAYERNORM_FORM; the activations: activation._FORM), time every form on the same arrays, interleaved
-(each timed call of one form is followed by one of the next form, L2 flushed before each), and print each
-form's median µs, its % of the copy ceiling and old µs / its µs (> 1: faster than the old form); with
---flashinfer FlashInfer is one more column of the same interleaving. Ops without forms are timed as usual.
+(Session 12's interleaved A/B of launch forms, --ab, went with the rejected forms: see
+benchmarks/results/ops_notes_session12.md; the code is in git history.)
 """
 from __future__ import annotations
 
@@ -147,45 +144,6 @@ def check(op: str, arrs: dict, dtype: str) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-# the module switch and its forms (first: the old form, the ratios' reference) of each op that has them
-FORMS = {"fused_add_rmsnorm": (norm, "_FUSED_ADD_FORM", norm._FUSED_ADD_FORMS),
-         "layernorm": (norm, "_LAYERNORM_FORM", norm._LAYERNORM_FORMS),
-         **{op: (activation, "_FORM", activation._FORMS)
-            for op in ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")}}
-
-
-def time_forms(op: str, call, fi, reps: int, flush) -> dict:
-    """Median µs of ``call`` under each form of ``op`` (and of FlashInfer's ``fi`` if given), timed
-    interleaved: rep i of every form before rep i + 1 of any. The switch is restored afterwards."""
-    module, name, forms = FORMS[op]
-    saved = getattr(module, name)
-    cands = {f: call for f in forms}
-    if fi is not None:
-        cands["flashinfer"] = fi
-    times = {k: [] for k in cands}
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    try:
-        for k, fn in cands.items():           # warm-up (and compile) each form
-            if k in forms:
-                setattr(module, name, k)
-            for _ in range(5):
-                fn()
-        for _ in range(reps):
-            for k, fn in cands.items():
-                if k in forms:
-                    setattr(module, name, k)
-                if flush is not None:
-                    flush()
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[k].append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-    finally:
-        setattr(module, name, saved)
-    return {k: float(np.median(v)) for k, v in times.items()}
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 4096, 16384])
@@ -199,8 +157,6 @@ def main(argv=None):
     p.add_argument("--flashinfer", action="store_true")
     p.add_argument("--latency-elements", type=int, help="tuning: calls of at most this many elements (rows x "
                    "hidden) run the norms with a thread per 8 elements (cuattn.norm._LATENCY_ELEMENTS; 0: never)")
-    p.add_argument("--ab", action="store_true", help="time every launch form of the ops that have them, "
-                   "interleaved, with ratios to the old form (see the docstring)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     if not arrays.gpu_available():
@@ -222,26 +178,6 @@ def main(argv=None):
         for hidden in args.hidden:
             for rows in args.rows:
                 call, arrs = setup(op, rows, hidden, args.dtype)
-                if args.ab and op in FORMS:
-                    fi = None
-                    if args.flashinfer:
-                        try:
-                            fi = flashinfer_call(op, args.dtype, arrs)
-                            fi()
-                        except Exception as e:   # noqa: BLE001  (as below: record it, time ours)
-                            print(f"  ab {op}: flashinfer refused ({type(e).__name__}: {str(e)[:120]})")
-                            fi = None
-                    res = time_forms(op, call, fi, args.reps, flush)
-                    old = res[FORMS[op][2][0]]
-                    nbytes = op_bytes(op, rows, hidden, itemsize)
-                    for form, t in res.items():
-                        pct = 100 * nbytes / (t * 1e-6) / 1e9 / ceiling
-                        print(f"  ab {op:<19}{rows:>7}{hidden:>8}  {form:<11}{t:>9.2f} µs{pct:>7.1f} %copy"
-                              f"{old / t:>7.3f} x old", flush=True)
-                    rows_out.append({"op": op, "rows": rows, "hidden": hidden, "dtype": args.dtype, "ab_us": res,
-                                     "form": getattr(FORMS[op][0], FORMS[op][1])})
-                    del arrs, call
-                    continue
                 us = time_events(call, args.reps, flush, warmup=10)
                 gbps = op_bytes(op, rows, hidden, itemsize) / (us * 1e-6) / 1e9
                 row = {"op": op, "rows": rows, "hidden": hidden, "dtype": args.dtype, "us": us, "gbps": gbps,

@@ -22,19 +22,8 @@ from .errors import UnsupportedError
 _SOURCE = "activation.cu"
 _DTYPES = {"f16": 0, "bf16": 1}
 _GROUP = 8               # outputs per thread: one 16-byte access of 16-bit values
-_MAX_THREADS = 256
+_MAX_THREADS = 1024      # the largest block (activation.cu's __launch_bounds__)
 _ENTRIES = {"silu": "cuattn_silu_and_mul", "gelu": "cuattn_gelu_and_mul", "gelu_tanh": "cuattn_gelu_tanh_and_mul"}
-_ROWS_THREADS = 1024     # activation.cu's rows form: the largest block
-# Launch form of the GPU kernels (an A/B switch for benchmarks/bench_norm_act.py --ab; issue #13):
-#   "old":     grid (rows, chunks) of 256-thread blocks, a group of 8 outputs a thread (session 11: 0.95-0.99x
-#              FlashInfer at 4096 x 4096 / 8192 bf16 on an H100);
-#   "rows":    1-D grid, a row's chunks in consecutive blocks, a thread per 8 outputs up to 1024 threads a
-#              block (FlashInfer's geometry: one block a row for d <= 8192);
-#   "rows2":   as "rows" with 2 groups a thread (half the threads, 64 bytes of loads a thread in flight);
-#   "rows_cs": as "rows" with streaming cache hints (ld.global.nc.L1::no_allocate, st.global.cs).
-# Every form computes the same values (same fp32 arithmetic per element).
-_FORMS = ("old", "rows", "rows2", "rows_cs")
-_FORM = "rows"
 
 
 @dataclass(frozen=True)
@@ -51,27 +40,15 @@ class ActSpec:
     def defines(self) -> tuple[str, ...]:
         return (f"-DDTYPE={_DTYPES[self.dtype]}",)
 
-    def threads(self, d: int) -> int:
-        """Block size: a multiple of 32 up to 256 threads, each computing 8 outputs of a row."""
-        vectors = -(-d // _GROUP)                     # groups of 8 outputs in a row
-        return min(_MAX_THREADS, max(32, -(-vectors // 32) * 32))
 
-    def grid(self, rows: int, d: int, fn: str) -> tuple[int, int]:
-        """(rows, blocks along a row): every block covers 8 * threads(d) outputs of one row."""
-        blocks = -(-d // (_GROUP * self.threads(d)))
-        if rows >= 2 ** 31 or blocks > 65535:
-            raise UnsupportedError(f"{fn}: {rows} rows of d={d} exceed the launch grid; supported: "
-                                   f"rows < 2**31, d <= {65535 * _GROUP * _MAX_THREADS}")
-        return rows, blocks
-
-
-def rows_geometry(d: int, gpt: int) -> tuple[int, int]:
-    """(threads, chunks a row) of the rows form: a thread per gpt groups of 8 outputs, up to
-    _ROWS_THREADS threads a block (a multiple of 32), chunks blocks to cover d."""
+def geometry(d: int) -> tuple[int, int]:
+    """(threads, chunks a row): a thread per group of 8 outputs, up to _MAX_THREADS a block (a multiple of
+    32), ``chunks`` blocks to cover d (FlashInfer's geometry: one block a row for d <= 8192). Session 12's
+    H100 A/B (benchmarks/results/ops_notes_session12.md) kept this form over a (rows, chunks) grid of
+    256-thread blocks, two groups a thread and streaming cache hints."""
     vectors = -(-d // _GROUP)                      # groups of 8 outputs in a row
-    per_thread = -(-vectors // gpt)                # threads that would cover the row in one block
-    threads = min(_ROWS_THREADS, max(32, -(-per_thread // 32) * 32))
-    return threads, -(-vectors // (gpt * threads))
+    threads = min(_MAX_THREADS, max(32, -(-vectors // 32) * 32))
+    return threads, -(-vectors // threads)
 
 
 def shipped_specs() -> list[ActSpec]:
@@ -150,21 +127,13 @@ def _act_and_mul(fn: str, act: str, input, out, enable_pdl, stream):
         spec = ActSpec(arrays.SHORT_NAME[dtype])
         vec = int(tx.ptr % 16 == 0 and to.ptr % 16 == 0 and d % _GROUP == 0 and in_s % _GROUP == 0
                   and out_s % _GROUP == 0)
-        pdl = jit.pdl_launch(ctx.device, enable_pdl)
-        if _FORM not in _FORMS:
-            raise ValueError(f"{fn}: activation._FORM must be one of {_FORMS}, got {_FORM!r}")
-        if _FORM == "old":
-            launch = jit.get_launcher(spec, _ENTRIES[act], ctx.device, "pp" "i" "qq" "i")
-            launch(spec.grid(rows, d, fn), spec.threads(d), ctx.stream, tx.ptr, to.ptr, d, in_s, out_s, vec, pdl=pdl)
-        else:
-            gpt = 2 if _FORM == "rows2" else 1
-            threads, chunks = rows_geometry(d, gpt)
-            if rows * chunks >= 2 ** 31:
-                raise UnsupportedError(f"{fn}: {rows} rows of d={d} exceed the launch grid; supported: "
-                                       f"rows * ceil(d / {_GROUP * gpt * threads}) < 2**31")
-            suffix = {"rows": "1", "rows_cs": "1cs", "rows2": "2"}[_FORM]
-            launch = jit.get_launcher(spec, f"{_ENTRIES[act]}_rows{suffix}", ctx.device, "pp" "i" "qq" "i" "i")
-            launch((rows * chunks,), threads, ctx.stream, tx.ptr, to.ptr, d, in_s, out_s, vec, chunks, pdl=pdl)
+        threads, chunks = geometry(d)
+        if rows * chunks >= 2 ** 31:
+            raise UnsupportedError(f"{fn}: {rows} rows of d={d} exceed the launch grid; supported: "
+                                   f"rows * ceil(d / {_GROUP * threads}) < 2**31")
+        launch = jit.get_launcher(spec, _ENTRIES[act], ctx.device, "pp" "i" "qq" "i" "i")
+        launch((rows * chunks,), threads, ctx.stream, tx.ptr, to.ptr, d, in_s, out_s, vec, chunks,
+               pdl=jit.pdl_launch(ctx.device, enable_pdl))
     return arrays.export(ctx, out, dtype)
 
 

@@ -28,25 +28,14 @@ _MAX_THREADS = 1024
 _LATENCY_ELEMENTS = 1 << 20
 # layernorm's gamma and beta (float32) are 4x a bf16 row's bytes: read from L2 for every row they bound the
 # kernel by L2 bandwidth (H100: 63% / 75% of the copy ceiling at hidden 4096 / 8192). Large calls up to
-# this hidden stage them in shared memory once per block (64 KB at 8192) and serve several rows a block.
+# this hidden run cuattn_layernorm_pipe: gamma and beta staged in shared memory once per block, several rows a
+# block, the next tile's rows copied (cp.async) into shared memory while the current one is reduced and written.
 _STAGED_HIDDEN = 8192
-_LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: the staged form's block
-# Launch form of fused_add_rmsnorm / gemma_fused_add_rmsnorm for large calls (rows * hidden above
-# _LATENCY_ELEMENTS), an A/B switch for benchmarks/bench_norm_act.py --ab (issue #13):
-#   "old": NormSpec max_groups 4 (60 registers), a thread per 32 elements: at hidden 4096 blocks of 128, 8 rows
-#          an SM in flight (H100 session 11: 49.8 µs at 4096 x 4096 bf16, 0.88x FlashInfer; 0.99x at 8192);
-#   "g1":  max_groups 1 (32 registers), a thread per 8 elements (FlashInfer's geometry: 512 threads at 4096,
-#          4 rows an SM, 2048 threads), for hidden <= 8192; larger rows as "old";
-#   "g2":  max_groups 2 (50 registers), a thread per 16 elements, for hidden <= 16384; larger as "old".
-# The same kernel source and arithmetic in every form: only the registers a thread keeps and the block change.
-_FUSED_ADD_FORMS = ("old", "g1", "g2")
-# Launch form of layernorm's large calls with hidden <= _STAGED_HIDDEN (A/B switch, bench_norm_act.py --ab):
-#   "staged": cuattn_layernorm_staged (H100 session 11: 79% / 77% of the copy ceiling at 4096 x 4096 / 8192);
-#   "pipe":   cuattn_layernorm_pipe, the same with the next tile's rows copied (cp.async) into shared memory
-#             while the current one is reduced and written; its shared memory is always _PIPE_SMEM bytes.
-_LAYERNORM_FORMS = ("staged", "pipe")
-_LAYERNORM_FORM = "pipe"
-_FUSED_ADD_FORM = "g1"
+_LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's largest block
+# fused_add_rmsnorm's large calls (rows * hidden above _LATENCY_ELEMENTS) with hidden <= 8192 run NormSpec
+# max_groups 1 (32 registers, a thread per 8 elements: FlashInfer's geometry, 512 threads and 4 rows an SM at
+# hidden 4096); the others max_groups 4. Session 12's H100 A/B of these launch forms (and layernorm's, and the
+# activations'): benchmarks/results/ops_notes_session12.md.
 
 
 def _pipe_smem(spec) -> int:
@@ -85,28 +74,25 @@ class NormSpec:
         threads = vectors if latency else -(-vectors // self.max_groups)
         return min(_MAX_THREADS, max(32, -(-threads // 32) * 32))
 
-
-    def layernorm_geometry(self, hidden: int, rows: int) -> tuple[int, int, int]:
-        """(threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm. Large calls
-        with hidden <= _STAGED_HIDDEN stage gamma and beta in shared memory once per block and put
-        several rows in a block (up to _LAYERNORM_BLOCK threads); the others run a row a block with
-        gamma and beta from L2. Shared memory is one of two sizes, so that the function's dynamic
-        limit (raised above 48 KB) never shrinks under another launcher: exact up to 48 KB, else 64 KB."""
+    def layernorm_geometry(self, hidden: int, rows: int) -> tuple[str, int, int, int]:
+        """(entry, threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm. Large
+        calls with hidden <= _STAGED_HIDDEN run cuattn_layernorm_pipe: gamma and beta in shared memory once per
+        block, several rows a block (up to _LAYERNORM_BLOCK threads), the next tile's rows prefetched into
+        shared memory (always _pipe_smem bytes, so that the function's raised limit never shrinks); the
+        others run cuattn_layernorm, a row a block with gamma and beta from L2."""
         threads = self.threads(hidden, rows)
         if rows * hidden <= _LATENCY_ELEMENTS or hidden > _STAGED_HIDDEN:
-            return threads, 1, 0
+            return "cuattn_layernorm", threads, 1, 0
         per_block = max(1, min(_LAYERNORM_BLOCK // threads, rows))       # blocks of up to 512 threads
-        smem = 2 * 4 * -(-hidden // _GROUP) * _GROUP
-        return threads, per_block, smem if smem <= 48 * 1024 else 2 * 4 * _STAGED_HIDDEN
+        return "cuattn_layernorm_pipe", threads, per_block, _pipe_smem(self)
 
 
-def fused_add_spec(dtype: str, hidden: int, rows: int, fn: str = "fused_add_rmsnorm") -> NormSpec:
-    """The NormSpec (its max_groups) that runs fused_add_rmsnorm on rows x hidden under _FUSED_ADD_FORM;
-    its ``threads(hidden, rows)`` is the block."""
-    if _FUSED_ADD_FORM not in _FUSED_ADD_FORMS:
-        raise ValueError(f"{fn}: norm._FUSED_ADD_FORM must be one of {_FUSED_ADD_FORMS}, got {_FUSED_ADD_FORM!r}")
-    if _FUSED_ADD_FORM != "old" and rows * hidden > _LATENCY_ELEMENTS:
-        small = NormSpec(dtype, 1 if _FUSED_ADD_FORM == "g1" else 2)
+def fused_add_spec(dtype: str, hidden: int, rows: int) -> NormSpec:
+    """The NormSpec (its max_groups) that runs fused_add_rmsnorm on rows x hidden; its
+    ``threads(hidden, rows)`` is the block. Small calls and rows over 8192 elements: max_groups 4; large
+    calls of up to 8192: max_groups 1 (a thread per 8 elements)."""
+    if rows * hidden > _LATENCY_ELEMENTS:
+        small = NormSpec(dtype, 1)
         if hidden <= small.max_hidden:
             return small
     return NormSpec(dtype)
@@ -236,12 +222,7 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     rows, hidden = tx.shape
     if rows:
         spec = NormSpec(arrays.SHORT_NAME[dtype])
-        threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
-        if _LAYERNORM_FORM not in _LAYERNORM_FORMS:
-            raise ValueError(f"{fn}: norm._LAYERNORM_FORM must be one of {_LAYERNORM_FORMS}, got {_LAYERNORM_FORM!r}")
-        entry = "cuattn_layernorm_staged" if smem else "cuattn_layernorm"
-        if smem and _LAYERNORM_FORM == "pipe":
-            entry, smem = "cuattn_layernorm_pipe", _pipe_smem(spec)
+        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
         launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
         tiles = -(-rows // per_block)
         grid = min(tiles, _resident_blocks(spec, entry, ctx.device, threads * per_block, smem)) if smem else tiles
@@ -305,7 +286,7 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
                          tx.ptr == tr.ptr and all(tx.shape))
     rows, hidden = tx.shape
     if rows:
-        spec = fused_add_spec(arrays.SHORT_NAME[dtype], hidden, rows, fn)
+        spec = fused_add_spec(arrays.SHORT_NAME[dtype], hidden, rows)
         launch = jit.get_launcher(spec, "cuattn_fused_add_rmsnorm", ctx.device, "ppp" "i" "qq" "ff" "i")
         launch((rows,), spec.threads(hidden, rows), ctx.stream, tx.ptr, tr.ptr, tw.ptr, hidden, tx.strides[0],
                tr.strides[0], float(weight_bias), float(eps), _aligned((tx, tr, tw)),

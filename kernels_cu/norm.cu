@@ -98,8 +98,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_rmsnorm(
 //   x = input + residual (fp32);  residual = x (rounded to DTYPE);
 //   input = x / sqrt(mean(x^2) + eps) * (weight_bias + weight)   (the fp32 x, as FlashInfer's kernel).
 // input and residual stay in registers as raw bits, so the fp32 x is recomputed exactly for the second use.
-// MAX_GROUPS 1 (norm.py's "g1" form, a thread per 8 elements), bf16: at most 32 registers, 2048 threads an
-// SM (FlashInfer's occupancy). f16 spills under that cap (NVRTC 12, sm_80 and sm_90a) and keeps 41.
+// MAX_GROUPS 1 (norm.py's large calls of hidden <= 8192, a thread per 8 elements), bf16: at most 32 registers,
+// 2048 threads an SM (FlashInfer's occupancy). f16 spills under that cap (NVRTC 12, sm_80 and sm_90a) and keeps 41.
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, MAX_GROUPS == 1 && DTYPE == 1 ? 2 : 1)
     cuattn_fused_add_rmsnorm(
     elem_t* __restrict__ input, elem_t* __restrict__ residual, const elem_t* __restrict__ weight, int hidden,
@@ -160,21 +160,21 @@ constexpr int STAGED_THREADS = 512;
 //   out = (x - mean) / sqrt(var + eps) * gamma + beta,  var = mean((x - mean)^2) (two passes over registers).
 // The block is R = blockDim.x / threads_per_row sub-blocks of T = threads_per_row threads (a multiple of
 // 32); sub-block r serves row tile * R + r for tile = blockIdx.x, blockIdx.x + gridDim.x, ... (the
-// launcher sizes the grid to one wave). cuattn_layernorm_staged: gamma and beta are copied into dynamic shared
-// memory (2 * round_up(hidden, 8) floats) once per block, while the first rows load: read from L2 once per row
-// instead, they are 4x the row's own bytes and the kernel was bound by L2 bandwidth (H100: 63% of the
-// copy ceiling at hidden 4096). cuattn_layernorm (small calls, hidden > 8192: one row a block): they are read from global
-// memory after the reductions, an L2 prefetch issued with the row's loads taking their latency off that path.
-// cuattn_layernorm_pipe (the staged form, software-pipelined; cuattn/norm.py _LAYERNORM_FORM): the staged
-// form issues a tile's loads only after the previous tile's rows are written, so an SM has loads in flight
-// only part of the time (H100 session 11: 77-79% of the copy ceiling). Here each thread copies its own
-// 16-byte groups of the next tile's row with cp.async into its own slots of shared memory (MAX_GROUPS *
-// blockDim.x slots after gamma and beta) as soon as it has read the current tile's out of them (after the
-// mean's partial sum consumed them: a data dependence, so the slots' reads are done), and waits for them at
-// the top of the next tile: one tile's loads are in flight through the reductions, normalization and stores.
+// launcher sizes the grid to one wave). cuattn_layernorm (small calls, hidden > 8192: one row a block): gamma
+// and beta are read from global memory after the reductions, an L2 prefetch issued with the row's loads taking
+// their latency off that path. cuattn_layernorm_pipe (large calls, hidden <= 8192; STAGED): gamma and beta are
+// copied into dynamic shared memory (2 * round_up(hidden, 8) floats) once per block, while the first rows load:
+// read from L2 once per row instead, they are 4x the row's own bytes and bound the kernel by L2 bandwidth (H100:
+// 63% of the copy ceiling at hidden 4096). The rows are software-pipelined: each thread copies its own 16-byte
+// groups of the next tile's row with cp.async into its own slots of shared memory (MAX_GROUPS * blockDim.x
+// slots after gamma and beta) as soon as it has read the current tile's out of them (after the mean's partial
+// sum consumed them: a data dependence, so the slots' reads are done), and waits for them at the top of the
+// next tile: one tile's loads are in flight through the reductions, normalization and stores (a staged form
+// without the pipeline, loads issued only after the previous tile's rows are written, reached 77-79% of the
+// copy ceiling; session 12 A/B in benchmarks/results/ops_notes_session12.md, code in git history).
 // Only the vec path pipelines (cp.async moves 16 bytes); groups crossing the row's end load directly.
 namespace cuattn {
-template <bool STAGED, bool PIPE = false>
+template <bool STAGED>
 __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, elem_t* out, int rows, int hidden,
                                                int threads_per_row, int64_t in_s, int64_t out_s, float eps, bool vec) {
@@ -188,9 +188,9 @@ __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float*
   float* const s_beta = s_gamma + ((hidden + 7) & ~7);     // 32-byte aligned for the groups' float4 reads
   const float* const gm_src = staged ? s_gamma : gamma;
   const float* const bt_src = staged ? s_beta : beta;
-  const bool pipe = PIPE && vec;
-  uint4* const slots = reinterpret_cast<uint4*>(s_beta + ((hidden + 7) & ~7));   // PIPE: [MAX_GROUPS][blockDim.x]
-  // -- PIPE: cp.async of row r's whole 16-byte groups into this thread's slots
+  const bool pipe = STAGED && vec;
+  uint4* const slots = reinterpret_cast<uint4*>(s_beta + ((hidden + 7) & ~7));   // [MAX_GROUPS][blockDim.x]
+  // -- STAGED: cp.async of row r's whole 16-byte groups into this thread's slots
   auto prefetch_row = [&](int64_t r) {
     if (r < rows) {
       const elem_t* src = input + r * in_s;
@@ -209,7 +209,7 @@ __device__ __forceinline__ void layernorm_rows(const elem_t* input, const float*
     const int64_t row = row0 + sub;
     const bool live = row < rows;
     const elem_t* x_row = input + row * in_s;
-    // -- issue the loads of the row (PIPE: take the prefetched groups from the slots)
+    // -- issue the loads of the row (STAGED: take the prefetched groups from the slots)
     uint32_t xb[MAX_GROUPS][4];
     if (pipe) cp_async_wait<0>();
 #pragma unroll
@@ -309,17 +309,11 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) cuattn_layernorm(
   layernorm_rows<false>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
 }
 
-// The staged form: blocks of up to STAGED_THREADS, 2 resident an SM at least (registers capped at 64).
-extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm_staged(
-    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
-    int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
-  layernorm_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
-}
-
-// The pipelined staged form (see layernorm_rows): dynamic shared memory gamma, beta, then the slots.
+// The staged, pipelined form (see layernorm_rows): blocks of up to STAGED_THREADS, 2 resident an SM at least
+// (registers capped at 64); dynamic shared memory gamma, beta, then the slots.
 extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm_pipe(
     const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
     int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
-  layernorm_rows<true, true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
+  layernorm_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
 }
 

@@ -121,18 +121,17 @@ def test_shipped_activation_kernels_compile_without_spills(arch):
         resources = jit.compile_kernel(spec, arch).resources
         for entry, r in resources.items():
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
-        rows_entries = {f"{e}_rows{s}" for e in activation._ENTRIES.values() for s in ("1", "1cs", "2")}
-        assert set(resources) >= rows_entries or not resources
-        # the rows form's one-group entries keep FlashInfer's occupancy (2048 threads an SM)
-        assert all(r["registers"] <= 32 for e, r in resources.items() if e.endswith("_rows1")), resources
+        assert set(resources) == set(activation._ENTRIES.values()) or not resources
+        # FlashInfer's occupancy: 2048 threads an SM
+        assert all(r["registers"] <= 32 for r in resources.values()), resources
 
 
-def test_rows_geometry_covers_every_output_once():
+def test_geometry_covers_every_output_once():
     for d in (1, 8, 100, 4096, 4099, 8192, 14336, 16384, 65536):
-        for gpt in (1, 2):
-            threads, chunks = activation.rows_geometry(d, gpt)
-            assert threads % 32 == 0 and 32 <= threads <= 1024
-            assert chunks * gpt * threads * 8 >= d > (chunks - 1) * gpt * threads * 8
+        threads, chunks = activation.geometry(d)
+        assert threads % 32 == 0 and 32 <= threads <= 1024
+        assert chunks * threads * 8 >= d > (chunks - 1) * threads * 8
+        assert chunks == 1 or threads == 1024              # one block a row up to d = 8192
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -178,17 +177,14 @@ def test_act_and_mul_gpu_of_zero_rows_launches_nothing():
     assert activation.silu_and_mul(cupy.empty((0, 2 * 4099), cupy.float16)).shape == (0, 4099)
 
 
-# every launch form of activation._FORM (the A/B switch), at serving sizes, a non-multiple of 8 and two
-# chunks a row (14336, 16384: more than 1024 threads' worth of groups)
-FORM_SIZES = [4096, 8192, 16384, 14336, 4099]
+# serving sizes, a non-multiple of 8 and two chunks a row (14336, 16384: more than 1024 threads' worth of groups)
+SERVING_SIZES = [4096, 8192, 16384, 14336, 4099]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", activation._FORMS)
-@pytest.mark.parametrize("d", FORM_SIZES)
+@pytest.mark.parametrize("d", SERVING_SIZES)
 @pytest.mark.parametrize("act", list(OPS))
-def test_act_and_mul_gpu_every_form_matches_float64_formula(act, d, form, monkeypatch):
-    monkeypatch.setattr(activation, "_FORM", form)
+def test_act_and_mul_gpu_serving_sizes_match_float64_formula(act, d):
     dtype = BF16 if d % 2 == 0 else np.dtype(np.float16)
     x = randn(np.random.default_rng(d + 7), (19, 2 * d), dtype)
     out = nan_like((19, d), dtype)
@@ -197,9 +193,7 @@ def test_act_and_mul_gpu_every_form_matches_float64_formula(act, d, form, monkey
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", activation._FORMS)
-def test_act_and_mul_gpu_every_form_misaligned_and_strided_rows(form, monkeypatch):
-    monkeypatch.setattr(activation, "_FORM", form)
+def test_act_and_mul_gpu_misaligned_and_strided_rows_both_dtypes():
     rng = np.random.default_rng(9)
     for dtype in DTYPES:
         big = to_gpu(randn(rng, (9, 2 * 4099 + 3), dtype))
@@ -213,9 +207,3 @@ def test_act_and_mul_gpu_every_form_misaligned_and_strided_rows(form, monkeypatc
         activation.silu_and_mul(x, out=out)
         assert_close(from_gpu(out, dtype), act_and_mul64("silu", from_gpu(x, dtype)), dtype)
 
-
-@pytest.mark.gpu
-def test_act_and_mul_gpu_refuses_an_unknown_form(monkeypatch):
-    monkeypatch.setattr(activation, "_FORM", "bogus")
-    with pytest.raises(ValueError, match="activation._FORM must be one of"):
-        activation.silu_and_mul(to_gpu(np.ones((2, 16), np.float16)))

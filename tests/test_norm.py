@@ -133,18 +133,24 @@ def test_norms_of_zero_rows_return_empty_results():
     assert norm.layernorm(x, np.ones(4099, np.float32), np.zeros(4099, np.float32)).shape == (0, 4099)
 
 
-def test_fused_add_spec_follows_the_form_and_the_row_limits(monkeypatch):
-    big = norm._LATENCY_ELEMENTS // 4096 + 1
-    for form, hidden, groups in [("old", 4096, 4), ("g1", 4096, 1), ("g1", 8192, 1), ("g1", 16384, 4),
-                                 ("g2", 16384, 2), ("g2", 32768, 4)]:
-        monkeypatch.setattr(norm, "_FUSED_ADD_FORM", form)
+def test_fused_add_spec_follows_the_call_size_and_the_row_limits():
+    for hidden, groups in [(4096, 1), (4099, 1), (8192, 1), (8200, 4), (16384, 4), (32768, 4)]:
+        big = norm._LATENCY_ELEMENTS // hidden + 1
         spec = norm.fused_add_spec("bf16", hidden, big)
         assert spec.max_groups == groups and spec.max_hidden >= hidden
         assert spec.threads(hidden, big) * 8 * spec.max_groups >= hidden
-        assert norm.fused_add_spec("bf16", hidden, 1).max_groups == 4      # small calls: unchanged
-    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", "bogus")
-    with pytest.raises(ValueError, match="_FUSED_ADD_FORM"):
-        norm.fused_add_spec("bf16", 4096, big)
+        assert norm.fused_add_spec("bf16", hidden, 1).max_groups == 4      # small calls: max_groups 4
+
+
+def test_layernorm_geometry_picks_the_entry_from_the_call_size():
+    spec = norm.NormSpec("bf16")
+    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 0)        # small: a row a block
+    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1)     # hidden > 8192
+    for hidden in (4096, 4099, 8192):
+        rows = norm._LATENCY_ELEMENTS // hidden + 1
+        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        assert entry == "cuattn_layernorm_pipe" and smem == norm._pipe_smem(spec)
+        assert threads * 8 * spec.max_groups >= hidden and threads * per_block <= norm._LAYERNORM_BLOCK
 
 
 def test_norms_reject_bad_inputs_naming_the_argument():
@@ -216,12 +222,11 @@ def test_layernorm_rejects_bad_inputs_naming_the_argument():
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
 def test_shipped_norm_kernels_compile_without_spills(arch):
-    # + max_groups 2: fused_add_rmsnorm's "g2" form (A/B only, not shipped)
-    for spec in norm.shipped_specs() + [norm.NormSpec(d, 2) for d in norm._DTYPES]:
+    for spec in norm.shipped_specs():
         resources = jit.compile_kernel(spec, arch).resources
-        assert set(resources) >= {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
-                                  "cuattn_layernorm_staged", "cuattn_layernorm_pipe"} or not resources
-        if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # "g1" keeps 2048 threads an SM
+        assert set(resources) == {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
+                                  "cuattn_layernorm_pipe"} or not resources
+        if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # keeps 2048 threads an SM
             assert resources["cuattn_fused_add_rmsnorm"]["registers"] <= 32, resources
         for entry, r in resources.items():
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
@@ -306,9 +311,9 @@ def test_layernorm_gpu_matches_float64_formula(dtype, hidden, mode):
     assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
 
 
-# (rows, hidden, row stride): the staged layernorm (gamma and beta in shared memory, several rows a
-# block, blocks looping over row tiles): 64 KB of shared memory (8192, 7000: the raised limit, twice),
-# exactly 48 KB (6144), a last tile part empty (odd rows), rows of a stride that is no multiple of 8
+# (rows, hidden, row stride): the staged, pipelined layernorm (cuattn_layernorm_pipe: gamma and beta in shared
+# memory, several rows a block, blocks looping over row tiles, the next tile's rows prefetched) at hidden 8192,
+# 7000 and 6144 (gamma and beta of 64, 56 and 48 KB), a last tile part empty (odd rows), rows of a stride that is no multiple of 8
 # (2-byte accesses), and hidden 16384 (a row a block, gamma and beta from L2)
 STAGED = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024, 1024), (301, 4100, 4103),
           (131, 16384, 16384)]
@@ -324,11 +329,9 @@ def poison_pool(nbytes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", norm._LAYERNORM_FORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form, monkeypatch):
+def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
     import cupy
-    monkeypatch.setattr(norm, "_LAYERNORM_FORM", form)
     # + blocks that loop over several tiles at the serving sizes (an H100 holds 1056 rows of 4096 a wave)
     for rows, hidden, stride in STAGED + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
         assert (rows * hidden > norm._LATENCY_ELEMENTS) and (stride >= hidden)
@@ -353,17 +356,15 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form, monkeypat
     assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
 
 
-# fused_add_rmsnorm's launch forms (norm._FUSED_ADD_FORM, the A/B switch) at large calls: the serving sizes,
-# a non-multiple of 8, and rows past a form's limit (16384 > g1's 8192, 32768 > g2's 16384: the old spec runs)
-FUSED_FORM_HIDDEN = [4096, 8192, 16384, 4099, 32768]
+# fused_add_rmsnorm at large calls: the serving sizes and a non-multiple of 8 (max_groups 1, a thread per 8
+# elements), rows past 8192 (16384, 32768: max_groups 4)
+FUSED_LARGE_HIDDEN = [4096, 8192, 16384, 4099, 32768]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", norm._FUSED_ADD_FORMS)
-@pytest.mark.parametrize("hidden", FUSED_FORM_HIDDEN)
+@pytest.mark.parametrize("hidden", FUSED_LARGE_HIDDEN)
 @pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
-def test_fused_add_rmsnorm_gpu_every_form_updates_residual_and_input(gemma, hidden, form, monkeypatch):
-    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", form)
+def test_fused_add_rmsnorm_gpu_large_calls_update_residual_and_input(gemma, hidden):
     dtype = BF16 if hidden % 2 == 0 else np.dtype(np.float16)
     rng = np.random.default_rng(hidden + 15)
     rows = rows_for("throughput", hidden)
@@ -379,18 +380,6 @@ def test_fused_add_rmsnorm_gpu_every_form_updates_residual_and_input(gemma, hidd
     # the residual is the float32 sum rounded once, bit for bit as the NumPy path
     (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, r, w, 1e-6)
     np.testing.assert_array_equal(from_gpu(dr, dtype).view(np.uint16), r.view(np.uint16))
-
-
-@pytest.mark.gpu
-def test_norm_forms_refuse_unknown_names(monkeypatch):
-    import cupy
-    x, w = to_gpu(np.ones((3, 64), np.float16)), to_gpu(np.ones(64, np.float16))
-    monkeypatch.setattr(norm, "_FUSED_ADD_FORM", "bogus")
-    with pytest.raises(ValueError, match="norm._FUSED_ADD_FORM must be one of"):
-        norm.fused_add_rmsnorm(x, to_gpu(np.ones((3, 64), np.float16)), w)
-    monkeypatch.setattr(norm, "_LAYERNORM_FORM", "bogus")
-    with pytest.raises(ValueError, match="norm._LAYERNORM_FORM must be one of"):
-        norm.layernorm(x, cupy.ones(64, cupy.float32), cupy.ones(64, cupy.float32))
 
 
 @pytest.mark.gpu
