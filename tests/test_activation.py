@@ -178,7 +178,8 @@ def test_act_and_mul_gpu_of_zero_rows_launches_nothing():
 
 
 # serving sizes, a non-multiple of 8 and two chunks a row (14336, 16384: more than 1024 threads' worth of groups)
-SERVING_SIZES = [4096, 8192, 16384, 14336, 4099]
+SERVING_SIZES = [4096, pytest.param(8192, marks=pytest.mark.slow), pytest.param(16384, marks=pytest.mark.slow),
+                 pytest.param(14336, marks=pytest.mark.slow), 4099]   # (slow: the same kernel paths as 4096)
 
 
 @pytest.mark.gpu
