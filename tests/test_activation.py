@@ -138,7 +138,7 @@ def test_geometry_covers_every_output_once():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", SIZES + [14336])
+@pytest.mark.parametrize("d", SIZES + [pytest.param(14336, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("act", list(OPS))
 def test_act_and_mul_gpu_matches_float64_formula(act, dtype, d):
