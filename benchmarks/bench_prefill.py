@@ -538,6 +538,15 @@ def sweep_variants(args, hq, hkv, mm):
     return sweep
 
 
+def _peer_cols(r, tag, ours):
+    """FlashInfer fa2 / fa3 columns of a table row: its GPU µs and its time over ``ours`` ('-' where absent)."""
+    cols = ""
+    for b in ("fa2", "fa3"):
+        fi = r.get(f"flashinfer_{b}{tag}_gpu_us")
+        cols += f"{fi:9.1f}{fi / ours:7.2f}" if fi else f"{'-':>9}{'-':>7}"
+    return cols
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="*", default=["1x1024", "1x4096", "1x16384", "8x2048"])
@@ -643,10 +652,7 @@ def main():
         for r in chunked:
             g, g3 = r["paged_gpu_us"], r.get("fa3_gpu_us")
             ct = f"{g3:10.1f}{g3 / g:7.2f}" if g3 else f"{'-':>10}{'-':>7}"
-            peers = ""
-            for b in ("fa2", "fa3"):
-                fi = r.get(f"flashinfer_{b}_gpu_us")
-                peers += f"{fi:9.1f}{fi / g:7.2f}" if fi else f"{'-':>9}{'-':>7}"
+            peers = _peer_cols(r, "", g)
             print(f"{r['dtype'][:4] + ' hd' + str(r['head_dim']) + ' ' + str(r['chunk']) + ' x ' + str(r['prefix']):<30}"
                   f"{r['backend']:>8}{g:10.1f}{r['paged_gpu_tflops']:6.0f}{ct}{peers}")
         print("chunked = one request, --chunk new queries over a cached prefix (kv_len = prefix + chunk, causal "
@@ -686,10 +692,7 @@ def main():
             case = (f"{r['fp8']} {r.get('paged_fp8_backend', '')} hd{r['head_dim']} {r['batch']}x{r['qo_len']}"
                     f"{' c' if r['causal'] else ''}")
             g8 = r["paged_fp8_gpu_us"]
-            peers = ""
-            for b in ("fa2", "fa3"):
-                fi = r.get(f"flashinfer_{b}_fp8_gpu_us")
-                peers += f"{fi:9.1f}{fi / g8:7.2f}" if fi else f"{'-':>9}{'-':>7}"
+            peers = _peer_cols(r, "_fp8", g8)
             print(f"{case:<26}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
                   f"{r['paged_fp8_speed_vs_fp16']:7.2f}{peers}")
         print("fp8 = cuattn paged prefill over an fp8 cache (per-kv-head scales; backend named in the case: 'auto' "

@@ -19,8 +19,8 @@
 // rows with cp.async (once), then per K/V tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16
 // k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
 // scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
-// from smem read N-major through the descriptor). setmaxnreg moves registers from the producer (40)
-// to the consumers (232): S takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at
+// from smem read N-major through the descriptor). setmaxnreg moves registers from the producer (40; 56
+// or 88 with an unrolled gather or key transforms: PRODUCER_REGS) to the consumers (232 / 224 / 208): S takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at
 // D_VO 256).
 // Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup

@@ -281,8 +281,12 @@ def test_rmsnorm_gpu_strided_heads_and_misaligned_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
 def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden, mode):
-    rng = np.random.default_rng(hidden + 12)
-    rows = rows_for(mode, hidden)
+    check_fused_add_gpu(gemma, dtype, rows_for(mode, hidden), hidden, np.random.default_rng(hidden + 12))
+
+
+def check_fused_add_gpu(gemma, dtype, rows, hidden, rng):
+    """(gemma_)fused_add_rmsnorm on the GPU: residual and input against float64, and the residual bit for bit
+    as the NumPy path computes it (one rounding of the float32 sum)."""
     x = randn(rng, (rows, hidden), dtype)
     r = randn(rng, (rows, hidden), dtype, scale=2.0, shift=0.5)
     w = randn(rng, (hidden,), dtype)
@@ -292,8 +296,7 @@ def test_fused_add_rmsnorm_gpu_updates_residual_and_input(gemma, dtype, hidden, 
     assert op(dx, dr, to_gpu(w), 1e-6) is None
     assert_close(from_gpu(dr, dtype), total, dtype)
     assert_close(from_gpu(dx, dtype), rmsnorm64(total, w, 1e-6, 1.0 if gemma else 0.0), dtype)
-    # the NumPy path computes the same residual exactly (one rounding of the float32 sum)
-    norm.fused_add_rmsnorm(x, r, w, 1e-6) if not gemma else norm.gemma_fused_add_rmsnorm(x, r, w, 1e-6)
+    op(x, r, w, 1e-6)
     np.testing.assert_array_equal(from_gpu(dr, dtype).view(np.uint16), r.view(np.uint16))
 
 
@@ -367,20 +370,7 @@ FUSED_LARGE_HIDDEN = [4096, pytest.param(8192, marks=pytest.mark.slow), pytest.p
 @pytest.mark.parametrize("gemma", [False, True], ids=["fused", "gemma_fused"])
 def test_fused_add_rmsnorm_gpu_large_calls_update_residual_and_input(gemma, hidden):
     dtype = BF16 if hidden % 2 == 0 else np.dtype(np.float16)
-    rng = np.random.default_rng(hidden + 15)
-    rows = rows_for("throughput", hidden)
-    x = randn(rng, (rows, hidden), dtype)
-    r = randn(rng, (rows, hidden), dtype, scale=2.0, shift=0.5)
-    w = randn(rng, (hidden,), dtype)
-    total = x.astype(np.float64) + r.astype(np.float64)
-    dx, dr = to_gpu(x), to_gpu(r)
-    op = norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm
-    assert op(dx, dr, to_gpu(w), 1e-6) is None
-    assert_close(from_gpu(dr, dtype), total, dtype)
-    assert_close(from_gpu(dx, dtype), rmsnorm64(total, w, 1e-6, 1.0 if gemma else 0.0), dtype)
-    # the residual is the float32 sum rounded once, bit for bit as the NumPy path
-    (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, r, w, 1e-6)
-    np.testing.assert_array_equal(from_gpu(dr, dtype).view(np.uint16), r.view(np.uint16))
+    check_fused_add_gpu(gemma, dtype, rows_for("throughput", hidden), hidden, np.random.default_rng(hidden + 15))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,100 @@
+"""A/B of cuattn's Hopper prefill kernel (prefill_sm90.cu) under compile-time tunings (-D defines such as
+PINGPONG=0, GATHER_UNROLL=1, MASK_SPLIT=0), every tuning's kernel timed interleaved in one process.
+
+Each case is planned once per tuning on its own wrapper (backend "fa3"; the tuning goes into the spec, so
+each gets its own specialization) and timed GPU-alone (bench_prefill.gpu_us: a matmul queued before each
+timed call keeps host time out of the events), median of 8 calls, in --rounds rounds; the report gives the
+median over rounds, TFLOP/s and the time over the first tuning's. 32:8 heads, head_dim 128, fp16, page 16
+in random order. Cases: KIND:BxN[:c] with KIND contig (ragged), paged, fp8 (e4m3 pages, scales 0.5 / 0.25),
+softcap / alibi (contiguous, with the variant); ":c" = causal. sm_90 only.
+
+    python benchmarks/bench_fa3_tuning.py --tunings "" PINGPONG=0 --cases contig:1x16384 paged:8x2048:c [--rounds 3]
+
+(session 12's A/B logs, benchmarks/results/prefill_fa3_ab_H100_2026-11-25_session12_*.log, came from this
+script before it had a command line: its first tuning was the default "" and the second the named one.)
+"""
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cupy as cp  # noqa: E402
+
+import cuattn  # noqa: E402
+from bench_prefill import flops, gpu_us, rand  # noqa: E402
+from cuattn import prefill_sm90  # noqa: E402
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+
+
+def make_call(kind, b, n, causal):
+    """A call of case (kind, b x n, causal) on a fresh wrapper, planned now (with the current tuning)."""
+    nnz = b * n
+    q = rand((nnz, HQ, D), "float16")
+    indptr = np.arange(b + 1, dtype=np.int32) * n
+    out = cp.empty_like(q)
+    if kind in ("contig", "softcap", "alibi"):
+        k, v = rand((nnz, HKV, D), "float16"), rand((nnz, HKV, D), "float16")
+        opts = dict(softcap=dict(logits_soft_cap=30.0), alibi=dict(pos_encoding_mode="ALIBI")).get(kind, {})
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+        w.plan(indptr, indptr, HQ, HKV, D, causal=causal, q_data_type="float16", **opts)
+        return lambda: w.run(q, k, v, out=out)
+    pages = -(-n // PS)
+    perm = np.random.default_rng(0).permutation(b * pages).astype(np.int32)
+    last = np.full(b, n - (pages - 1) * PS, np.int32)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    if kind == "fp8":
+        cache = cp.random.randint(0, 256, (b * pages, 2, PS, HKV, D), dtype=cp.int32).astype(cp.uint8) & 0xB7
+        w.plan(indptr, np.arange(b + 1, dtype=np.int32) * pages, perm, last, HQ, HKV, D, PS, causal=causal,
+               q_data_type="float16", kv_data_type="float8_e4m3fn")
+        return lambda: w.run(q, cache, out=out, k_scale=0.5, v_scale=0.25)
+    if kind != "paged":
+        raise SystemExit(f"unknown case kind {kind!r} (contig, paged, fp8, softcap, alibi)")
+    cache = rand((b * pages, 2, PS, HKV, D), "float16")
+    w.plan(indptr, np.arange(b + 1, dtype=np.int32) * pages, perm, last, HQ, HKV, D, PS, causal=causal,
+           q_data_type="float16")
+    return lambda: w.run(q, cache, out=out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tunings", nargs="+", default=["", "PINGPONG=0"],
+                    help='each a comma-separated list of defines ("" = the shipped kernel); ratios are to the first')
+    ap.add_argument("--cases", nargs="+", default=["contig:1x16384:c", "paged:1x16384:c", "paged:8x2048"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    tunings = [tuple(t.split(",")) if t else () for t in args.tunings]
+    current = []
+    made = prefill_sm90.make_spec
+    prefill_sm90.make_spec = lambda *a, **kw: dataclasses.replace(made(*a, **kw), tuning=tuple(current))
+    calls = {}
+    for case in args.cases:
+        kind, shape, *c = case.split(":")
+        b, n = map(int, shape.split("x"))
+        for tun in tunings:
+            current[:] = tun
+            fn = make_call(kind, b, n, bool(c))
+            fn()                                   # the wrapper's first run fixes its kernel (this tuning)
+            cp.cuda.Device().synchronize()
+            calls[(case, tun)] = (fn, flops(b, n, n, HQ, D, bool(c)))
+    times = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, (fn, _) in calls.items():
+            times[key].append(gpu_us(fn, 8))
+    print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, 32:8, hd128, fp16, page {PS}, GPU alone")
+    for case in args.cases:
+        base = statistics.median(times[(case, tunings[0])])
+        for tun in tunings:
+            t = times[(case, tun)]
+            m = statistics.median(t)
+            print(f"{case:<22} {','.join(tun) or 'default':<30} {m:9.1f} us {calls[(case, tun)][1] / m / 1e6:6.0f} TF/s"
+                  f"  x{m / base:.3f}  rounds {[round(x) for x in t]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
