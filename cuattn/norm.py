@@ -35,7 +35,12 @@ _LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's 
 # fused_add_rmsnorm's large calls (rows * hidden above _LATENCY_ELEMENTS) with hidden <= 8192 run NormSpec
 # max_groups 1 (32 registers, a thread per 8 elements: FlashInfer's geometry, 512 threads and 4 rows an SM at
 # hidden 4096); the others max_groups 4. Session 12's H100 A/B of these launch forms (and layernorm's, and the
-# activations'): benchmarks/results/ops_notes_session12.md.
+# activations'): benchmarks/results/ops_notes_session12.md. Of those large max_groups 1 calls, the ones with
+# 16-byte accesses run the register-pipelined form (cuattn_fused_add_rmsnorm_regs: blocks of one wave looping
+# over rows, two rows in flight), except bf16 rows over _REGS_BF16_HIDDEN, where the one-row-a-block form was
+# 1.5% faster (session 13's H100 A/B, benchmarks/results/ops_notes_session13.md: fp16 4096 / 8192 5% / 9%
+# faster, bf16 4096 1.4%).
+_REGS_BF16_HIDDEN = 4096
 
 
 def _pipe_smem(spec) -> int:
@@ -287,10 +292,17 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
     rows, hidden = tx.shape
     if rows:
         spec = fused_add_spec(arrays.SHORT_NAME[dtype], hidden, rows)
+        vec, threads, pdl = _aligned((tx, tr, tw)), spec.threads(hidden, rows), jit.pdl_launch(ctx.device, enable_pdl)
+        if spec.max_groups == 1 and vec and not (dtype == arrays.bfloat16 and hidden > _REGS_BF16_HIDDEN):
+            entry = "cuattn_fused_add_rmsnorm_regs"
+            launch = jit.get_launcher(spec, entry, ctx.device, "ppp" "ii" "qq" "ff")
+            grid = min(rows, _resident_blocks(spec, entry, ctx.device, threads, 0))
+            launch((grid,), threads, ctx.stream, tx.ptr, tr.ptr, tw.ptr, rows, hidden, tx.strides[0], tr.strides[0],
+                   float(weight_bias), float(eps), pdl=pdl)
+            return None
         launch = jit.get_launcher(spec, "cuattn_fused_add_rmsnorm", ctx.device, "ppp" "i" "qq" "ff" "i")
-        launch((rows,), spec.threads(hidden, rows), ctx.stream, tx.ptr, tr.ptr, tw.ptr, hidden, tx.strides[0],
-               tr.strides[0], float(weight_bias), float(eps), _aligned((tx, tr, tw)),
-               pdl=jit.pdl_launch(ctx.device, enable_pdl))
+        launch((rows,), threads, ctx.stream, tx.ptr, tr.ptr, tw.ptr, hidden, tx.strides[0],
+               tr.strides[0], float(weight_bias), float(eps), vec, pdl=pdl)
     return None
 
 

@@ -6,9 +6,10 @@
 // Grid (rows); block T = NormSpec.threads(hidden, rows), a multiple of 32 up to MAX_THREADS with
 // 8 * MAX_GROUPS * T >= hidden: for small calls a thread per 8 elements (the shortest dependent chain),
 // for large ones the fewest warps (each thread keeps up to MAX_GROUPS 16-byte loads in flight).
-// One block per row: every load of the row (and of the weight, for rmsnorm) is issued before the first
-// use, a block reduction gives the row's sum of squares in fp32 (layernorm: its mean, then its variance
-// about it), then the row is scaled from registers and written.
+// One block per row (except cuattn_fused_add_rmsnorm_regs, at the end: blocks looping over rows): every
+// load of the row (and of the weight, for rmsnorm) is issued before the first use, a block reduction
+// gives the row's sum of squares in fp32 (layernorm: its mean, then its variance about it), then the row
+// is scaled from registers and written.
 // vec != 0 (the launcher checked 16-byte aligned bases and row strides that are multiples of 8
 // elements): 16-byte loads and stores, a scalar tail when hidden % 8 != 0; vec == 0: coalesced 2-byte
 // accesses (rows of odd length or misaligned starts). See common/row_io.cuh.
@@ -317,3 +318,70 @@ extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm
   layernorm_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
 }
 
+// Compiled in the MAX_GROUPS 1 spec only (more groups spill under the 64-register cap).
+#if MAX_GROUPS == 1
+// Fused residual add and RMSNorm, the register-pipelined form (large calls, hidden <= 8 * MAX_THREADS,
+// 16-byte accesses; norm.py runs it with MAX_GROUPS 1, a thread per 8 elements): a block of T threads serves
+// rows blockIdx.x, blockIdx.x + gridDim.x, ... (a grid of one wave) with the weight (plus weight_bias) in
+// registers and FA_DEPTH rows of input and residual in flight: a row's slot is refilled with the row FA_DEPTH
+// steps ahead as soon as its values are unpacked (the loop over d is unrolled: static slot indices, the slots
+// stay registers). One block reduction a row: the warps' partials alternate between two buffers, so one
+// barrier a row suffices. Without the 32-register cap of the one-row-a-block form (fp16 keeps 41 there).
+#ifndef FA_DEPTH
+#define FA_DEPTH 2
+#endif
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) cuattn_fused_add_rmsnorm_regs(
+    elem_t* __restrict__ input, elem_t* __restrict__ residual, const elem_t* __restrict__ weight, int rows,
+    int hidden, int64_t in_s, int64_t res_s, float weight_bias, float eps) {
+  static_assert(FA_DEPTH % 2 == 0, "the reduction buffer alternates with the row");
+  __shared__ float red[2][32];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t stride = gridDim.x;
+  uint32_t ib[FA_DEPTH][4], rb[FA_DEPTH][4];
+  wait_prior_grids();
+#pragma unroll
+  for (int d = 0; d < FA_DEPTH; ++d) {
+    const int64_t r = blockIdx.x + d * stride;
+    if (r < rows) {
+      load_bits(input + r * in_s, hidden, 0, true, ib[d]);
+      load_bits(residual + r * res_s, hidden, 0, true, rb[d]);
+    }
+  }
+  float w[GROUP];
+  load_group(weight, hidden, 0, true, w);
+#pragma unroll
+  for (int k = 0; k < GROUP; ++k) w[k] += weight_bias;
+  for (int64_t row0 = blockIdx.x; row0 < rows; row0 += FA_DEPTH * stride) {
+#pragma unroll
+    for (int d = 0; d < FA_DEPTH; ++d) {
+      const int64_t row = row0 + d * stride;
+      if (row >= rows) break;                    // the same in every thread of the block
+      float x[GROUP], r[GROUP];
+      unpack_group<elem_t>(ib[d], x);
+      unpack_group<elem_t>(rb[d], r);
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) {
+        x[k] += r[k];
+        sum_sq += x[k] * x[k];
+      }
+      const int64_t ahead = row + FA_DEPTH * stride;
+      if (ahead < rows) {
+        load_bits(input + ahead * in_s, hidden, 0, true, ib[d]);
+        load_bits(residual + ahead * res_s, hidden, 0, true, rb[d]);
+      }
+      store_group(residual + row * res_s, hidden, 0, true, x);
+      sum_sq = warp_sum(sum_sq);
+      if (lane == 0) red[d & 1][threadIdx.x >> 5] = sum_sq;
+      __syncthreads();
+      sum_sq = 0.f;
+      for (int i = 0; i < warps; ++i) sum_sq += red[d & 1][i];
+      const float inv_rms = rsqrtf(sum_sq / float(hidden) + eps);
+      if (row + stride >= rows) allow_next_grid();
+#pragma unroll
+      for (int k = 0; k < GROUP; ++k) x[k] *= inv_rms * w[k];
+      store_group(input + row * in_s, hidden, 0, true, x);
+    }
+  }
+}
+#endif  // MAX_GROUPS == 1

@@ -225,7 +225,8 @@ def test_shipped_norm_kernels_compile_without_spills(arch):
     for spec in norm.shipped_specs():
         resources = jit.compile_kernel(spec, arch).resources
         assert set(resources) == {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
-                                  "cuattn_layernorm_pipe"} or not resources
+                                  "cuattn_layernorm_pipe"} | ({"cuattn_fused_add_rmsnorm_regs"} if spec.max_groups == 1
+                                                              else set()) or not resources
         if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # keeps 2048 threads an SM
             assert resources["cuattn_fused_add_rmsnorm"]["registers"] <= 32, resources
         for entry, r in resources.items():
@@ -363,6 +364,16 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
 # elements), rows past 8192 (16384, 32768: max_groups 4)
 FUSED_LARGE_HIDDEN = [4096, pytest.param(8192, marks=pytest.mark.slow), pytest.param(16384, marks=pytest.mark.slow),
                       4099, 32768]          # (slow: same paths as 4096 / 32768; keeps pytest -m gpu within 5 min)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, hidden, dtype", [(2111, 4096, BF16), (1501, 8192, np.dtype(np.float16)),
+                                                 (1333, 4000, BF16)])
+def test_fused_add_rmsnorm_gpu_persistent_blocks_loop_over_rows(rows, hidden, dtype):
+    """The register-pipelined form (cuattn_fused_add_rmsnorm_regs): blocks of one wave loop over several rows
+    each, two rows in flight, a last round part empty; 4000: a thread past the row's end."""
+    assert norm.fused_add_spec("bf16", hidden, rows).max_groups == 1
+    check_fused_add_gpu(False, dtype, rows, hidden, np.random.default_rng(rows))
 
 
 @pytest.mark.gpu

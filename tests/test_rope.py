@@ -490,13 +490,14 @@ def test_gpu_ragged_search_over_many_requests_and_single_tokens(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox):
+@pytest.mark.parametrize("nnz", [33, 9000])      # 9000: every warp loops over tokens (positions read ahead)
+def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz):
     import cupy as cp
     hq, hk, hs, rot = 8, 2, 128, 64
-    q, k = qk(33, hq, hk, hs, np.float16, seed=15)
+    q, k = qk(nnz, hq, hk, hs, np.float16, seed=15)
     cache = vllm_cache(2048, rot)
-    positions = np.random.default_rng(15).integers(0, 2048, 33)
-    query, key = q.reshape(33, -1), k.reshape(33, -1)
+    positions = np.random.default_rng(15).integers(0, 2048, nnz)
+    query, key = q.reshape(nnz, -1), k.reshape(nnz, -1)
     ref = rope.apply_rope_with_cos_sin_cache(positions, query, key, hs, cache, is_neox=is_neox)
     dq, dk = cp.asarray(query), cp.asarray(key)
     out = rope.apply_rope_with_cos_sin_cache(cp.asarray(positions), dq, dk, hs, cp.asarray(cache), is_neox=is_neox)
@@ -505,14 +506,15 @@ def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox):
         assert_close_gpu(cp.asnumpy(got), want.astype(np.float64), np.dtype(np.float16))
     rope.apply_rope_with_cos_sin_cache_inplace(cp.asarray(positions), dq, dk, hs, cp.asarray(cache), is_neox=is_neox)
     assert cp.array_equal(dq, out[0]) and cp.array_equal(dk, out[1])
-    # a position past the cache (not checked on the GPU) gives NaN for that token, and nothing else
+    # positions outside the cache (not checked on the GPU) give NaN for those tokens, and nothing else
     bad = positions.copy()
-    bad[4] = 2048
+    worse = [4, nnz - 1] + ([nnz // 2, nnz // 2 + 1] if nnz > 100 else [])
+    bad[worse] = [2048, -1] + ([1 << 40, -(1 << 40)] if nnz > 100 else [])
     q_bad, _ = rope.apply_rope_with_cos_sin_cache(cp.asarray(bad), cp.asarray(query), cp.asarray(key), hs,
                                                   cp.asarray(cache), is_neox=is_neox)
-    q_bad = cp.asnumpy(q_bad).reshape(33, hq, hs)
-    assert np.all(np.isnan(q_bad[4, :, :rot])) and np.array_equal(q_bad[4, :, rot:], q[4, :, rot:])
-    assert np.all(np.isfinite(np.delete(q_bad, 4, axis=0)))
+    q_bad = cp.asnumpy(q_bad).reshape(nnz, hq, hs)
+    assert np.all(np.isnan(q_bad[worse, :, :rot])) and np.array_equal(q_bad[worse, :, rot:], q[worse, :, rot:])
+    assert np.all(np.isfinite(np.delete(q_bad, worse, axis=0)))
 
 
 @pytest.mark.gpu
