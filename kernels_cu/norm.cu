@@ -384,4 +384,90 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) cuattn_fused_add_rm
     }
   }
 }
+// EXPERIMENT (session 13, rejected: 14-25% slower than cuattn_layernorm_pipe on an H100; reverted in the next
+// commit): layernorm with gamma and beta in registers, blocks of one wave looping over rows, LN_DEPTH rows of
+// raw bits in flight a block (the loop over d unrolled: static slot indices), 16-byte accesses only.
+#ifndef LN_DEPTH
+#define LN_DEPTH 4
+#endif
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) cuattn_layernorm_regs(
+    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
+    int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec_unused) {
+  constexpr bool vec = true;
+  __shared__ float red[2][32];
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int groups = groups_of(hidden);
+  const int64_t stride = gridDim.x;
+  uint32_t xb[LN_DEPTH][MAX_GROUPS][4];
+  wait_prior_grids();
+#pragma unroll
+  for (int d = 0; d < LN_DEPTH; ++d) {
+    const int64_t r = blockIdx.x + d * stride;
+#pragma unroll
+    for (int g = 0; g < MAX_GROUPS; ++g)
+      if (g < groups && r < rows) load_bits(input + r * in_s, hidden, g, vec, xb[d][g]);
+  }
+  float gm[MAX_GROUPS][GROUP], bt[MAX_GROUPS][GROUP];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUPS; ++g) {
+    if (g < groups) {
+      load_group(gamma, hidden, g, vec, gm[g]);
+      load_group(beta, hidden, g, vec, bt[g]);
+    }
+  }
+  for (int64_t row0 = blockIdx.x; row0 < rows; row0 += LN_DEPTH * stride) {
+#pragma unroll
+    for (int d = 0; d < LN_DEPTH; ++d) {
+      const int64_t row = row0 + d * stride;
+      if (row >= rows) break;
+      float x[MAX_GROUPS][GROUP];
+      float sum = 0.f;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUPS; ++g) {
+        if (g < groups) {
+          unpack_group<elem_t>(xb[d][g], x[g]);
+#pragma unroll
+          for (int k = 0; k < GROUP; ++k) sum += x[g][k];
+        }
+      }
+      const int64_t ahead = row + LN_DEPTH * stride;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUPS; ++g)
+        if (g < groups && ahead < rows) load_bits(input + ahead * in_s, hidden, g, vec, xb[d][g]);
+      sum = warp_sum(sum);
+      if (lane == 0) red[0][threadIdx.x >> 5] = sum;
+      __syncthreads();
+      sum = 0.f;
+      for (int w = 0; w < warps; ++w) sum += red[0][w];
+      const float mean = sum / float(hidden);
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUPS; ++g) {
+        if (g < groups) {
+#pragma unroll
+          for (int k = 0; k < GROUP; ++k) {
+            const float dx = group_elem(g, k, vec) < hidden ? x[g][k] - mean : 0.f;
+            sum_sq += dx * dx;
+          }
+        }
+      }
+      sum_sq = warp_sum(sum_sq);
+      if (lane == 0) red[1][threadIdx.x >> 5] = sum_sq;
+      __syncthreads();
+      sum_sq = 0.f;
+      for (int w = 0; w < warps; ++w) sum_sq += red[1][w];
+      const float inv_std = rsqrtf(sum_sq / float(hidden) + eps);
+      if (row + stride >= rows) allow_next_grid();
+      elem_t* o_row = out + row * out_s;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUPS; ++g) {
+        if (g < groups) {
+#pragma unroll
+          for (int k = 0; k < GROUP; ++k) x[g][k] = (x[g][k] - mean) * inv_std * gm[g][k] + bt[g][k];
+          store_group(o_row, hidden, g, vec, x[g]);
+        }
+      }
+    }
+  }
+}
 #endif  // MAX_GROUPS == 1
