@@ -36,9 +36,6 @@
 
 namespace cuattn {
 
-#ifndef ROPE_AHEAD
-#define ROPE_AHEAD 1
-#endif
 constexpr int WARPS = 4;
 constexpr int MIN_BLOCKS = 4;         // resident blocks an SM: registers capped at 128 a thread
 constexpr int MAX_HALF = 32 * 8;      // pairs of the widest entry (p8): rotary_dim <= 512
@@ -269,13 +266,7 @@ __device__ __forceinline__ void rope_tokens(const RopeArgs& a, float2* table) {
   const int steps = (mine + per_warp * ROWS - 1) / (per_warp * ROWS);
   const int rows = (mine + per_warp * steps - 1) / (per_warp * steps);     // a lane's rows a step, <= ROWS
 
-  // -- EXPERIMENT (session 13, rejected: no change on an H100; reverted in the next commit): with a cos/sin
-  //    cache read at pos_ids, the next token's position is read a token ahead and its cache row asked of L2
-  const bool ahead = ROPE_AHEAD && cached && a.pos_ids != nullptr;
-  const int64_t t_step = int64_t(gridDim.x) * WARPS;
-  int64_t t = int64_t(blockIdx.x) * WARPS + (threadIdx.x >> 5);
-  int64_t next_pos = ahead && t < a.nnz ? load_index(a.pos_ids, t, a.idx64) : 0;
-  for (; t < a.nnz; t += t_step) {
+  for (int64_t t = int64_t(blockIdx.x) * WARPS + (threadIdx.x >> 5); t < a.nnz; t += int64_t(gridDim.x) * WARPS) {
     uint32_t w[ROWS][P];
     auto head_of = [&](int step, int u) { return (step * rows + u) * per_warp + slot; };   // k; head below
     auto load_step = [&](int step) {
@@ -289,13 +280,7 @@ __device__ __forceinline__ void rope_tokens(const RopeArgs& a, float2* table) {
     load_step(0);
 
     // -- the token's cos/sin, each pair once, into the warp's table; then this lane's pairs from it
-    int64_t pos;
-    if (ahead) {
-      pos = next_pos;
-      if (t + t_step < a.nnz) next_pos = load_index(a.pos_ids, t + t_step, a.idx64);
-    } else {
-      pos = token_position(a, t, lane);
-    }
+    const int64_t pos = token_position(a, t, lane);
     const bool in_cache = cached && pos >= 0 && pos < a.cache_len;
     const float* crow = in_cache ? a.cache + pos * a.cache_n : nullptr;
     for (int j = lane; j < half; j += 32) {
@@ -322,8 +307,6 @@ __device__ __forceinline__ void rope_tokens(const RopeArgs& a, float2* table) {
       }
     }
     __syncwarp();     // every lane has its values before the next token's are written
-    if (ahead && t + t_step < a.nnz && next_pos >= 0 && next_pos < a.cache_len && 32 * lane < a.rotary_dim)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.cache + next_pos * a.cache_n + 32 * lane));   // 128-B lines
 
     // -- rotate and write the loaded step, load the next
     for (int step = 0; step < steps; ++step) {
