@@ -366,13 +366,111 @@ def random_plans(n: int, seed: int = 0):
         yield f"{i} {kind} graph={graph} split={split}", w, calls
 
 
-def dump_plans(path: str, n: int) -> None:
-    """Every upload's bytes and address, every describe() and error of ``random_plans`` (device stubbed),
-    as JSON: the same file from two versions of cuattn means the same plans (``--dump-plans``)."""
+def random_cascades(n: int, seed: int = 1):
+    """(name, wrapper, [plan() calls]) of ``n`` random 2- and 3-level cascades (shared levels of one or a few
+    groups, a middle level of groups or of one query each, a last level of decode or append; page sizes 1, 16,
+    32; eager or graph mode; the scheduler's, a fixed or no split), each planned 6 times: mostly the same
+    shared levels with new page ids and new last levels (a serving loop's steps), now and then new shared
+    levels, another configuration, a negative shared page id or a bad argument."""
+    rng = np.random.default_rng(seed)
+
+    def table(batch, lo, hi, ps, base):
+        lens = rng.integers(lo, hi + 1, batch)
+        pages = -(-lens // ps)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        ids = (base + rng.permutation(int(indptr[-1]))).astype(np.int32)
+        lpl = (lens - (pages - 1) * ps).astype(np.int32)
+        return indptr, ids, lpl
+
+    for i in range(n):
+        levels = int(rng.integers(2, 4))
+        graph = bool(rng.integers(0, 2))
+        split = rng.choice(["auto", "auto", "fixed", "disable"])
+        hq, hkv = [(32, 8), (8, 8), (16, 2), (4, 1)][int(rng.integers(0, 4))]
+        d = [64, 128][int(rng.integers(0, 2))]
+        ps = [16, 1, 32][int(rng.integers(0, 3))]
+        dtype = ["float16", "bfloat16"][int(rng.integers(0, 2))]
+        sk = dict(fixed_split_size=int(rng.integers(1, 5000))) if split == "fixed" else \
+            dict(disable_split_kv=True) if split == "disable" else {}
+        w = cuattn.MultiLevelCascadeAttentionWrapper(levels, use_cuda_graph=graph)
+        shared = None
+        calls = []
+        decode0, causal0 = rng.random() < 0.5, bool(rng.integers(0, 2))
+        for j in range(6):
+            if j == 0 or rng.random() < 0.3:      # a new batch (else the last one's queries: a steady state)
+                b = int(rng.integers(1, 300)) if j == 0 or not graph else int(rng.integers(1, 150))
+                decode = decode0 if rng.random() > 0.1 else not decode0
+                q_lens = np.ones(b, np.int64) if decode else rng.integers(1, int(rng.choice([2, 17, 100])), b)
+            qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            if shared is None or rng.random() < 0.25 or int(shared[0][0][-1]) != int(qo[-1]):
+                shared, base = [], 0        # new shared levels: one group (or a few), then (3 levels) groups
+                for lv in range(levels - 1):
+                    if lv == 0:
+                        cuts = np.sort(rng.choice(np.arange(1, b), min(int(rng.integers(0, 3)), b - 1), replace=False))
+                    else:       # the middle level: a few groups, or one request each
+                        cuts = np.arange(1, b) if rng.random() < 0.3 else \
+                            np.sort(rng.choice(np.arange(1, b), min(int(rng.integers(1, 8)), b - 1), replace=False))
+                    bounds = np.concatenate([[0], cuts, [b]]).astype(np.int64)
+                    lqo = qo[bounds].astype(np.int32)
+                    hi = int(rng.choice([1, 100, 2048, 40000]))
+                    t = table(len(bounds) - 1, int(rng.integers(1, hi + 1)), hi, ps, base)
+                    base += len(t[1]) + int(rng.integers(0, 5))
+                    shared.append([lqo, *t])
+            else:       # the same shared levels, the page ids moved (a serving loop's step)
+                for s in shared:
+                    if rng.random() < 0.5:
+                        s[2] = (rng.permutation(s[2]) + int(rng.integers(0, 3))).astype(s[2].dtype)
+            hi = int(rng.choice([64, 2048, 40000]))
+            ind, ids, lpl = table(b, int(rng.integers(1, hi)), hi, ps, 10 ** 6)
+            lv_tables = [list(s) for s in shared] + [[qo, ind, ids, lpl]]
+            if rng.random() < 0.06:     # a negative page id in a shared level
+                s = lv_tables[int(rng.integers(0, levels - 1))]
+                s[2] = s[2].copy()
+                if len(s[2]):
+                    s[2][int(rng.integers(0, len(s[2])))] = -2
+            if rng.random() < 0.04:     # a shared level's qo as another dtype, or its lengths in int64
+                s = lv_tables[0]
+                s[0 if rng.random() < 0.5 else 3] = s[0 if rng.random() < 0.5 else 3].astype(np.int64)
+            cfg = dict(q_data_type=dtype if rng.random() > 0.15 else ("bfloat16" if dtype == "float16" else "float16"),
+                       causal=causal0 if rng.random() > 0.15 else not causal0, **sk)
+            if rng.random() < 0.1:
+                cfg["sm_scale"] = 0.125
+            args = tuple([t[k] for t in lv_tables] for k in range(4))
+            f = (lambda a=args, h=(hq, hkv, d, ps), k=cfg, w=w: w.plan(*a, *h, **k))
+            if rng.random() < 0.04:
+                f = (lambda a=args, w=w: w.plan(*a, hq, hkv, d, ps, window_left=5))
+            elif rng.random() < 0.04:
+                f = (lambda a=args, w=w: w.plan(*a, hq, 3, d, ps))
+            calls.append(f)
+        yield f"c{i} levels={levels} graph={graph} split={split}", w, calls
+
+
+def _digest(x) -> str:
+    """A short stable digest of a plan field (arrays by dtype, shape and bytes)."""
+    import dataclasses
     import hashlib
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype}{x.shape}:{hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()[:16]}"
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return "{" + ", ".join(f"{f.name}={_digest(getattr(x, f.name))}" for f in dataclasses.fields(x)) + "}"
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_digest(v) for v in x) + "]"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_digest(v)}" for k, v in x.items()) + "}"
+    if callable(x):
+        return getattr(x, "__qualname__", type(x).__name__)     # (no address: the same in two processes)
+    return repr(x)
+
+
+def dump_plans(path: str, n: int) -> None:
+    """Every upload's bytes and address, every describe() and error of ``random_plans`` and ``random_cascades``
+    (device stubbed), with every field of every plan (cascade: of every level) as a digest, as JSON: the same
+    file from two versions of cuattn means the same plans (``--dump-plans``)."""
+    import hashlib
+    import itertools
     fake = stub_device()
     out = []
-    for name, w, calls in random_plans(n):
+    for name, w, calls in itertools.chain(random_plans(n), random_cascades(n)):     # (lazily: calls use w)
         for j, f in enumerate(calls):
             fake.uploads = []
             try:
@@ -387,7 +485,11 @@ def dump_plans(path: str, n: int) -> None:
                        plans=[None if q is None else dict(
                            meta=q.meta, grid=[q.grid_work, q.grid_merge], backend=q.backend,
                            spec=getattr(q.run_spec, "name", None), why=q.split_why, device=q.device,
-                           kernel_args=repr(q.kernel_args), grids=[q.grid, q.merge_grid]) for q in levels])
+                           kernel_args=repr(q.kernel_args), grids=[q.grid, q.merge_grid]) for q in levels],
+                       fields=[None if q is None else _digest(q) for q in levels],
+                       states=None if getattr(w, "_states", None) is None else
+                       [(o.data.ptr, o.shape, s.data.ptr, s.shape) for o, s in w._states],
+                       kinds=getattr(w, "_kinds", None), rows=getattr(w, "_rows", None))
             out.append(rec)
     Path(path).write_text(json.dumps(out, indent=0, default=str))
     print(f"{len(out)} plans ({sum(r['error'] is not None for r in out)} errors) -> {path}")
