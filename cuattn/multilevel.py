@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from .plan import host_ints
+from .plan import config_key, host_ints, max_page
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -82,6 +82,32 @@ def _merge_into(ctx, v, s, v_other, s_other, fn: str) -> bool:
     return True
 
 
+def _plain(x) -> bool:
+    """A contiguous 1-D NumPy int array (what ``host_ints`` returns as is)."""
+    return type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and (len(x) < 2 or x.strides[0] == x.itemsize)
+
+
+def _shared_key(config: tuple, qo: np.ndarray, kv_indptr: np.ndarray, ids, last) -> tuple | None:
+    """What a shared level's paged-prefill plan depends on but for its page ids' values: the configuration
+    (``config_key``; () when unhashable: no key), the bytes of its qo_indptr, kv_indptr and last_page_len and
+    the number of its page ids; None unless every array is a plain host array (``_plain``)."""
+    if not config or not (_plain(qo) and _plain(kv_indptr) and _plain(ids) and _plain(last)):
+        return None
+    return (config, qo.dtype, qo.tobytes(), kv_indptr.dtype, kv_indptr.tobytes(), last.dtype, last.tobytes(),
+            ids.dtype, len(ids))
+
+
+def _plan_again(w: BatchPrefillWithPagedKVCacheWrapper, ids: np.ndarray) -> None:
+    """``w``'s last GPU plan over new page ids ``ids`` (as many as before), every other argument of ``w.plan``
+    the same (``_shared_key``): the checks of plan() whose outcome depends on the ids' values (>= 0, their
+    maximum kept for run()) and the upload, not the checks and the work list that would come out the same;
+    the same uploads, pointers and plan fields as ``w.plan`` (benchmarks/bench_scheduler.py --dump-plans)."""
+    plan = w._plan
+    hi = max_page(f"{w._fn}.plan", ids, "paged_kv_indices")
+    plan.kv_indices, plan.max_page = ids, hi
+    w._upload_plan(f"{w._fn}.plan", plan, ids)
+
+
 def _host_mask(mask, seq_len: int, fn: str) -> np.ndarray:
     m = np.asarray(arrays.to_host(mask, "mask", fn)).astype(bool).ravel()
     if m.shape != (seq_len,):
@@ -121,6 +147,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
         self._iota_last = (0, None, b"")
+        self._shared: list = [None] * self._num_levels     # the arguments of each shared level's last GPU plan
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -147,6 +174,7 @@ class MultiLevelCascadeAttentionWrapper:
         totals = set()
         common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
                       fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+        config = None
         for i in range(self._num_levels):
             qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
             n = len(qo)
@@ -161,14 +189,28 @@ class MultiLevelCascadeAttentionWrapper:
                 if self._graph and self._kinds[i] is not None:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
-                self._levels[i], self._kinds[i] = self._make[kind](), kind
+                self._levels[i], self._kinds[i], self._shared[i] = self._make[kind](), kind, None
             if kind == "decode":
                 self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
                                      num_kv_heads, head_dim, page_size, **common)
-            else:
-                self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size,
-                                     causal=bool(causal) and i == self._num_levels - 1, **common)
+                continue
+            # -- a shared level (not the last) planned on the GPU before with the same arguments but for its page
+            #    ids (a serving loop's steps over one prefix): that plan again over these ids (_plan_again)
+            key = None
+            if i < self._num_levels - 1:
+                if config is None:
+                    config = config_key(num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_data_type,
+                                        kv_data_type, fixed_split_size, disable_split_kv) or ()
+                key = _shared_key(config, qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i])
+                if key is not None and key == self._shared[i]:
+                    _plan_again(self._levels[i], paged_kv_indices_arr[i])
+                    continue
+            self._shared[i] = None
+            self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
+                                 num_kv_heads, head_dim, page_size,
+                                 causal=bool(causal) and i == self._num_levels - 1, **common)
+            if key is not None and self._levels[i]._plan.meta is not None:
+                self._shared[i] = key
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")

@@ -461,6 +461,15 @@ def max_index(ids: np.ndarray) -> int | None:
     return int(ids.max())
 
 
+def max_page(fn: str, ids: np.ndarray, name: str) -> int:
+    """``max_index`` of host page ids (kept for run()'s check against the cache), raising ValueError naming
+    ``name`` where one is negative."""
+    hi = max_index(ids)
+    if hi is None:
+        raise ValueError(f"{fn}: {name} must be >= 0, got values in {int(ids.min())}..{int(ids.max())}")
+    return hi
+
+
 def config_key(*args) -> tuple | None:
     """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
     arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""

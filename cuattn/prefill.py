@@ -367,7 +367,7 @@ class _BatchPrefillBase:
         items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal, plan.qo_range)
         ext = items[2]
         top = int(ext.max()) if len(ext) else 0       # (read once: the split choice and the work list)
-        slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
+        slot_floats = self._slot_floats(plan, spec)
         max_slots = bufs.max_partial(slot_floats)
         sms = _plan.num_sms(device)
         slots = sms * (2 if backend == "fa2" else 1)       # resident CTAs
@@ -383,7 +383,17 @@ class _BatchPrefillBase:
                                      plan.causal, chunk, items, top)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
-        mask = plan.mask
+        plan.backend, plan.run_spec, plan.work_list, plan.split_why = backend, spec, wl, why
+        self._upload_plan(fn, plan, stream_of)
+
+    @staticmethod
+    def _slot_floats(plan: _plan.Plan, spec) -> int:      # a partial slot: every kv head's tile rows + LSE
+        return plan.num_kv_heads * spec.block_m * (plan.head_dim + 1)
+
+    def _upload_plan(self, fn: str, plan: _plan.Plan, stream_of) -> None:
+        """The GPU plan's page table and work list in one upload (on the current stream of ``stream_of``'s
+        framework), and its device pointers (``meta``, with the split-KV workspace's) and grid extents."""
+        bufs, wl, spec, h_kv, mask = self._bufs, plan.work_list, plan.run_spec, plan.num_kv_heads, plan.mask
         segments = [("kv_chunk", (wl.chunk,), 0),
                     ("qo_indptr", plan.qo_indptr, 0), ("kv_indptr", plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
@@ -391,8 +401,8 @@ class _BatchPrefillBase:
                     ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1)]
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
                            stream_of)
-        ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
-        plan.backend, plan.run_spec, plan.work_list, plan.meta, plan.split_why = backend, spec, wl, ptrs, why
+        ptrs.update(bufs.partial(fn, self._slot_floats(plan, spec), wl.num_slots, spec.block_m * plan.head_dim * h_kv))
+        plan.meta = ptrs
         plan.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
         plan.grid_merge = bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS)
 
@@ -646,10 +656,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         indices = _plan.host_ints(paged_kv_indices, "paged_kv_indices", fn)
         last = _plan.host_ints(paged_kv_last_page_len, "paged_kv_last_page_len", fn)
         kv_lens = validate_page_table(fn, indptr, last, page_size, len(indices), prefix="paged_kv_")
-        hi = _plan.max_index(indices)
-        if hi is None:      # validate_page_table's check of the ids, with their maximum kept for run()
-            raise ValueError(f"{fn}: paged_kv_indices must be >= 0, got values in {int(indices.min())}.."
-                             f"{int(indices.max())}")
+        hi = _plan.max_page(fn, indices, "paged_kv_indices")     # (validate_page_table's check of the ids)
         plan = self._plan_common(fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                                  custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type,
                                  paged=True, options=options, page_size=int(page_size))
