@@ -166,8 +166,13 @@ class _CountingCupy:
         class Stream:
             ptr = 0
 
+        self.uploads = []       # (nbytes, bytes) of every host-to-device copy
+
         def memcpy(dst, src, nbytes, kind, stream):
             calls["memcpyAsync"] += 1
+            if kind == 1:
+                import ctypes
+                self.uploads.append((nbytes, ctypes.string_at(src, nbytes)))
 
         runtime = types.SimpleNamespace(memcpyAsync=memcpy, getDevice=lambda: 0, memcpyDeviceToDevice=3)
         self.cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Event=Event, Stream=Stream,
@@ -210,6 +215,70 @@ def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
         f()
         assert dict(fake.calls) == {"event_query": uploads, "memcpyAsync": uploads, "event_record": uploads}, name
     assert c._kinds == ["prefill", "decode"]
+
+
+def _stub_device(monkeypatch) -> _CountingCupy:
+    from cuattn import arrays, jit, plan
+    fake = _CountingCupy()
+    monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
+    monkeypatch.setattr(arrays, "gpu_available", lambda: True)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(jit, "get_launcher", lambda *a, **k: None)
+    return fake
+
+
+CASCADE_STEPS = {   # name: levels (query groups, kv lengths per group) of make_cascade, page size
+    "2-level decode ps16": ([([6], [3000]), ([1] * 6, [17, 40, 1, 64, 33, 900])], 16),
+    "3-level decode ps1": ([([6], [700]), ([2, 4], [50, 77]), ([1] * 6, [3, 16, 9, 1, 30, 12])], 1),
+    "3-level append ps32": ([([9], [40000]), ([4, 5], [600, 35]), ([4, 2, 3], [20, 35, 7])], 32),
+}
+
+
+@pytest.mark.parametrize("name", list(CASCADE_STEPS))
+def test_cascade_shared_levels_over_new_page_ids_plan_as_a_fresh_wrapper_does(name, monkeypatch):
+    """A cascade plan whose shared levels keep every argument but their page ids' values (a serving loop's
+    steps over one prefix) plans those levels again over the new ids: the same uploads, describe() and plan
+    fields as a fresh wrapper's plan of the same arrays; a negative shared id is refused naming the argument,
+    and a changed length or scale plans the level anew."""
+    fake = _stub_device(monkeypatch)
+    levels, ps = CASCADE_STEPS[name]
+    tables, _, _, _ = make_cascade(5, levels, 8, 2, 64, ps)
+    n = len(levels)
+    args = lambda t: ([x[0] for x in t], [x[1] for x in t], [x[2] for x in t], [x[3] for x in t])   # noqa: E731
+    w = cuattn.MultiLevelCascadeAttentionWrapper(n)
+    w.plan(*args(tables), 8, 2, 64, ps, causal=True)
+    shared = [w._levels[i]._plan for i in range(n - 1)]
+    rng = np.random.default_rng(6)
+    moved = [list(t) for t in tables]
+    for t in moved[:-1]:
+        t[2] = (rng.permutation(t[2]) + 3).astype(np.int32)
+    moved[-1][2] = moved[-1][2] + 7
+    fake.uploads.clear()
+    w.plan(*args(moved), 8, 2, 64, ps, causal=True)
+    again = list(fake.uploads)
+    assert all(w._levels[i]._plan is shared[i] for i in range(n - 1))    # planned again, not anew
+    fresh = cuattn.MultiLevelCascadeAttentionWrapper(n)
+    fake.uploads.clear()
+    fresh.plan(*args(moved), 8, 2, 64, ps, causal=True)
+    assert again == fake.uploads and len(again) == n
+    assert w.describe() == fresh.describe()
+    for a, b in zip([lv._plan for lv in w._levels], [lv._plan for lv in fresh._levels]):
+        assert a.meta == b.meta and a.max_page == b.max_page and (a.grid_work, a.grid_merge) == (b.grid_work,
+                                                                                                b.grid_merge)
+        assert np.array_equal(a.kv_indices, b.kv_indices) and np.array_equal(a.work_list.work, b.work_list.work)
+    bad = [list(t) for t in moved]
+    bad[0][2] = bad[0][2].copy()
+    bad[0][2][-1] = -1
+    with pytest.raises(ValueError, match="paged_kv_indices must be >= 0"):
+        w.plan(*args(bad), 8, 2, 64, ps, causal=True)
+    w.plan(*args(moved), 8, 2, 64, ps, causal=True, sm_scale=0.5)        # another scale: planned anew
+    assert w._levels[0]._plan is not shared[0] and w._levels[0]._plan.sm_scale == 0.5
+    shorter = [list(t) for t in moved]
+    shorter[0][1], shorter[0][2] = shorter[0][1] - np.array([0, 1], np.int32), shorter[0][2][:-1]
+    kept = w._levels[0]._plan
+    w.plan(*args(shorter), 8, 2, 64, ps, causal=True, sm_scale=0.5)    # a page less: planned anew
+    assert w._levels[0]._plan is not kept and w._levels[0]._plan.kv_lens[0] == kept.kv_lens[0] - ps
 
 
 # ============================================================================ GPU
