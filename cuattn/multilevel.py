@@ -11,7 +11,9 @@ it, the group's queries packed into the kernel's rows, and the scheduler splits 
 merged exactly inside the level); the levels' (output, LSE) states are then merged exactly, in place
 (``merge_state_in_place``). ``causal`` applies to the last level (the unique tokens), as in
 FlashInfer; shared levels are wholly visible. ``use_cuda_graph=True`` builds every level for graphs
-and keeps the levels' states in buffers fixed by the first plan.
+and keeps the levels' states in buffers fixed by the first plan. A shared level whose arguments are those
+of its last plan but for its page ids' values (a serving loop's steps over one prefix) is planned again
+over the new ids: their check and the upload, not the checks and the work list that come out the same.
 
 Not yet: variants (the options are accepted only at their defaults).
 """
