@@ -102,7 +102,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_data_type, kv_data_type : dtype (NumPy, string or torch); kv defaults to q's.
             kv: float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 (a uint8 cache is read as the fp8
             type named here). With fp8 the tensor cores run f16: a bfloat16 q is converted to f16
-            (exact for |q| in [2^-14, 65504]).
+            (exact for |q| in [2^-14, 65504]). q: float16, bfloat16 or float32 (the 16-bit kernel of
+            ``qcast.kernel_dtype`` runs a float32 q: converted, saturating, at run(); out float32).
         sm_scale : float, optional, default ``1 / sqrt(head_dim)``
         fixed_split_size : int, optional
             Cut every request into pieces of this many tokens (split-KV), instead of the
