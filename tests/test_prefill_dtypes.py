@@ -773,7 +773,7 @@ def test_f32_q_prefill_run_refuses_a_q_or_out_of_another_dtype():
 
 F32Q_PREFILL_GPU = [   # (qo_lens, kv_lens, hq, hkv, head_dim, kv dtype, causal, page size (0: ragged))
     ([37, 200], [97, 200], 32, 8, 128, "float32", True, 0),
-    ([64, 1], [700, 33], 16, 2, 64, "bfloat16", False, 0),
+    ([64, 1], [700, 33], 16, 2, 64, "bfloat16", False, 0),      # fa3 on sm_90
     ([37, 200], [97, 200], 32, 8, 128, "float16", True, 16),     # fa3 on sm_90
     ([100, 3], [1500, 40], 8, 2, 128, "float32", True, 1),
 ]
@@ -800,7 +800,8 @@ def test_f32_q_prefill_gpu_matches_oracle(case):
         run = lambda q_, out_=None, lse_=None: w.run(q_, _dev(k), _dev(v), out=out_, lse=lse_)       # noqa: E731
     res = run(_dev(q), out, lse)
     assert res is out
-    assert w.backend == ("fa3" if kv == "float16" and gpu_cc() >= 90 else "fa2")
+    # "auto": fa3 on sm_90 runs the 16-bit copy of q over a 16-bit cache (not over an fp32 one)
+    assert w.backend == ("fa3" if kv != "float32" and gpu_cc() >= 90 else "fa2")
     ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, causal)
     o = cp.asnumpy(out)
     assert np.all(np.isfinite(o)), "unwritten or non-finite output"
@@ -824,3 +825,23 @@ def test_f32_q_single_prefill_gpu_returns_fp32():
     ref_o, ref_s = _oracle(q, ks, vs, qo_indptr, True)
     assert out.dtype == np.float32 and rel_err(cp.asnumpy(out), ref_o) < TOL
     assert rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+def test_f32_q_cascade_gpu_matches_oracle():
+    """The cascade's levels (a decode level and a prefill level here) each convert the fp32 q; their fp32
+    states merge (cascade.py's merge takes fp32)."""
+    cp = _cp()
+    from tests.test_multilevel import make_cascade, oracle as cascade_oracle
+    levels = [([9], [300]), ([1] * 9, [17, 40, 1, 64, 33, 5, 9, 70, 2])]
+    tables, cache, q16, per_q = make_cascade(7, levels, 16, 4, 128, 16)
+    q = (np.random.default_rng(8).standard_normal(q16.shape) * 3).astype(np.float32)
+    w = cuattn.MultiLevelCascadeAttentionWrapper(2)
+    w.plan([t[0] for t in tables], [t[1] for t in tables], [t[2] for t in tables], [t[3] for t in tables],
+           16, 4, 128, 16, q_data_type="float32", kv_data_type="float16")
+    out, lse = cp.full(q.shape, np.nan, np.float32), cp.full(q.shape[:2], np.nan, np.float32)
+    w.run(cp.asarray(q), cp.asarray(cache), out=out, lse=lse)
+    want, want_lse = cascade_oracle(q, per_q)
+    o = cp.asnumpy(out)
+    assert np.all(np.isfinite(o)) and rel_err(o, want) < TOL
+    assert rel_err(cp.asnumpy(lse), want_lse) < LSE_TOL
