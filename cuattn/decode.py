@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, fp8, jit, plan as _plan, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, qcast, reference, support, variants
 from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 from .decode_kernel import (  # noqa: F401  (re-exported: decode.DecodeSpec, decode.shipped_specs, decode.PARAMS, ...)
@@ -65,6 +65,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._checked: dict[tuple, tuple] = {}     # layouts of q, out, lse that passed this plan (_operand)
         self._configs: dict[tuple, tuple] = {}     # plan()'s checked configurations (plan.config_key)
         self._launch_memo = None                   # (key, launch state) of the last plan (_build_launchers)
+        self._f32q = qcast.F32Q("BatchDecodeWithPagedKVCacheWrapper", use_cuda_graph)   # an fp32 q's copies
         # use_tensor_cores / backend: the one kernel already uses tensor cores for every group size.
 
     # the last plan's work list and the kernel spec it runs (tests, benchmarks)
@@ -101,7 +102,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_data_type, kv_data_type : dtype (NumPy, string or torch); kv defaults to q's.
             kv: float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 (a uint8 cache is read as the fp8
             type named here). With fp8 the tensor cores run f16: a bfloat16 q is converted to f16
-            (exact for |q| in [2^-14, 65504]).
+            (exact for |q| in [2^-14, 65504]). q: float16, bfloat16 or float32 (the 16-bit kernel of
+            ``qcast.kernel_dtype`` runs a float32 q: converted, saturating, at run(); out float32).
         sm_scale : float, optional, default ``1 / sqrt(head_dim)``
         fixed_split_size : int, optional
             Cut every request into pieces of this many tokens (split-KV), instead of the
@@ -156,8 +158,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if (fp8.is_fp8(kv_dtype) or kv_dtype == np.float32) and bound.composite.has_qk_transform:
                 raise UnsupportedError(f"{fn}: pos_encoding_mode='ROPE_LLAMA' (fused RoPE) and a variant's query / "
                                        f"key transform need a 16-bit KV cache, got kv_data_type={kv_dtype}")
-            spec = _make_spec(int(head_dim), _short(q_dtype), _short(kv_dtype), self._tuned("num_stages"), 4,
-                              self._tuned("l2_prefetch"), False, bound.composite)
+            spec = _make_spec(int(head_dim), _short(qcast.kernel_dtype(q_dtype, kv_dtype)), _short(kv_dtype),
+                              self._tuned("num_stages"), 4, self._tuned("l2_prefetch"), False, bound.composite)
             if key is not None:
                 _plan.memo_put(self._configs, key, (options, bound, q_dtype, kv_dtype, spec))
         self._options = options
@@ -187,6 +189,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if device is None and arrays.gpu_available():
             device = arrays.cupy_module().cuda.runtime.getDevice()
         self._device = p.device = device
+        self._f32q.plan(p)       # fp32 q: the 16-bit copies of q and out (qcast.py)
         if device is None:       # CPU-only plan
             return
 
@@ -497,9 +500,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse_ptr = self._operand(lse, "lse", fn)[0]
         vargs = p.fixed_vargs if plain else bound.kernel_args(p.sm_scale, values, fn)
         ks, vs = scales
+        if self._f32q.active:    # fp32 q: the kernel reads and writes 16-bit copies (qcast.py)
+            qk, ok = self._f32q.begin(ctx, q_ptr, q_strides, out_ptr, out_strides)
+            q_ptr, q_strides, out_ptr, out_strides = qk.ptr, qk.strides, ok.ptr, ok.strides
         self._launch(launcher, q_ptr, q_strides, cache_args, out_ptr, out_strides, lse_ptr, ctx.stream,
                      jit.pdl_launch(self._device, enable_pdl),
                      (ks.value, vs.value, ks.ptr, vs.ptr, int(ks.per_head) | 2 * int(vs.per_head)) + vargs)
+        self._f32q.finish(ctx)
         result = arrays.export(ctx, out, p.q_dtype)
         if return_lse:
             return result, arrays.export(ctx, lse)

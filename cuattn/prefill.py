@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, fp8, jit, plan as _plan, prefill_sm90, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, prefill_sm90, qcast, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 from .prefill_checks import (DTYPES, _check_group, _check_head_dim_vo, _check_kv_dtype, _check_out,
-                             _check_q, _host_kv, _host_mask, _kv_dims, _kv_short, _scales, _short_dtype,
-                             _split_pair)
+                             _check_q, _host_kv, _host_mask, _kv_dims, _kv_short, _scales, _split_pair)
 
 _SOURCE = "prefill.cu"
 _ENTRY = "cuattn_prefill"
@@ -254,6 +253,7 @@ class _BatchPrefillBase:
         self._backend_req = backend
         self._plan = None
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
 
@@ -301,16 +301,17 @@ class _BatchPrefillBase:
             q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
             kv_dt = arrays.as_dtype(kv_data_type, "kv_data_type", fn) if kv_data_type is not None else q_dt
             support.check("prefill", fn, head_dim=head_dim_qk, q_dtype=q_dt, kv_dtype=kv_dt, head_dim_vo=head_dim_vo)
-            kv_short = _kv_short(q_dt, kv_dt, bound, fn)
+            k_dt = qcast.kernel_dtype(q_dt, kv_dt)      # the kernels' q type (an fp32 q's 16-bit copy)
+            kv_short = _kv_short(k_dt, kv_dt, bound, fn)
         group = num_qo_heads // num_kv_heads
         # every request within 64 packed rows (block-sparse row blocks, decode-only steps): 64-row
         # tiles; not in graph mode, whose kernel the first plan fixes for every later batch
         small_q = paged and not self._bufs.graph and batch > 0 and qo_range[1] * group <= 64
         if config is None:
-            specs = {s: make_spec(head_dim_qk, arrays.SHORT_NAME[q_dt], causal, has_mask, paged, bound.composite, s,
-                                  kv_short, head_dim_vo) if arrays.SHORT_NAME.get(q_dt) in DTYPES else None
+            specs = {s: make_spec(head_dim_qk, arrays.SHORT_NAME[k_dt], causal, has_mask, paged, bound.composite, s,
+                                  kv_short, head_dim_vo) if arrays.SHORT_NAME.get(k_dt) in DTYPES else None
                      for s in (False, True)}                # (support.check passed)
-            resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(q_dt),
+            resolve_backend(self._backend_req, fn, arch=None, head_dim=head_dim_qk, dtype=arrays.SHORT_NAME.get(k_dt),
                             custom_mask=has_mask, paged=paged, rope=bound.composite.has_qk_transform,
                             page_size=page_size, dtype_kv=kv_short,
                             head_dim_vo=head_dim_vo)   # fa3 asked where it has none
@@ -325,7 +326,7 @@ class _BatchPrefillBase:
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
         self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
-                                       dtype=arrays.SHORT_NAME.get(plan["q_dtype"]), custom_mask=plan["mask"] is not None,
+                                       dtype=plan["spec"].dtype, custom_mask=plan["mask"] is not None,
                                        paged=paged, rope=plan["bound"].composite.has_qk_transform,
                                        page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv,
                                        head_dim_vo=plan["head_dim_vo"])
@@ -345,6 +346,7 @@ class _BatchPrefillBase:
         bufs = self._bufs
         device = bufs.device_for(stream_of)
         plan.device = device
+        self._f32q.plan(plan)       # fp32 q: the 16-bit copies of q and out
         if device is None or plan.spec is None:
             return
         composite = plan["bound"].composite
@@ -357,7 +359,7 @@ class _BatchPrefillBase:
         if hit is None or hit[0] is not plan.spec:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-                arrays.SHORT_NAME[plan["q_dtype"]], plan["causal"], composite, paged, plan["spec"].dtype_kv,
+                plan["spec"].dtype, plan["causal"], composite, paged, plan["spec"].dtype_kv,
                 plan["head_dim"], plan["head_dim_vo"], plan.page_size if paged else None)
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
@@ -422,6 +424,7 @@ class _BatchPrefillBase:
             entry = "cuattn_prefill_merge" if plan["backend"] == "fa2" else "cuattn_prefill_sm90_merge"
             _launch_merge(ctx, plan["run_spec"], entry, plan["meta"], plan["grid_merge"], plan["num_kv_heads"],
                           plan["group"], ot, lse_ptr)
+        self._f32q.finish(ctx)      # fp32 q: the 16-bit output into the caller's out
 
     def _gpu_plan(self, ctx, plan, fn) -> None:
         """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph
@@ -436,14 +439,15 @@ class _BatchPrefillBase:
         _check_q(qt.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
         if arrays.logical_dtype(qt.dtype) != plan["q_dtype"]:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
-        dt = _short_dtype(qt.dtype, "q", fn)
-        return qt, dt
+        return qt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
         rows = int(plan["qo_indptr"][-1])
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
-        return _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim_vo"], qt.dtype, fn)
+        out, ot, lse, lse_ptr = _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim_vo"], qt.dtype, fn)
+        qk, ok = self._f32q.begin(ctx, qt.ptr, qt.strides, ot.ptr, ot.strides) if self._f32q.active else (qt, ot)
+        return out, qk, ok, lse, lse_ptr      # qk, ok: what the kernel reads and writes (fp32 q: 16-bit copies)
 
     def _variant_args(self, plan, args, return_lse, lse, fn, on_gpu: bool, sm_scale=None):
         """(sm_scale, the kernels' variant arguments or, on the NumPy path, the parameter values)
@@ -573,22 +577,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                                                 _host_kv(va[kvp[b]:kvp[b + 1]], plan, scales[1], 1)),
                                        return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
-        qt, dt = self._run_checks(fn, q, plan)
+        qt = self._run_checks(fn, q, plan)
         kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
         self._check_kv(kt.shape, vt.shape, plan, fn)
         _check_kv_dtype(plan, kt.dtype, vt.dtype, "k and v", fn)
-        out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         if plan["backend"] == "fa3":
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
                                     lse_ptr=lse_ptr, num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"],
                                     group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"],
                                     pdl=pdl, scales=scales)
         else:
-            _launch(ctx, plan["spec"], q=qt, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
+            _launch(ctx, plan["spec"], q=qk, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                     k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                     sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl, scales=scales)
@@ -697,7 +701,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 return _host_kv(kb, plan, scales[0], 1), _host_kv(vb, plan, scales[1], 1)
             return self._reference_run(ctx, plan, q, gather, return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
-        qt, dt = self._run_checks(fn, q, plan)
+        qt = self._run_checks(fn, q, plan)
         kv = paged_kv_tensors(paged_kv_cache if split is None else (split[0],) * 2, self._kv_layout, fn)
         self._check_cache(kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, plan, fn)
         vv = kv if split is None else paged_kv_tensors((split[1],) * 2, self._kv_layout, fn)
@@ -709,12 +713,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"stride + slot): their page / slot stride ratios must be equal, got "
                                        f"{kv.stride_page}/{kv.stride_slot} and {vv.stride_page}/{vv.stride_slot}")
         _check_kv_dtype(plan, kv.k.dtype, vv.v.dtype, "paged_kv_cache", fn)
-        out, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
+        out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qt, k=kv.k, v=vv.v, k_strides=strides,
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kv.k, v=vv.v, k_strides=strides,
                                     v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page),
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
                                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
@@ -727,7 +731,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"+ slot in int32 and the slot stride in bytes in int32; page stride "
                                        f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
                                        f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
-            _launch(ctx, plan["spec"], q=qt, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
+            _launch(ctx, plan["spec"], q=qk, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
                     k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan["meta"],
                     page_size=plan["page_size"], pdl=pdl, scales=scales)

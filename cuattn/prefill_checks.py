@@ -11,13 +11,6 @@ from .errors import UnsupportedError
 DTYPES = ("f16", "bf16")     # q (and 16-bit K/V) short names with a kernel
 
 
-def _short_dtype(dtype: np.dtype, name: str, fn: str) -> str:
-    s = arrays.SHORT_NAME.get(arrays.logical_dtype(dtype))
-    if s not in DTYPES:
-        raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {dtype}")
-    return s
-
-
 def _check_head_dim_vo(head_dim_qk: int, head_dim_vo, bound, fn: str) -> int:
     """head_dim_vo (None: head_dim_qk) as an int; a pair support.check takes, without fused RoPE."""
     if head_dim_vo is None or head_dim_vo == head_dim_qk:

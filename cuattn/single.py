@@ -55,7 +55,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
 
     Parameters
     ----------
-    q : array, shape (num_qo_heads, head_dim), float16 or bfloat16
+    q : array, shape (num_qo_heads, head_dim), float16, bfloat16 or float32 (a float32 q runs the 16-bit
+        kernel, converted on the GPU: cuattn/qcast.py; out is float32)
         NumPy runs the reference path; CuPy, or any CUDA array exporting ``__dlpack__``
         (PyTorch, JAX), runs the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD",
@@ -87,7 +88,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout: str = "NHD", pos_encoding_mo
                    rotary_dim=rotary_dim)
     variants.resolve(fn, num_qo_heads=1, **{k: v for k, v in options.items() if k != "sm_scale"})
     if q_scale not in (None, 1.0):
-        raise UnsupportedError(f"{fn}: q_scale (fp8 q) is not implemented; q is float16 or bfloat16")
+        raise UnsupportedError(f"{fn}: q_scale (fp8 q) is not implemented; q is float16, bfloat16 or float32")
     ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
     describe = arrays.device_tensor if ctx.on_gpu else arrays.host_array
     qt, kt, vt = (describe(x, n, fn) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -150,7 +151,8 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
 
     Parameters
     ----------
-    q : array, shape (qo_len, num_qo_heads, head_dim), float16 or bfloat16
+    q : array, shape (qo_len, num_qo_heads, head_dim), float16, bfloat16 or float32 (as in
+        ``single_decode_with_kv_cache``)
         NumPy runs the reference path; CuPy, PyTorch or JAX GPU arrays run the CUDA kernel.
     k, v : array, shape (kv_len, num_kv_heads, head_dim) for "NHD", (num_kv_heads, kv_len,
         head_dim) for "HND"; last dimension contiguous; v's head_dim may differ from k's (head_dim_qk /

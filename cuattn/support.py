@@ -13,7 +13,7 @@ from .errors import UnsupportedError
 TABLE = {
     "decode": dict(
         api="BatchDecodeWithPagedKVCacheWrapper, single_decode_with_kv_cache",
-        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16"),
+        head_dims=(64, 128, 256), q_dtypes=("float16", "bfloat16", "float32"),
         kv_dtypes=("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float32"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1 (TMA on sm_90 when page_size % 16 == 0)",
         archs="sm_80+ (sm_90a: TMA loads)"),
@@ -21,15 +21,25 @@ TABLE = {
         api="BatchPrefillWith{Paged,Ragged}KVCacheWrapper, single_prefill_with_kv_cache, "
             "BatchAttentionWithAttentionSinkWrapper, MultiLevelCascadeAttentionWrapper, "
             "BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper, BatchAttention",
-        head_dims=(64, 128, 256), head_dim_pairs=((192, 128),), q_dtypes=("float16", "bfloat16"),
-        kv_dtypes=("same as q", "float8_e4m3fn", "float8_e5m2", "float32"),
+        head_dims=(64, 128, 256), head_dim_pairs=((192, 128),), q_dtypes=("float16", "bfloat16", "float32"),
+        kv_dtypes=("same as q", "float16 or bfloat16 with a float32 q", "float8_e4m3fn", "float8_e5m2", "float32"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
         archs="fa2: sm_80+; fa3: sm_90a, head_dim 64, 128, 256, 192/128, K/V of q's dtype or fp8 (head_dim 64, 128), "
               "contiguous K/V or pages of any size (fp8 pages: 16, 32, 64, 128 or a multiple of 128)"),
 }
 # what a refused kv dtype is told, per family
-KV_NOT_YET = {"decode": "fp32 q: not yet",
-              "prefill": "fp32 KV: fa2 backend; fp32 q: not yet"}
+KV_NOT_YET = {"decode": "with any q dtype",
+              "prefill": "fp32 KV: fa2 backend"}
+# kv_dtypes entries that name a rule rather than a dtype: the dtypes they admit for a q dtype
+_KV_RULES = {"same as q": lambda q: [q],
+             "float16 or bfloat16 with a float32 q": lambda q: [np.dtype(np.float16), arrays.bfloat16]
+             if q == np.float32 else []}
+# how a float32 q runs (cuattn/qcast.py), as the README says it
+FP32_Q = ("Float32 q (decode, prefill and the wrappers above them; MLA: NumPy path only): q is converted on the "
+          "GPU to the 16-bit kernels' type, bfloat16 for a bfloat16 KV cache, else float16 (11 significant bits against bfloat16's 8), "
+          "saturating at the type's largest finite value (float16: +-65504: no finite q becomes inf; NaN stays NaN); "
+          "the kernel's 16-bit output is converted back into a "
+          "float32 out (fa3 runs it where it runs that 16-bit q); the NumPy path computes with the float32 q as it is")
 VARIANTS = ("logits_soft_cap, window_left, pos_encoding_mode='ALIBI', sinks, user cuattn.Variant "
             "(every family); pos_encoding_mode='ROPE_LLAMA' and a user variant's query_transform / key_transform "
             "(decode, fa2 and fa3; not with an fp8 or fp32 KV cache); fp8 KV (decode, prefill on fa2 and fa3): k_scale / v_scale as floats, 1-element or per-kv-head arrays; "
@@ -54,7 +64,8 @@ def check(family: str, fn: str, *, head_dim: int, q_dtype, kv_dtype, head_dim_vo
     q_ok = [np.dtype(arrays.as_dtype(d, "q", fn)) for d in t["q_dtypes"]]
     if q not in q_ok:
         raise UnsupportedError(f"{fn}: q dtype {q} has no kernel; supported: {', '.join(t['q_dtypes'])}")
-    kv_ok = [q if d == "same as q" else np.dtype(arrays.as_dtype(d, "kv", fn)) for d in t["kv_dtypes"]]
+    kv_ok = [x for d in t["kv_dtypes"] for x in (_KV_RULES[d](q) if d in _KV_RULES else
+                                                  [np.dtype(arrays.as_dtype(d, "kv", fn))])]
     if kv not in kv_ok:
         raise UnsupportedError(f"{fn}: kv dtype {kv} with q dtype {q} has no kernel; supported kv dtypes: "
                                f"{', '.join(t['kv_dtypes'])} ({KV_NOT_YET[family]})")
@@ -70,4 +81,6 @@ def markdown() -> str:
                     f"{', '.join(t['kv_dtypes'])} | {t['layouts']} | {t['page_sizes']} | {t['archs']} |")
     rows.append("")
     rows.append(f"Variants: {VARIANTS}.")
+    rows.append("")
+    rows.append(f"{FP32_Q}.")
     return "\n".join(rows)

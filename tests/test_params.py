@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from cuattn import decode, jit, prefill, prefill_sm90
+from cuattn import decode, jit, prefill, prefill_sm90, qcast
 
 
 def c_signature(source: str, entry: str, flags: dict) -> list[tuple[str, str]]:
@@ -39,6 +39,8 @@ CASES = [
     ("decode.cu", decode.MERGE_PARAMS, {}),
     ("prefill.cu", prefill.PARAMS, {}),
     ("prefill_sm90.cu", prefill_sm90.PARAMS, {}),
+    ("qcast.cu", qcast.PARAMS["cuattn_cast_to_16"], {}),
+    ("qcast.cu", qcast.PARAMS["cuattn_cast_to_f32"], {}),
 ]
 
 

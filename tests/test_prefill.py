@@ -72,19 +72,19 @@ def test_what_no_gpu_kernel_runs_is_refused_at_plan_on_the_numpy_path_too():
     """One contract: the NumPy path refuses what the GPU refuses, at plan(), with the same message."""
     ind, lpl = np.array([0, 1], np.int32), np.array([3], np.int32)
     for kw, match in ((dict(head_dim=96), "head_dim=96 has no kernel; supported: 64, 128, 256"),
-                      (dict(q_data_type="float32"), "q dtype float32 has no kernel")):
-        # (fp8 and fp32 KV have kernels in both families: tests/test_fp8.py, tests/test_decode_f32.py,
-        # tests/test_prefill_dtypes.py)
+                      (dict(q_data_type="float64"), "q dtype float64 has no kernel")):
+        # (fp8 and fp32 KV, and an fp32 q, have kernels in both families: tests/test_fp8.py,
+        # tests/test_decode_f32.py, tests/test_prefill_dtypes.py)
         args = dict(head_dim=64, q_data_type="float16") | kw
         d = args.pop("head_dim")
         with pytest.raises(UnsupportedError, match=match):
             cuattn.BatchDecodeWithPagedKVCacheWrapper().plan(ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
         with pytest.raises(UnsupportedError, match=match):
             cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, ind, np.array([0], np.int32), lpl, 4, 4, d, 16, **args)
-    x = np.zeros((3, 4, 64), np.float32)
-    with pytest.raises(UnsupportedError, match="q dtype float32 has no kernel"):
+    x = np.zeros((3, 4, 64), np.float64)
+    with pytest.raises(UnsupportedError, match="q dtype float64 has no kernel"):
         cuattn.single_prefill_with_kv_cache(x, x, x)
-    with pytest.raises(UnsupportedError, match="q dtype float32 has no kernel"):
+    with pytest.raises(UnsupportedError, match="q dtype float64 has no kernel"):
         cuattn.single_decode_with_kv_cache(x[0], x, x)
 
 
