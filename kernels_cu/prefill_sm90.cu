@@ -20,8 +20,8 @@
 // k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
 // scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
 // from smem read N-major through the descriptor). setmaxnreg moves registers from the producer (40; 56
-// or 88 with an unrolled gather or key transforms: PRODUCER_REGS) to the consumers (232 / 224 / 208): S takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at
-// D_VO 256).
+// or 88 with an unrolled gather or key transforms: PRODUCER_REGS) to the consumers (232 / 224 / 208): S
+// takes BLOCK_N / 2 floats per thread and O D_VO / 2 (hence BLOCK_N 64 at D_VO 256).
 // Overlap: a consumer issues S(t) = Q K(t)^T and O += P(t-1) V(t-1) back to back, then runs the
 // softmax of S(t) while the P.V product is still in flight (FlashAttention-3's intra-warpgroup
 // pipelining); O is rescaled once that product has landed. (+4-16% over the plain loop, which was
@@ -201,6 +201,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #else
 #define XFORM_K_TILE(t)
 #endif
+    // -- the gather: all 128 threads (prefill_sm90_gather.cuh); else thread 0 issues the TMA loads
+    //    (prefill_sm90_tma_load.cuh) and warps 1..3 convert fp8 tiles (prefill_sm90_fp8.cuh) or transform K tiles
 #if PAGED == 2
     gather_producer(sm, tid, kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, pages, page_size,
                     page_shift, kv_lo, kv_len, num_tiles, [&](int t) { XFORM_K_TILE(t); });
