@@ -103,6 +103,15 @@ def fused_add_spec(dtype: str, hidden: int, rows: int) -> NormSpec:
     return NormSpec(dtype)
 
 
+def fused_add_entry(dtype: str, hidden: int, rows: int, vec: int) -> str:
+    """norm.cu's entry for fused_add_rmsnorm on rows x hidden of ``dtype`` ("f16" | "bf16"), with 16-byte
+    accesses or not (``vec``): the register-pipelined form for large calls (``fused_add_spec`` max_groups 1)
+    with 16-byte accesses, except bf16 rows over _REGS_BF16_HIDDEN; else one row a block."""
+    regs = (fused_add_spec(dtype, hidden, rows).max_groups == 1 and vec
+            and not (dtype == "bf16" and hidden > _REGS_BF16_HIDDEN))
+    return "cuattn_fused_add_rmsnorm_regs" if regs else "cuattn_fused_add_rmsnorm"
+
+
 def shipped_specs() -> list[NormSpec]:
     return [NormSpec(d, g) for d in _DTYPES for g in (4, 1)]
 
@@ -293,8 +302,8 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
     if rows:
         spec = fused_add_spec(arrays.SHORT_NAME[dtype], hidden, rows)
         vec, threads, pdl = _aligned((tx, tr, tw)), spec.threads(hidden, rows), jit.pdl_launch(ctx.device, enable_pdl)
-        if spec.max_groups == 1 and vec and not (dtype == arrays.bfloat16 and hidden > _REGS_BF16_HIDDEN):
-            entry = "cuattn_fused_add_rmsnorm_regs"
+        entry = fused_add_entry(spec.dtype, hidden, rows, vec)
+        if entry == "cuattn_fused_add_rmsnorm_regs":
             launch = jit.get_launcher(spec, entry, ctx.device, "ppp" "ii" "qq" "ff")
             grid = min(rows, _resident_blocks(spec, entry, ctx.device, threads, 0))
             launch((grid,), threads, ctx.stream, tx.ptr, tr.ptr, tw.ptr, rows, hidden, tx.strides[0], tr.strides[0],

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuattn import jit, norm
+from cuattn import arrays, jit, norm
 from cuattn.errors import UnsupportedError
 from tests.gpu_arrays import from_gpu, nan_like, to_gpu
 
@@ -140,6 +140,16 @@ def test_fused_add_spec_follows_the_call_size_and_the_row_limits():
         assert spec.max_groups == groups and spec.max_hidden >= hidden
         assert spec.threads(hidden, big) * 8 * spec.max_groups >= hidden
         assert norm.fused_add_spec("bf16", hidden, 1).max_groups == 4      # small calls: max_groups 4
+
+
+def test_fused_add_entry_picks_the_register_pipelined_form_for_large_aligned_calls():
+    big = norm._LATENCY_ELEMENTS // 4096 + 1
+    assert norm.fused_add_entry("bf16", 4096, big, 1) == "cuattn_fused_add_rmsnorm_regs"
+    assert norm.fused_add_entry("f16", 8192, big, 1) == "cuattn_fused_add_rmsnorm_regs"
+    assert norm.fused_add_entry("bf16", 8192, big, 1) == "cuattn_fused_add_rmsnorm"     # measured faster there
+    assert norm.fused_add_entry("f16", 4096, big, 0) == "cuattn_fused_add_rmsnorm"      # 2-byte accesses
+    assert norm.fused_add_entry("f16", 4096, 4, 1) == "cuattn_fused_add_rmsnorm"        # small call
+    assert norm.fused_add_entry("f16", 16384, big, 1) == "cuattn_fused_add_rmsnorm"     # max_groups 4
 
 
 def test_layernorm_geometry_picks_the_entry_from_the_call_size():
@@ -372,7 +382,7 @@ FUSED_LARGE_HIDDEN = [4096, pytest.param(8192, marks=pytest.mark.slow), pytest.p
 def test_fused_add_rmsnorm_gpu_persistent_blocks_loop_over_rows(rows, hidden, dtype):
     """The register-pipelined form (cuattn_fused_add_rmsnorm_regs): blocks of one wave loop over several rows
     each, two rows in flight, a last round part empty; 4000: a thread past the row's end."""
-    assert norm.fused_add_spec("bf16", hidden, rows).max_groups == 1
+    assert norm.fused_add_entry(arrays.SHORT_NAME[np.dtype(dtype)], hidden, rows, 1) == "cuattn_fused_add_rmsnorm_regs"
     check_fused_add_gpu(False, dtype, rows, hidden, np.random.default_rng(rows))
 
 
