@@ -10,6 +10,9 @@ softcap / alibi (contiguous, with the variant); ":c" = causal. sm_90 only.
 
     python benchmarks/bench_fa3_tuning.py --tunings "" PINGPONG=0 --cases contig:1x16384 paged:8x2048:c [--rounds 3]
 
+A tuning item "@field=N" sets a field of the spec instead of a define (an int), e.g. "@gather=0,@stages=2": the
+fp8 cache through the TMA-staged converters instead of the gather.
+
 (session 12's A/B logs, benchmarks/results/prefill_fa3_ab_H100_2026-11-25_session12_*.log, came from this
 script before it had a command line: its first tuning was the default "" and the second the named one.)
 """
@@ -71,7 +74,11 @@ def main():
     tunings = [tuple(t.split(",")) if t else () for t in args.tunings]
     current = []
     made = prefill_sm90.make_spec
-    prefill_sm90.make_spec = lambda *a, **kw: dataclasses.replace(made(*a, **kw), tuning=tuple(current))
+    def tuned(*a, **kw):
+        fields = {t[1:].split("=")[0]: type(getattr(made(*a, **kw), t[1:].split("=")[0]))(int(t.split("=")[1]))
+                  for t in current if t.startswith("@")}
+        return dataclasses.replace(made(*a, **kw), tuning=tuple(t for t in current if not t.startswith("@")), **fields)
+    prefill_sm90.make_spec = tuned
     calls = {}
     for case in args.cases:
         kind, shape, *c = case.split(":")

@@ -6,10 +6,10 @@ portable launcher, because it pairs with its own CUDA file and launches with ten
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 
 Cases with a kernel: head_dim 64, 128, 256, or head_dim_qk / head_dim_vo 192 / 128 (``HEAD_DIMS``), fp16 /
-bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2: staged by the TMA, converted to f16 in smem; head_dim 64 and 128
-only, ``FP8_HEAD_DIMS``), k_scale / v_scale of any value, causal or not, any GQA group, contiguous K/V (NHD
-or HND: the tensor map takes both strides) or paged K/V (16-bit: any page size, rows gathered by the producer warps
-with cp.async, ``use_gather``; fp8: pages a TMA box covers, ``page_box``), custom masks (a variant), device
+bf16 q, K/V of q's dtype or fp8 (e4m3 / e5m2, converted to f16 on the way into shared memory; head_dim 64 and
+128 only, ``FP8_HEAD_DIMS``), k_scale / v_scale of any value, causal or not, any GQA group, contiguous K/V (NHD
+or HND: the tensor map takes both strides) or paged K/V (any page size: rows gathered by the producer warps,
+``use_gather``; 16-bit rows with cp.async, fp8 rows through registers, converted), custom masks (a variant), device
 sm_90; every attention variant, the fused RoPE and query / key transforms included (16-bit K/V).
 ``unsupported_reason`` names the first limit a call hits; callers raise UnsupportedError with it.
 """
@@ -61,7 +61,7 @@ class Sm90PrefillSpec:
     tuning: tuple = ()        # extra -D defines for experiments; () in shipped specs
     variant: variants.Composite = variants.DEFAULT
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
-    gather: bool = False       # ... rows gathered by the producer warpgroup with cp.async (any page size; 16-bit)
+    gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
@@ -99,13 +99,13 @@ class Sm90PrefillSpec:
     @property
     def smem_bytes(self) -> int:
         """prefill_sm90.cu's SMEM_BYTES (the kernel checks the two agree at compile time): alignment slack
-        + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8: + STAGES (K + V) staging tiles + 4
-        STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a key transform (16-bit K/V
-        only): + STAGES "K tile transformed" mbarriers."""
+        + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8 staged by the TMA (not the gather): +
+        STAGES (K + V) staging tiles + 4 STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a
+        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers."""
         kv_cols = self.head_dim_qk + self.head_dim_vo
         total = 1024 + self.block_m * self.head_dim_qk * 2 + self.stages * self.block_n * kv_cols * 2
         bars = 4 * self.stages
-        if self.dtype_kv:
+        if self.dtype_kv and not self.gather:
             total += self.stages * self.block_n * kv_cols
             bars += 4 * self.stages
         elif self.k_xform:
@@ -123,20 +123,18 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
     dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
     kv = "" if dtype_kv == dtype else dtype_kv
     if gather is None:
-        gather = bool(paged) and use_gather(page_size, tile_n(dv), kv, variant.has_rope and head_dim_qk == 256)
+        gather = bool(paged) and use_gather(page_size, tile_n(dv), variant.has_rope and head_dim_qk == 256)
     spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
                            paged=bool(paged), gather=bool(gather), dtype_kv=kv)
     deeper = dataclasses.replace(spec, stages=3)
     return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
 
 
-def use_gather(page_size: int | None, block_n: int, dtype_kv: str = "", rope_256: bool = False) -> bool:
-    """The paged producer: the cp.async gather for every 16-bit cache (any page size; at pages of 16, 5-12%
-    faster than a TMA box per page on an H100, benchmarks/results/prefill_sm90_notes.md); TMA boxes for fp8
-    caches (the converters read the staged tiles) and for the fused RoPE at head_dim 256 (whose transform
-    and the gather spill the producer's registers; pages no box fits run on fa2 there)."""
-    if dtype_kv:
-        return False
+def use_gather(page_size: int | None, block_n: int, rope_256: bool = False) -> bool:
+    """The paged producer: the gather for every cache (any page size; 16-bit: at pages of 16, 5-12% faster
+    than a TMA box per page on an H100; fp8: rows converted in registers, 3 stages instead of the TMA-staged
+    converters' 2; benchmarks/results/prefill_sm90_notes.md), TMA boxes for the fused RoPE at head_dim 256
+    (whose transform and the gather spill the producer's registers; pages no box fits run on fa2 there)."""
     return not rope_256 or page_size is None or page_box(page_size, block_n) is None
 
 
@@ -185,10 +183,6 @@ def unsupported_reason(arch: str | None, head_dim: int, dtype: str | None, custo
     if paged and page_size is not None and rope and head_dim == 256 and page_box(page_size, tile_n(dv)) is None:
         return (f"fa3 gathers pages of {page_size} keys (no TMA box fits them) with no query / key transform or "
                 f"fused RoPE at head_dim 256 (the producer's registers: it spills; the fa2 kernel runs it)")
-    if paged and page_size is not None and dtype_kv in KV_FP8 and page_box(page_size, tile_n(dv)) is None:
-        sizes = ", ".join(str(s) for s in (16, 32, 64, 128) if s <= tile_n(dv))
-        return (f"fa3 reads fp8 pages of {sizes} or a multiple of {tile_n(dv)} keys (TMA boxes; head_dim_vo "
-                f"{dv}), got page_size={page_size} (16-bit caches: any page size; the fa2 kernel reads it)")
     return None
 
 

@@ -150,14 +150,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      // fp8: lane 0 of every converter warp; gather: every producer thread's copies; else the TMA
-      mbar_init(sm.full_k(s), KV_FP8 ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
-      mbar_init(sm.full_v(s), KV_FP8 ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
+      // staged fp8: lane 0 of every converter warp; gather: every producer thread's copies; else the TMA
+      mbar_init(sm.full_k(s), FP8_STAGED ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
+      mbar_init(sm.full_v(s), FP8_STAGED ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
       mbar_init(sm.empty_k(s), 4 * NUM_CONSUMERS);   // lane 0 of every consumer warp
       mbar_init(sm.empty_v(s), 4 * NUM_CONSUMERS);
       if (K_XFORM) mbar_init(sm.ready_k(s), XFORM_THREADS);
     }
-#if KV_FP8
+#if KV_FP8 && PAGED != 2   // (FP8_STAGED)
 #pragma unroll
     for (int s = 0; s < LOAD_STAGES; ++s) {
       mbar_init(sm.loaded_k(s), 1);

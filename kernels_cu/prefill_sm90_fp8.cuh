@@ -10,7 +10,7 @@
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
-#if KV_FP8
+#if KV_FP8 && PAGED != 2   // (FP8_STAGED; the gather converts fp8 rows in registers: prefill_sm90_gather.cuh)
 // -- one staged fp8 tile of DIM columns (column blocks of BLOCK_N rows x F8 = LoadTile<DIM>::COLS bytes, the
 //    TMA's F8-byte swizzle: 16-byte chunk c of row r at c ^ (address bits 7.. of the row)) -> the 16-bit tile
 //    (swz128), rows >= `valid` as zeros. Thread ct (0 .. 32 CONVERT_WARPS) takes 16-byte fp8 chunks u = ct +

@@ -8,12 +8,54 @@
 // generic-proxy stores, wgmma reads async-proxy). The page ids of tile t + 1 are loaded while the thread waits
 // for tile t + 1's buffer. A thread's rows are unrolled (GATHER_ROWS; 56 producer registers) where the
 // consumers keep enough registers.
+// fp8 K/V (KV_FP8): the same threads and rows, but each 16-byte chunk of the 16-bit tile comes from 8 fp8 bytes
+// that the thread loads into registers (all of a tile's loads in flight at once, issued before the wait for the
+// buffer), converts (common/dtypes.cuh fp8x8_to_f16x8: f16, e4m3 times 2^-8) and stores; keys past the end are
+// zeros. The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
+// staging tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
 #pragma once
 #include "common/mma.cuh"
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
 #if PAGED == 2
+#if KV_FP8
+#ifndef FP8_GATHER_OVERLAP
+#define FP8_GATHER_OVERLAP 0   // 1: a tile's V loads issued before its K stores (twice the loads in flight)
+#endif
+// -- the 8-byte fp8 pieces of one thread's rows of a tile (CH: 16-bit chunks a row; the thread's chunks q8 + 8 j)
+template <int CH>
+struct Fp8Rows {
+  static constexpr int ROWS = BLOCK_N / 16, PER_ROW = CH / 8;
+  uint2 x[ROWS][PER_ROW];
+  // this thread's rows (row ids by shuffle from lane a + 4 i, -1 past the end: zeros), all loads in flight
+  __device__ __forceinline__ void load(const uint8_t* base, int64_t s_row, int row_id, int a, int q8) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
+      const uint8_t* src = base + int64_t(rid >= 0 ? rid : 0) * s_row;
+#pragma unroll
+      for (int j = 0; j < PER_ROW; ++j) {
+        uint2 v = make_uint2(0u, 0u);      // zero bits are 0 in both formats
+        if (rid >= 0)
+          asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(src + 8 * (q8 + 8 * j)));
+        x[i][j] = v;
+      }
+    }
+  }
+  // converted into the 16-bit tile at sb (rows r0 + 16 i), then published to the consumers on `full`
+  __device__ __forceinline__ void store(uint32_t sb, int r0, int q8, uint32_t full) const {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+      for (int j = 0; j < PER_ROW; ++j)
+        sts128(sb + swz128(BLOCK_N, r0 + 16 * i, q8 + 8 * j), fp8x8_to_f16x8<KV_FP8>(x[i][j].x, x[i][j].y));
+    fence_proxy_async();                   // generic stores -> the consumers' wgmma reads
+    mbar_arrive(full);
+  }
+};
+#endif
+
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh into the 16-bit K / V buffers, by
 //    producer thread tid (0..127); on_k_tile(t) after the thread's copies of tile t (a key transform's warps)
 template <class OnKTile>
@@ -56,12 +98,30 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     const int row_id = key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size)
                                     : -1;
     if (t + 1 < num_tiles) load_page(t + 1);
+#if KV_FP8
+    Fp8Rows<D_QK / 8> fk;
+    fk.load(kb, k_s_row, row_id, a, q8);
+#if FP8_GATHER_OVERLAP
+    Fp8Rows<D_VO / 8> fv;
+    fv.load(vb, v_s_row, row_id, a, q8);
+#endif
+    mbar_wait(sm.empty_k(s), ph ^ 1);
+    fk.store(sm.k + s * K_TILE_BYTES, r0, q8, sm.full_k(s));
+#if !FP8_GATHER_OVERLAP
+    Fp8Rows<D_VO / 8> fv;
+    fv.load(vb, v_s_row, row_id, a, q8);
+#endif
+    mbar_wait(sm.empty_v(s), ph ^ 1);
+    fv.store(sm.v + s * V_TILE_BYTES, r0, q8, sm.full_v(s));
+    (void)copy_rows;
+#else
     mbar_wait(sm.empty_k(s), ph ^ 1);
     copy_rows(sm.k + s * K_TILE_BYTES, kb, k_s_row, row_id, D_QK / 8);
     cp_async_mbar_arrive_noinc(sm.full_k(s));
     mbar_wait(sm.empty_v(s), ph ^ 1);
     copy_rows(sm.v + s * V_TILE_BYTES, vb, v_s_row, row_id, D_VO / 8);
     cp_async_mbar_arrive_noinc(sm.full_v(s));
+#endif
     on_k_tile(t);                        // (warps 1..3 with a key transform: after their copies of tile t)
   }
 }

@@ -61,18 +61,25 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
-constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
+#ifndef FP8_GATHER_REGS
+#define FP8_GATHER_REGS 88
+#endif
+constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : (PAGED == 2 && KV_FP8) ? FP8_GATHER_REGS
+                            : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
-constexpr int CONVERT_WARPS = 3;                    // KV_FP8: producer warps 1..3
-constexpr int LOAD_STAGES = STAGES;                 // fp8 staging buffers per K and per V (KV_FP8)
-// -- how the TMA lands a K tile (DIM = D_QK) or a V tile (DIM = D_VO): KV_FP8, an fp8 staging tile that
+constexpr int CONVERT_WARPS = 3;                    // FP8_STAGED: producer warps 1..3
+// fp8 K/V staged by the TMA and converted smem -> smem (prefill_sm90_fp8.cuh); the gather (PAGED 2) converts
+// fp8 rows in registers on their way from global memory into the 16-bit tiles instead (no staging tiles)
+constexpr bool FP8_STAGED = KV_FP8 && PAGED != 2;
+constexpr int LOAD_STAGES = STAGES;                 // fp8 staging buffers per K and per V (FP8_STAGED)
+// -- how the TMA lands a K tile (DIM = D_QK) or a V tile (DIM = D_VO): FP8_STAGED, an fp8 staging tile that
 //    CONVERT_WARPS warps of the producer warpgroup convert (boxes of min(DIM, 128) byte-columns, a swizzle
 //    of as many bytes); otherwise the 16-bit tile itself (64 columns, 128-byte swizzle)
 template <int DIM>
 struct LoadTile {
-  static constexpr int COLS = KV_FP8 ? (DIM < 128 ? DIM : 128) : 64;   // elements per box row
-  static constexpr int ROW_BYTES = KV_FP8 ? COLS : 128;
+  static constexpr int COLS = FP8_STAGED ? (DIM < 128 ? DIM : 128) : 64;   // elements per box row
+  static constexpr int ROW_BYTES = FP8_STAGED ? COLS : 128;
   static constexpr int BLOCKS = DIM / COLS;                             // column blocks (boxes per row)
   static constexpr uint32_t BLOCK_BYTES = BLOCK_N * ROW_BYTES;
   static constexpr uint32_t BYTES = BLOCKS * BLOCK_BYTES;
@@ -81,19 +88,18 @@ struct LoadTile {
 };
 typedef LoadTile<D_QK> LoadK;
 typedef LoadTile<D_VO> LoadV;
-static_assert(KV_FP8 || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_TILE_BYTES), "16-bit: the TMA fills the tiles");
-// -- shared memory (Smem below): Q, STAGES 16-bit K and V tiles, (KV_FP8) LOAD_STAGES fp8 K and V staging
+static_assert(FP8_STAGED || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_TILE_BYTES), "16-bit: the TMA fills the tiles");
+// -- shared memory (Smem below): Q, STAGES 16-bit K and V tiles, (FP8_STAGED) LOAD_STAGES fp8 K and V staging
 //    tiles, the mbarriers
-constexpr int NUM_BARS = 4 * STAGES + (KV_FP8 ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0);
+constexpr int NUM_BARS = 4 * STAGES + (FP8_STAGED ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0);
 constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) +
-                                (KV_FP8 ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS;
+                                (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS;
 
 static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
               "prefill_sm90: head dims of whole 64-column blocks, V's at most K's (split-KV rows: head_dim_qk floats)");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
-static_assert(!(PAGED == 2 && KV_FP8), "the gather producer copies 16-bit K/V (fp8 pages: TMA boxes)");
 static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");
 static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles (fp8: and their staging) exceed 227 KiB "
@@ -114,17 +120,18 @@ __device__ __forceinline__ void sts128(uint32_t a, uint4 x) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w) : "memory");
 }
 
-// -- shared memory from the 1024-aligned base: Q, STAGES 16-bit K and V tiles, (KV_FP8) LOAD_STAGES fp8 K and V
+// -- shared memory from the 1024-aligned base: Q, STAGES 16-bit K and V tiles, (FP8_STAGED) LOAD_STAGES fp8 K and V
 //    staging tiles, then the mbarriers (8 bytes each): fullK, fullV, emptyK, emptyV: STAGES each; readyK
-//    (K_XFORM): STAGES (the 16-bit tiles: written, released by the consumers); KV_FP8: loadedK, loadedV, freeK,
+//    (K_XFORM): STAGES (the 16-bit tiles: written, released by the consumers); FP8_STAGED: loadedK, loadedV, freeK,
 //    freeV: LOAD_STAGES each (the staging tiles: landed, read by the converters)
 struct Smem {
   uint32_t q, k, v;                        // Q, the 16-bit K and V tiles
-  uint32_t k8, v8;                         // KV_FP8: the fp8 staging tiles
+  uint32_t k8, v8;                         // FP8_STAGED: the fp8 staging tiles
   uint32_t bars;
   __device__ __forceinline__ explicit Smem(uint32_t base)
       : q(base), k(q + Q_BYTES), v(k + STAGES * K_TILE_BYTES), k8(v + STAGES * V_TILE_BYTES),
-        v8(k8 + (KV_FP8 ? LOAD_STAGES * LoadK::BYTES : 0)), bars(v8 + (KV_FP8 ? LOAD_STAGES * LoadV::BYTES : 0)) {}
+        v8(k8 + (FP8_STAGED ? LOAD_STAGES * LoadK::BYTES : 0)),
+        bars(v8 + (FP8_STAGED ? LOAD_STAGES * LoadV::BYTES : 0)) {}
   __device__ __forceinline__ uint32_t full_k(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ uint32_t full_v(int s) const { return bars + 8 * (STAGES + s); }
   __device__ __forceinline__ uint32_t empty_k(int s) const { return bars + 8 * (2 * STAGES + s); }
@@ -138,15 +145,15 @@ struct Smem {
   __device__ __forceinline__ uint32_t ready_k(int s) const { return bars + 8 * (4 * STAGES + s); }
   __device__ __forceinline__ uint32_t k_landed(int s) const { return K_XFORM ? ready_k(s) : full_k(s); }
   // -- where the TMA lands stage s, the barrier it completes, the one that frees its buffer (KV_FP8: the
-  //    staging tiles and their loaded / free barriers; otherwise the 16-bit tiles and full / empty)
+  //    staging tiles and their loaded / free barriers when FP8_STAGED; otherwise the 16-bit tiles and full / empty)
   __device__ __forceinline__ uint32_t load_dst_k(int s) const {
-    return KV_FP8 ? k8 + s * LoadK::BYTES : k + s * K_TILE_BYTES;
+    return FP8_STAGED ? k8 + s * LoadK::BYTES : k + s * K_TILE_BYTES;
   }
   __device__ __forceinline__ uint32_t load_dst_v(int s) const {
-    return KV_FP8 ? v8 + s * LoadV::BYTES : v + s * V_TILE_BYTES;
+    return FP8_STAGED ? v8 + s * LoadV::BYTES : v + s * V_TILE_BYTES;
   }
-  __device__ __forceinline__ uint32_t load_bar_k(int s) const { return KV_FP8 ? loaded_k(s) : full_k(s); }
-  __device__ __forceinline__ uint32_t load_bar_v(int s) const { return KV_FP8 ? loaded_v(s) : full_v(s); }
-  __device__ __forceinline__ uint32_t load_free_k(int s) const { return KV_FP8 ? free_k(s) : empty_k(s); }
-  __device__ __forceinline__ uint32_t load_free_v(int s) const { return KV_FP8 ? free_v(s) : empty_v(s); }
+  __device__ __forceinline__ uint32_t load_bar_k(int s) const { return FP8_STAGED ? loaded_k(s) : full_k(s); }
+  __device__ __forceinline__ uint32_t load_bar_v(int s) const { return FP8_STAGED ? loaded_v(s) : full_v(s); }
+  __device__ __forceinline__ uint32_t load_free_k(int s) const { return FP8_STAGED ? free_k(s) : empty_k(s); }
+  __device__ __forceinline__ uint32_t load_free_v(int s) const { return FP8_STAGED ? free_v(s) : empty_v(s); }
 };

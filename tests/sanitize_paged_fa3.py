@@ -1,5 +1,6 @@
 """Run by tests/test_prefill_sm90.py under compute-sanitizer memcheck (not a test itself): small paged
-fa3 prefill batches, the cp.async gather (16-bit caches) and TMA boxes (an fp8 cache), with CuPy's memory pool off so every array is its
+fa3 prefill batches through the gather (16-bit caches with cp.async, fp8 caches converted in registers) and
+through TMA boxes (the fused RoPE at head_dim 256, the one case the gather does not take), with CuPy's memory pool off so every array is its
 own allocation (the pool would hide out-of-bounds accesses inside its blocks). Exits 0 when each output is
 finite; memcheck's own report decides the test."""
 import numpy as np
@@ -10,8 +11,10 @@ import cuattn
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(5)
-hq, hkv, d = 8, 2, 128
-for page_size, causal, kv in ((1, True, None), (5, False, None), (16, True, None), (16, True, "float8_e4m3fn")):
+hq, hkv = 8, 2
+for page_size, causal, kv, d, rope in ((1, True, None, 128, False), (5, False, None, 128, False),
+                                       (16, True, None, 128, False), (16, True, "float8_e4m3fn", 128, False),
+                                       (5, False, "float8_e5m2", 128, False), (16, True, None, 256, True)):
     kv_lens, qo_lens = [37, 130, 3], [5, 130, 1]
     pages = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(pages)                       # no spare page: a read past a request's pages leaves the array
@@ -26,7 +29,8 @@ for page_size, causal, kv in ((1, True, None), (5, False, None), (16, True, None
         cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv)
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv,
+           pos_encoding_mode="ROPE_LLAMA" if rope else "NONE")
     out = w.run(q, cache)
     cp.cuda.Device().synchronize()
     assert bool(cp.isfinite(out).all()), page_size

@@ -159,9 +159,9 @@ def test_prefill_fp8_refusals_name_the_limit():
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 16,
            kv_data_type="float8_e4m3fn")          # fa3 has fp8 kernels (NumPy plan here)
-    with pytest.raises(UnsupportedError, match="fa3 reads fp8 pages of 16, 32"):
-        w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 5,
-               kv_data_type="float8_e5m2")
+    w.plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32), lpl, 4, 4, 128, 5,
+           kv_data_type="float8_e5m2")            # any page size: the gather converts fp8 rows
+    assert prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e5m2", page_size=5).gather
     with pytest.raises(UnsupportedError, match="q dtype float8_e4m3fn has no kernel"):
         cuattn.BatchPrefillWithPagedKVCacheWrapper().plan(ind, np.array([0, 1], np.int32), np.array([0], np.int32),
                                                           lpl, 4, 4, 128, 16, q_data_type="float8_e4m3fn",
@@ -175,9 +175,9 @@ def test_prefill_fp8_refusals_name_the_limit():
         for kw in (dict(paged=True, page_size=16), dict(paged=False)):
             assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="bf16", custom_mask=False,
                                            dtype_kv=kv, **kw) == "fa3"
-        for arch, ps in (("sm_80", 16), ("sm_90a", 5)):
+        for arch, ps, want in (("sm_80", 16, "fa2"), ("sm_90a", 5, "fa3"), ("sm_90a", 1, "fa3")):
             assert prefill.resolve_backend("auto", "f", arch=arch, head_dim=128, dtype="f16", custom_mask=False,
-                                           paged=True, page_size=ps, dtype_kv=kv) == "fa2"
+                                           paged=True, page_size=ps, dtype_kv=kv) == want
     assert prefill.resolve_backend("auto", "f", arch="sm_90a", head_dim=128, dtype="f16", custom_mask=False,
                                    paged=False, dtype_kv="f32") == "fa2"
 
@@ -322,13 +322,17 @@ def test_single_prefill_gpu_fp8_and_split_kv():
 
 sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 GPU")
 
-# (qo_lens, kv_lens, page_size, hq, hkv, kv, q dtype, scales, causal, layout); head_dim 128. Free slots
-# and pages hold NaN bits (paged_fp8_case): rows past a request's end must be masked / zeroed.
+# (qo_lens, kv_lens, page_size, hq, hkv, kv, q dtype, scales, causal, layout[, head_dim: 128]). Free slots
+# and pages hold NaN bits (paged_fp8_case): rows past a request's end must be masked / zeroed. The gather
+# converts fp8 rows of any page size (1, 5 and 3 below: pages no TMA box fits).
 FA3_PAGED_GPU = [
     ([17, 1, 300], [54, 97, 300], 16, 32, 8, "e4m3", "float16", "tensor", True, "NHD"),
     ([127, 33], [4932, 40], 16, 28, 4, "e5m2", "bfloat16", "one", False, "HND"),
     ([1, 1, 1, 1], [2048, 17, 300, 1], 16, 32, 8, "e4m3", "bfloat16", "head", False, "NHD"),  # decode-like rows
     ([577, 64], [577, 1000], 64, 8, 8, "e5m2", "float16", "head", True, "NHD"),
+    ([64, 7], [512, 7], 1, 32, 8, "e5m2", "bfloat16", "head", False, "NHD"),
+    ([130, 5], [700, 260], 5, 16, 4, "e4m3", "float16", "tensor", True, "HND"),
+    ([33, 2], [129, 1000], 3, 16, 2, "e4m3", "bfloat16", "head", True, "NHD", 64),
 ]
 FA3_RAGGED_GPU = [   # (qo_lens, kv_lens, hq, hkv, kv, q dtype, scales, causal)
     ([37, 200], [97, 200], 32, 8, "e4m3", "float16", "head", True),
@@ -341,14 +345,15 @@ FA3_RAGGED_GPU = [   # (qo_lens, kv_lens, hq, hkv, kv, q dtype, scales, causal)
 @sm90
 @pytest.mark.parametrize("case", FA3_PAGED_GPU, ids=_ids(FA3_PAGED_GPU))
 def test_paged_prefill_gpu_fp8_fa3_matches_dequantised_oracle(case):
-    qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout = case
-    c = paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, 128, kv, qdt, sk, layout, seed=len(qo_lens) * 5 + ps)
+    qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout, *dim = case
+    d = dim[0] if dim else 128
+    c = paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 5 + ps)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)      # auto
-    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, 128, ps,
+    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
-    assert w.backend == "fa3" and w._plan["run_spec"].dtype_kv == kv
+    assert w.backend == "fa3" and w._plan["run_spec"].dtype_kv == kv and w._plan["run_spec"].gather
     rows = int(c["qo_indptr"][-1])
-    out, lse = _poisoned((rows, hq, 128), qdt), _cp().full((rows, hq), np.nan, np.float32)
+    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
     w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
           v_scale=_dev_scale(c["scales"][1]))
     assert w.backend == "fa3"

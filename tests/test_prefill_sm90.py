@@ -82,39 +82,37 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
     for dk, dv in prefill_sm90.HEAD_DIMS:
         assert reason("sm_90a", dk, "bf16", False, True, page_size=16, head_dim_vo=dv) is None
     # 16-bit pages a TMA box cannot hold (1, 5, 96 at head_dim 256): the cp.async gather producer (no query /
-    # key transform at head_dim 256 there); fp8 pages need the boxes
+    # key transform at head_dim 256 there); fp8 pages likewise (converted in registers)
     for dk, dv in prefill_sm90.HEAD_DIMS:
         for ps in (1, 5, 24):
             assert reason("sm_90a", dk, "f16", False, True, page_size=ps, head_dim_vo=dv) is None
             r = reason("sm_90a", dk, "f16", False, True, True, page_size=ps, head_dim_vo=dv)
             assert r is None if dk != 256 else "no query / key transform" in r
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    with pytest.raises(UnsupportedError, match="fa3 reads fp8 pages of 16, 32, 64, 128 or a multiple of 128"):
-        w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
-               np.array([4], np.int32), 4, 4, 128, 5, kv_data_type="float8_e4m3fn")
+    for kv in ("e4m3", "e5m2"):
+        for dk in (64, 128):
+            for ps in (1, 5, 96, 192):
+                assert reason("sm_90a", dk, "f16", False, True, page_size=ps, dtype_kv=kv) is None
     # head_dim 256 tiles are 64 keys: pages of 192 box (3 tiles of 64), pages of 96 do not (gathered)
     assert reason("sm_90a", 256, "f16", False, True, page_size=192) is None
     assert reason("sm_90a", 256, "f16", False, True, page_size=96) is None
-    assert "fp8 pages of 16, 32, 64, 128 or a multiple of 128 keys" in reason("sm_90a", 64, "f16", False, True,
-                                                                              page_size=96, dtype_kv="e4m3")
-    assert "multiple of 128" in reason("sm_90a", 128, "f16", False, True, page_size=192, dtype_kv="e5m2")
-    # the producer: the gather for 16-bit caches (3 stages where they fit), TMA boxes for fp8 and for the RoPE
-    # at head_dim 256 (pages no box fits: fa2 there, above)
+
+    # the producer: the gather for every cache (3 stages where they fit), TMA boxes for the RoPE at head_dim 256
+    # (pages no box fits: fa2 there, above)
     rope = variants.resolve("f", num_qo_heads=8, head_dim=256, pos_encoding_mode="ROPE_LLAMA").composite
     for ps in (1, 5, 16, 24, 64, 256):
         for dk, dv in prefill_sm90.HEAD_DIMS:
             spec = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, head_dim_qk=dk, head_dim_vo=dv)
             assert spec.gather and "_gather" in spec.name and "-DPAGED=2" in spec.defines()
             assert spec.stages == (3 if dk <= 128 else 2) and spec.smem_bytes <= prefill_sm90.SMEM_LIMIT
-            assert not prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, dtype_kv="e4m3", head_dim_qk=dk,
-                                              head_dim_vo=dv).gather
+            if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:   # fp8: no staging tiles, 3 stages too
+                f8 = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, dtype_kv="e4m3", head_dim_qk=dk)
+                assert f8.gather and f8.stages == 3 and f8.smem_bytes <= prefill_sm90.SMEM_LIMIT
         r256 = prefill_sm90.make_spec("f16", True, rope, paged=True, page_size=ps, head_dim_qk=256)
         assert r256.gather is (prefill_sm90.page_box(ps, 64) is None) and ("-DPAGED=1" in r256.defines()) is not r256.gather
     with pytest.raises(UnsupportedError, match="sm_90"):
         prefill.resolve_backend("fa3", "f", arch="sm_80", head_dim=128, dtype="f16", custom_mask=False, paged=False)
-    # auto never picks fa3 off sm_90 or pages it cannot box (a custom mask is a variant: tests/test_mask_variant.py)
-    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", paged=True, page_size=5, dtype_kv="e4m3"),
-               dict(arch="sm_90a", paged=True, page_size=1, rope=True, head_dim=256)):
+    # auto never picks fa3 off sm_90 or where it has no kernel (a custom mask is a variant: tests/test_mask_variant.py)
+    for kw in (dict(arch="sm_80"), dict(arch="sm_90a", paged=True, page_size=1, rope=True, head_dim=256)):
         args = dict(dict(head_dim=128, dtype="f16", custom_mask=False, paged=False), **kw)
         assert prefill.resolve_backend("auto", "f", **args) == "fa2"
     for kw in (dict(paged=False), dict(paged=True, page_size=16), dict(paged=True, page_size=256),
@@ -172,10 +170,16 @@ def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
         if dk == dv:     # READY_K: STAGES more mbarriers where producer warps transform K; none for q alone
             for v, extra in ((variants.Composite((KEY_SCALE,)), 16), (_query_only(), 0)):
                 assert prefill_sm90.make_spec("f16", True, v, head_dim_qk=dk).smem_bytes == plain.smem_bytes + extra
-        if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:   # + STAGES fp8 K and V staging tiles, 4 STAGES mbarriers
-            f8 = prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e5m2", head_dim_qk=dk, head_dim_vo=dv)
-            assert f8.smem_bytes == plain.smem_bytes + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
+        if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:
+            # TMA-staged (contiguous K/V): + STAGES fp8 K and V staging tiles, 4 STAGES mbarriers
+            f8 = prefill_sm90.make_spec("f16", True, dtype_kv="e5m2", head_dim_qk=dk, head_dim_vo=dv)
+            contig = prefill_sm90.make_spec("f16", True, head_dim_qk=dk, head_dim_vo=dv)
+            assert f8.smem_bytes == contig.smem_bytes + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
             assert "-DKV_FP8=2" in f8.defines() and f"-DSPEC_SMEM_BYTES={f8.smem_bytes}" in f8.defines()
+            # gathered (paged): converted in registers, no staging: the 16-bit gather's smem, 3 stages
+            g8 = prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
+            g16 = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
+            assert g8.gather and g8.smem_bytes == g16.smem_bytes and g8.stages == g16.stages == 3
 
 
 def test_fa3_refuses_fp8_at_head_dims_its_staging_cannot_hold():
@@ -574,8 +578,9 @@ def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
 @pytest.mark.gpu
 @sm90
 def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
-    """compute-sanitizer memcheck over small paged fa3 batches (pages of 1 and 5: the gather; 16: TMA
-    boxes), CuPy's pool off, no spare page past the last request's: no invalid access, no error."""
+    """compute-sanitizer memcheck over small paged fa3 batches (the gather: pages of 1, 5 and 16, fp8 pages of
+    16 and 5; TMA boxes: the fused RoPE at head_dim 256), CuPy's pool off, no spare page past the last
+    request's: no invalid access, no error."""
     import os
     import shutil
     import subprocess
@@ -589,4 +594,4 @@ def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
-    assert "_gather" in r.stdout and "_paged" in r.stdout
+    assert "_gather_kve4m3" in r.stdout and "_gather_kve5m2" in r.stdout and "_paged" in r.stdout
