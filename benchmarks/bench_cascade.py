@@ -9,6 +9,10 @@ before every timed call, 5 warm-up + N timed, median. Floors: the bytes of every
 once, at the read bandwidth measured in the run; and the FLOPs (4 x queries x heads x head_dim x keys
 per level: QK^T and PV) at the fp16 tensor-core rate of a cuBLAS 8192^3 matmul measured in the run.
 The level that attends the shared prefix is a multi-query prefill, so compute bound on that level.
+Beside that (timed with the flush, host time included, as a serving step sees it): the call's GPU time
+alone (bench_prefill.gpu_us: queued behind a matmul, so host submission is hidden), the same with PDL off,
+its host time (bench_prefill.host_us), and the GPU time of each launch of one call queued behind the matmul
+(events between the launches: the last level, then each other level and its merge).
 
     python benchmarks/bench_cascade.py [--reps 30] [--out results.json]
 """
@@ -28,6 +32,7 @@ import cupy as cp  # noqa: E402
 
 import cuattn  # noqa: E402
 from bench_decode import ceilings, fill_random, l2_flush, time_events  # noqa: E402
+from bench_prefill import gpu_us, host_us  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -72,6 +77,36 @@ def matmul_tflops(reps: int) -> float:
     return 2 * 8192 ** 3 / (us * 1e-6) / 1e12
 
 
+def launch_us(w, q, cache, out, reps: int = 10) -> list:
+    """GPU µs of each launch of one cascade call (median over reps), queued behind a matmul: the last level's
+    wrapper, then each other level and its merge, in run()'s order (run()'s body, with events between)."""
+    from cuattn.multilevel import _merge_into
+    from cuattn import arrays
+    n = 6144
+    a = cp.ones((n, n), cp.float16)
+    lse = cp.empty((q.shape[0], q.shape[1]), cp.float32)
+    ctx = arrays.context_of("bench", {"q": q}, None)
+    rows = []
+    for _ in range(reps):
+        a @ a
+        ev = [cp.cuda.Event()]
+        ev[-1].record()
+        w._levels[-1].run(q, cache, out=out, lse=lse)
+        ev.append(cp.cuda.Event())
+        ev[-1].record()
+        for i, lv in enumerate(w._levels[:-1]):
+            o_i, s_i = w._states[i][0][:w._rows], w._states[i][1][:w._rows]
+            lv.run(q, cache, out=o_i, lse=s_i)
+            ev.append(cp.cuda.Event())
+            ev[-1].record()
+            _merge_into(ctx, out, lse, o_i, s_i, "bench")
+            ev.append(cp.cuda.Event())
+            ev[-1].record()
+        ev[-1].synchronize()
+        rows.append([cp.cuda.get_elapsed_time(x, y) * 1e3 for x, y in zip(ev, ev[1:])])
+    return [round(float(v), 1) for v in np.median(np.array(rows), axis=0)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -107,6 +142,10 @@ def main():
                HQ, HKV, D, PS)
         out = cp.empty_like(q)
         cascade_us = time_events(lambda: w.run(q, cache, out=out), args.reps, flush)
+        gpu_alone = gpu_us(lambda: w.run(q, cache, out=out), args.reps)
+        gpu_alone_nopdl = gpu_us(lambda: w.run(q, cache, out=out, enable_pdl=False), args.reps)
+        host = host_us(lambda: w.run(q, cache, out=out))
+        launches = launch_us(w, q, cache, out)
         lse = cp.empty((128, HQ), cp.float32)
         level_us = [round(time_events(lambda lv=lv: lv.run(q, cache, out=out, lse=lse), args.reps, flush), 1)
                     for lv in w._levels]        # each level alone (the merges are the rest)
@@ -123,7 +162,8 @@ def main():
         floor_us = max(kv_bytes / (read_tbs * 1e12), flops / (mma * 1e12)) * 1e6
         row = dict(case=name, cascade_us=round(cascade_us, 1), plain_decode_us=round(plain_us, 1),
                    kv_bytes_levels=kv_bytes, flops=flops, floor_us=round(floor_us, 1), rel_diff_vs_plain=err,
-                   level_us=level_us, plan=w.describe())
+                   level_us=level_us, gpu_alone_us=round(gpu_alone, 1), gpu_alone_no_pdl_us=round(gpu_alone_nopdl, 1),
+                   host_us=round(host, 1), launch_gpu_us=launches, plan=w.describe())
         if flashinfer is not None:
             fw = flashinfer.MultiLevelCascadeAttentionWrapper(
                 len(levels), torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD")
@@ -137,6 +177,8 @@ def main():
         print(f"{name:<38} cascade {cascade_us:8.1f} us   plain decode {plain_us:8.1f} us   "
               f"floor {floor_us:6.1f} us   FlashInfer {row.get('flashinfer_cascade_us', '-')}   "
               f"|cascade - plain| / |plain| {err:.1e}   levels {level_us} us", flush=True)
+        print(f"{'':<38} GPU alone {gpu_alone:.1f} us (PDL off {gpu_alone_nopdl:.1f}), host {host:.1f} us, "
+              f"launches (last level, then level i, merge i) {launches} us", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), read_tbs=read_tbs,
                                                   matmul_tflops=mma,
