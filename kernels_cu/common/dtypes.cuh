@@ -91,6 +91,26 @@ __device__ __forceinline__ uint4 fp8x8_to_f16x8(uint32_t a, uint32_t b) {
                     fp8x2_to_f16x2<FMT, 0x3424>(b));
 }
 template <int FMT> struct Fp8F16Factor { static constexpr float value = FMT == 1 ? 256.f : 1.f; };
+// -- the same with the hardware conversion (sm_89+: cvt.rn.f16x2.e4m3x2, one instruction a pair, exact real
+//    values: no factor; e5m2 keeps its one prmt). Unlike the trick, e4m3 NaN stays NaN: callers must zero or
+//    mask rows that hold no key (the trick turns NaN bits into finite values).
+template <int FMT>
+__device__ __forceinline__ uint4 fp8x8_to_f16x8_hw(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (FMT == 1) {
+    const auto cvt = [](uint32_t w, int hi) {   // the two fp8 of half `hi` of w -> f16x2
+      uint32_t r;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(hi ? w >> 16 : w & 0xffffu)));
+      return r;
+    };
+    return make_uint4(cvt(a, 0), cvt(a, 1), cvt(b, 0), cvt(b, 1));
+  }
+  return fp8x8_to_f16x8<FMT>(a, b);
+#else
+  static_assert(FMT < 0, "fp8x8_to_f16x8_hw: sm_89 or newer");
+  return make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
 
 // 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
 __device__ __forceinline__ float exp2_approx(float x) {
