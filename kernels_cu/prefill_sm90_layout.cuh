@@ -35,7 +35,7 @@ constexpr bool Q_CONVERT = !SameType<dtype_t, mma_t>::value;   // bf16 q with fp
 #ifndef FP8_HW_CVT
 #define FP8_HW_CVT 1        // fp8 -> f16 by the hardware's conversion (dtypes.cuh fp8x8_to_f16x8_hw; 0: the byte trick)
 #endif
-constexpr float FP8_FACTOR = FP8_HW_CVT ? 1.f : Fp8F16Factor<KV_FP8>::value;   // joins the k / v scales
+constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;   // joins the k / v scales
 #define NEG_INF __int_as_float(0xff800000)
 
 // -- tile geometry, all of it from HEAD_DIM_QK, HEAD_DIM_VO, BLOCK_N and STAGES (prefill_sm90.py

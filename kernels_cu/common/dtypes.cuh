@@ -91,26 +91,39 @@ __device__ __forceinline__ uint4 fp8x8_to_f16x8(uint32_t a, uint32_t b) {
                     fp8x2_to_f16x2<FMT, 0x3424>(b));
 }
 template <int FMT> struct Fp8F16Factor { static constexpr float value = FMT == 1 ? 256.f : 1.f; };
-// -- the same with the hardware conversion (sm_89+: cvt.rn.f16x2.e4m3x2, one instruction a pair, exact real
-//    values: no factor; e5m2 keeps its one prmt). Unlike the trick, e4m3 NaN stays NaN: callers must zero or
-//    mask rows that hold no key (the trick turns NaN bits into finite values).
+// -- the same with the hardware conversion where there is one (sm_89+: cvt.rn.f16x2.e4m3x2, one instruction a
+//    pair after at most one prmt, exact real values: no factor; e5m2 keeps its one prmt; older archs: the trick
+//    above, and Fp8Factor<FMT, false>). Unlike the trick, e4m3 NaN stays NaN: callers must zero or mask rows
+//    that hold no key (the trick turns NaN bits into finite values).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define CUATTN_FP8_HW_CVT 1
+#else
+#define CUATTN_FP8_HW_CVT 0
+#endif
+template <int FMT, int SEL>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2_hw(uint32_t x) {
+#if CUATTN_FP8_HW_CVT
+  if (FMT == 1) {
+    constexpr int B0 = (SEL >> 4) & 7, B1 = (SEL >> 12) & 7;   // the bytes the trick's selector picks
+    uint32_t p = x;
+    if (!(B0 == 0 && B1 == 1) && !(B0 == 2 && B1 == 3))        // not a half of x: gather them into the low half
+      asm("prmt.b32 %0, %1, 0, %2;" : "=r"(p) : "r"(x), "n"(B0 | (B1 << 4) | 0x4400));
+    uint32_t r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(B0 == 2 && B1 == 3 ? x >> 16 : p & 0xffffu)));
+    return r;
+  }
+#endif
+  return fp8x2_to_f16x2<FMT, SEL>(x);
+}
 template <int FMT>
 __device__ __forceinline__ uint4 fp8x8_to_f16x8_hw(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if (FMT == 1) {
-    const auto cvt = [](uint32_t w, int hi) {   // the two fp8 of half `hi` of w -> f16x2
-      uint32_t r;
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(hi ? w >> 16 : w & 0xffffu)));
-      return r;
-    };
-    return make_uint4(cvt(a, 0), cvt(a, 1), cvt(b, 0), cvt(b, 1));
-  }
-  return fp8x8_to_f16x8<FMT>(a, b);
-#else
-  static_assert(FMT < 0, "fp8x8_to_f16x8_hw: sm_89 or newer");
-  return make_uint4(0u, 0u, 0u, 0u);
-#endif
+  return make_uint4(fp8x2_to_f16x2_hw<FMT, 0x1404>(a), fp8x2_to_f16x2_hw<FMT, 0x3424>(a),
+                    fp8x2_to_f16x2_hw<FMT, 0x1404>(b), fp8x2_to_f16x2_hw<FMT, 0x3424>(b));
 }
+// the factor the scales take for the conversion used (HW: the _hw functions on an arch that has the cvt)
+template <int FMT, bool HW> struct Fp8Factor {
+  static constexpr float value = HW && CUATTN_FP8_HW_CVT ? 1.f : Fp8F16Factor<FMT>::value;
+};
 
 // 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
 __device__ __forceinline__ float exp2_approx(float x) {
