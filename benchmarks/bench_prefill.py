@@ -341,13 +341,14 @@ VARIANTS_ISSUE4 = [(), ("PAGE_ADDR32=0",), ("L2_PREFETCH=128",)]
 
 
 def _with_variant(var):
-    """Patch prefill.make_spec so every spec carries the -D defines ``var`` (tile config unchanged)."""
-    from cuattn import prefill
-    orig = prefill._ORIG_MAKE_SPEC = getattr(prefill, "_ORIG_MAKE_SPEC", prefill.make_spec)
+    """Patch prefill_batch.make_spec (plan()'s) so every spec carries the -D defines ``var`` (tile config
+    unchanged)."""
+    from cuattn import prefill_batch
+    orig = prefill_batch._ORIG_MAKE_SPEC = getattr(prefill_batch, "_ORIG_MAKE_SPEC", prefill_batch.make_spec)
 
     def make(*args, **kw):
         return dataclasses.replace(orig(*args, **kw), tuning=tuple(var))
-    prefill.make_spec = make if var else orig
+    prefill_batch.make_spec = make if var else orig
 
 
 def _ragged_calls(batch, length, causal, hq, hkv, d, page_size, order="random"):
@@ -515,26 +516,24 @@ def diagnose_percall(args, hq, hkv):
 
 
 def sweep_variants(args, hq, hkv, mm):
-    """Tile configurations (num_mma_q, block_n, stages) on 1 x 16k, hd128, by patching tile_config."""
-    from cuattn import prefill
-    orig = prefill.tile_config
+    """Tile configurations (num_mma_q, block_n, stages) on 1 x 16k, hd128, by patching plan()'s make_spec."""
+    from cuattn import prefill_batch
     print("variant sweep, 1x16384 hd128 fp16 (num_mma_q, block_n, stages): TFLOP/s full / causal / paged full")
     sweep = []
-    orig_make = prefill.make_spec
+    orig_make = prefill_batch.make_spec
     for var in (VARIANTS_PAGED if args.variants == "paged" else VARIANTS):
-        prefill.make_spec = lambda *a, var=var, **kw: dataclasses.replace(
+        prefill_batch.make_spec = lambda *a, var=var, **kw: dataclasses.replace(
             orig_make(*a, **kw), num_mma_q=var[0], block_n=var[1], stages=var[2], tuning=tuple(var[3:]))
         try:
             res = [run_case(1, 16384, c, hq, hkv, 128, "float16", 7, args.page_size, None) for c in (False, True)]
             rg = run_case(8, 2048, False, hq, hkv, 128, "float16", 7, args.page_size, None)
-            regs = jit.compile_kernel(prefill.make_spec(128, "f16", False, False, False), "sm_90a").resources
+            regs = jit.compile_kernel(prefill_batch.make_spec(128, "f16", False, False, False), "sm_90a").resources
             print(f"  {var}: {res[0]['tflops']:.0f} / {res[1]['tflops']:.0f} / {res[0]['paged_tflops']:.0f}"
                   f" / 8x2048 {rg['tflops']:.0f}  {regs.get('cuattn_prefill', regs)}", flush=True)
             sweep.append(dict(variant=list(map(str, var)), full=res[0], causal=res[1], ragged=rg, resources=regs))
         except Exception as e:  # a variant that fails to launch (smem) is reported, not fatal
             print(f"  {var}: failed: {type(e).__name__}: {str(e)[:120]}")
-    prefill.tile_config = orig
-    prefill.make_spec = orig_make
+    prefill_batch.make_spec = orig_make
     return sweep
 
 

@@ -159,8 +159,8 @@ def main():
     ONLY[:] = args.variants
     if args.tuning:
         import dataclasses
-        from cuattn import prefill, prefill_sm90
-        for mod in (prefill, prefill_sm90):
+        from cuattn import prefill_batch, prefill_sm90
+        for mod in (prefill_batch, prefill_sm90):     # where plan() calls make_spec
             def make(*a, _made=mod.make_spec, **kw):
                 return dataclasses.replace(_made(*a, **kw), tuning=tuple(args.tuning))
             mod.make_spec = make

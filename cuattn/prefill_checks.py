@@ -1,4 +1,4 @@
-"""Checks of prefill's arguments and arrays (prefill.py's wrappers and single.py): shapes, dtypes,
+"""Checks of prefill's arguments and arrays (prefill.py, prefill_batch.py and single.py): shapes, dtypes,
 masks, outputs, head_dim_vo, and the fp8 KV pieces (k_scale / v_scale through fp8.parse_scale, the
 spec's dtype_kv, the NumPy path's dequantised K/V). Every message follows STYLE.md's pattern."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Hopper prefill kernel (backend "fa3"): ``kernels_cu/prefill_sm90.cu`` (wgmma, TMA, sm_90a only).
 
 Used by ``prefill.py`` for ``single_prefill_with_kv_cache`` and ``BatchPrefillWithRaggedKVCacheWrapper``
-when the backend resolves to "fa3" (``prefill.resolve_backend``). Kept in its own module, beside the
+when the backend resolves to "fa3" (``prefill_spec.resolve_backend``). Kept in its own module, beside the
 portable launcher, because it pairs with its own CUDA file and launches with tensor maps
 (``cuTensorMapEncodeTiled`` through ctypes) passed as ``__grid_constant__`` parameters.
 

@@ -571,7 +571,7 @@ def resolve(fn: str, *, num_qo_heads: int, pos_encoding_mode: Any = "NONE", wind
                                f"fp16 accumulation of FlashInfer's fa2 saves no time on sm_80+ tensor cores here)")
     if custom_mask:
         pieces.append(CUSTOM_MASK)
-        fixed.update(custom_mask=None, mask_indptr=None)      # the plan's (prefill._plan_common)
+        fixed.update(custom_mask=None, mask_indptr=None)      # the plan's (prefill_batch._plan_common)
     if sinks:
         pieces.append(SINK)
     composite = Composite(tuple(pieces))

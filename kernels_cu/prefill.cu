@@ -1,5 +1,6 @@
-// prefill.cu — launched by cuattn/prefill.py (PrefillSpec); the portable "fa2" backend (sm_80+).
-// Parameters: mirrored by prefill.py PARAMS (by name; tests/test_params.py checks the two agree).
+// prefill.cu — launched by cuattn/prefill_batch.py (PrefillSpec: prefill_spec.py); the portable "fa2"
+// backend (sm_80+).
+// Parameters: mirrored by prefill_batch.py PARAMS (by name; tests/test_params.py checks the two agree).
 // Compile-time: HEAD_DIM (64 | 128 | 256, or 192 with HEAD_DIM_VO 128: q and K columns), HEAD_DIM_VO (V and
 //   out columns; default HEAD_DIM), DTYPE (cuattn::f16 | cuattn::bf16: q and out), KV_FP8 (0: K/V
 //   of DTYPE, 1: e4m3, 2: e5m2), CAUSAL (0 | 1), PAGED (0 | 1), NUM_MMA_Q (16-row m-tiles per warp),

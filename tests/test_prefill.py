@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, prefill
+from cuattn import jit, prefill, prefill_spec
 from cuattn.errors import UnsupportedError
 
 from .conftest import gpu_cc, requires_sm
@@ -419,8 +419,8 @@ def test_batch_paged_gpu_equals_ragged_bitwise(monkeypatch, backend):
     # split stays covered): the two differ only in how K/V rows are addressed, so bit for bit
     if backend == "fa3" and gpu_cc() < 90:
         pytest.skip("the fa3 backend needs compute capability 9.0")
-    orig = prefill.tile_config
-    monkeypatch.setattr(prefill, "tile_config", lambda d, m, paged=False, small_q=False: orig(d, m, True, small_q))
+    orig = prefill_spec.tile_config
+    monkeypatch.setattr(prefill_spec, "tile_config", lambda d, m, paged=False, small_q=False: orig(d, m, True, small_q))
     rng = np.random.default_rng(7)
     kv_lens, qo_lens = [300, 77, 1000], [300, 5, 64]
     cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, 8, 128, "NHD")
