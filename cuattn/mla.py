@@ -8,7 +8,9 @@ and reads the same ckv as its value: ``out = softmax(s) . ckv``.
 
 NumPy inputs run the reference path (float32 accumulation). GPU inputs run ``kernels_cu/mla.cu``
 (backend "fa2": mma.sync tensor cores, sm_80+; q fp16 / bf16, the caches of q's dtype or fp8 e4m3 / e5m2
-with run()'s ``k_scale`` / ``v_scale``, converted to q's dtype in shared memory) or, on sm_90,
+with run()'s ``k_scale`` / ``v_scale``, converted to q's dtype in shared memory; an fp32 q runs the 16-bit
+kernel of ``qcast.kernel_dtype``, q_nope and q_pe converted into 16-bit copies and the output back into
+the fp32 out around the launch, as in decode and prefill: ``qcast.py``) or, on sm_90,
 ``kernels_cu/mla_sm90.cu`` (backend "fa3", ``mla_sm90.py``: wgmma, warp-specialised; 16-bit caches): plan() builds
 plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
 splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, fp8, jit, mla_sm90, plan as _plan
+from . import arrays, fp8, jit, mla_sm90, plan as _plan, qcast
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
 from .params import Params
@@ -182,6 +184,7 @@ class BatchMLAPagedAttentionWrapper:
         self._plan = None
         self._backend = backend
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._device_memo: dict[tuple, tuple] = {}    # (backend, spec, run spec) by device and dtypes (_plan_device)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads: int, head_dim_ckv: int,
@@ -190,8 +193,11 @@ class BatchMLAPagedAttentionWrapper:
              disable_split_kv: bool = False) -> None:
         """Plan a batch: request i's queries are ``q[qo_indptr[i]:qo_indptr[i+1]]`` and its keys the
         first ``kv_len_arr[i]`` slots of pages ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; ``causal``
-        aligns bottom-right (query t sees keys <= t + kv_len - qo_len). ``kv_data_type``: q_data_type's, or
-        float8_e4m3fn / float8_e5m2 (a uint8 cache is read as that type; run()'s k_scale / v_scale apply).
+        aligns bottom-right (query t sees keys <= t + kv_len - qo_len). ``q_data_type``: float16, bfloat16 or
+        float32 (the GPU runs the 16-bit kernel of ``qcast.kernel_dtype``: bfloat16 for a bfloat16 cache, else
+        float16; q converted, saturating, at run(); out float32). ``kv_data_type``: q_data_type's (a float32 q:
+        float16 or bfloat16), or float8_e4m3fn / float8_e5m2 (a uint8 cache is read as that type; run()'s
+        k_scale / v_scale apply).
 
         With a GPU (the device of ``kv_indices``, else the current one) the work list is built and
         uploaded here, on the current stream of ``kv_indices``' framework. ``fixed_split_size`` cuts
@@ -234,8 +240,8 @@ class BatchMLAPagedAttentionWrapper:
         n_idx = int(kp[-1])
         q_dt, kv_dt = arrays.as_dtype(q_data_type, "q_data_type", fn), arrays.as_dtype(kv_data_type, "kv_data_type", fn)
         if fp8.is_fp8(q_dt):
-            raise UnsupportedError(f"{fn}: q_data_type must be a 16-bit (or, NumPy, 32-bit) float: q and out stay "
-                                   f"float16 / bfloat16 over an fp8 cache, got {q_dt}")
+            raise UnsupportedError(f"{fn}: q_data_type must be float16, bfloat16 or float32: q and out stay "
+                                   f"16-bit (or float32) over an fp8 cache, got {q_dt}")
         p = _plan.Plan(self._fn, batch, int(num_heads), 1, head_dim_ckv + head_dim_kpe, q_dt, kv_dt,
                        float(sm_scale) if sm_scale is not None else 1 / math.sqrt(head_dim_ckv + head_dim_kpe),
                        None, bool(causal), int(page_size), kv_lens=kvl, qo_indptr=qo, qo_lens=qo_lens,
@@ -252,6 +258,7 @@ class BatchMLAPagedAttentionWrapper:
         bufs = self._bufs
         device = bufs.device_for(like)
         p.device = device
+        self._f32q.plan(p, (HEAD_DIM_CKV, HEAD_DIM_KPE), HEAD_DIM_CKV)    # fp32 q: copies of q_nope, q_pe and out
         if device is None:
             return
         # -- the backend and kernels of these dtypes on this device: as the last plan's (a serving loop's steady
@@ -259,7 +266,7 @@ class BatchMLAPagedAttentionWrapper:
         key = (device, p.q_dtype, p.kv_dtype)
         hit = self._device_memo.get(key)
         if hit is None:
-            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
+            short = _q_short(p)
             arch, kv = jit.device_arch(device), _kv_short(p)
             backend = mla_sm90.resolve_backend(self._backend, fn, arch, short,
                                                arrays.SHORT_NAME.get(arrays.logical_dtype(p.kv_dtype)))
@@ -325,12 +332,13 @@ class BatchMLAPagedAttentionWrapper:
         ----------
         q_nope : array, shape (nnz_qo, num_heads, 512); q_pe : array, shape (nnz_qo, num_heads, 64)
             dtype q_data_type; last dimension contiguous. NumPy runs the reference path; CuPy or any CUDA
-            array exporting ``__dlpack__`` runs the kernel (q float16 / bfloat16; base addresses and
-            strides 16-byte aligned).
+            array exporting ``__dlpack__`` runs the kernel (q float16 / bfloat16: base addresses and
+            strides 16-byte aligned; float32: any, converted into the plan's 16-bit copies first).
         ckv_cache : array, shape (num_pages, page_size, 512); kpe_cache : (num_pages, page_size, 64)
             dtype kv_data_type (q's, or fp8: float8_e4m3fn / float8_e5m2 arrays, or uint8 read as
             kv_data_type).
-        out : array, optional, shape (nnz_qo, num_heads, 512), dtype of q: written in place.
+        out : array, optional, shape (nnz_qo, num_heads, 512), dtype of q (float32 for a float32 q: the 16-bit
+            kernel's output converted into it): written in place.
         lse : float32 array, optional, shape (nnz_qo, num_heads), contiguous: written in place.
         kv_len : int array, optional, shape (batch,); page_table : int array, optional, shape (batch,
             max_num_pages)
@@ -417,10 +425,10 @@ class BatchMLAPagedAttentionWrapper:
 
     def _run_gpu(self, ctx, fn, p, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, base_e, scales):
         if p.device is None or p.meta is None:
-            short = arrays.SHORT_NAME.get(arrays.logical_dtype(p.q_dtype))
-            if short not in ("f16", "bf16") or _kv_short(p) is None:
-                raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type float16 or bfloat16 and kv_data_type "
-                                       f"q_data_type's or float8_e4m3fn / float8_e5m2, got {p.q_dtype} and {p.kv_dtype}")
+            if _q_short(p) not in ("f16", "bf16") or _kv_short(p) is None:
+                raise UnsupportedError(f"{fn}: the GPU kernel needs q_data_type float16, bfloat16 or float32 and "
+                                       f"kv_data_type q_data_type's (float32 q: float16 or bfloat16) or float8_e4m3fn / "
+                                       f"float8_e5m2, got {p.q_dtype} and {p.kv_dtype}")
             raise ValueError(f"{fn}: the plan was made without a GPU; plan() again with a GPU present")
         if p.device != ctx.device:
             raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p.device}), "
@@ -443,7 +451,8 @@ class BatchMLAPagedAttentionWrapper:
             if not arrays.same_storage(t.dtype, dt):
                 raise ValueError(f"{fn}: {name} must have dtype {dt} ({'q' if want else 'kv'}_data_type of plan), "
                                  f"got {t.dtype}")
-            _check_aligned(t, name, 16, fn)
+            if want is None or not self._f32q.active:     # (an fp32 q: the kernel reads its aligned copy)
+                _check_aligned(t, name, 16, fn)
             ts[name] = t
         num_pages = min(ts["ckv_cache"].shape[0], ts["kpe_cache"].shape[0])
         if p.max_page >= num_pages:        # the page ids' maximum, found once in plan()
@@ -455,7 +464,8 @@ class BatchMLAPagedAttentionWrapper:
                 or ot.device != ctx.device:
             raise ValueError(f"{fn}: out must be a ({rows}, {h}, {HEAD_DIM_CKV}) {p.q_dtype} array on GPU "
                              f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
-        _check_aligned(ot, "out", 8, fn)
+        if not self._f32q.active:
+            _check_aligned(ot, "out", 8, fn)
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, h), np.float32)
         lse_ptr = 0
@@ -465,7 +475,13 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"{fn}: lse must be a contiguous ({rows}, {h}) float32 array on GPU {ctx.device}, "
                                  f"got {lt.shape} {lt.dtype}")
             lse_ptr = lt.ptr
-        self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0, scales)
+        if self._f32q.active:   # fp32 q: the kernels read and write 16-bit copies (qcast.py)
+            (ts["q_nope"], ts["q_pe"]), ok = self._f32q.begin_many(
+                ctx, [(ts["q_nope"].ptr, ts["q_nope"].strides), (ts["q_pe"].ptr, ts["q_pe"].strides)], ot.ptr, ot.strides)
+            self._launch(ctx, p, ts, ok, lse_ptr, _LN2 if base_e else 1.0, scales)
+            self._f32q.finish(ctx)
+        else:
+            self._launch(ctx, p, ts, ot, lse_ptr, _LN2 if base_e else 1.0, scales)
         o = arrays.export(ctx, out, p.q_dtype)
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
@@ -495,9 +511,15 @@ class BatchMLAPagedAttentionWrapper:
                 lse_scale=lse_scale))
 
 
+def _q_short(p) -> str | None:
+    """The kernels' q dtype of a plan as a short name: q's, or for an fp32 q its 16-bit copy's (qcast)."""
+    return arrays.SHORT_NAME.get(arrays.logical_dtype(qcast.kernel_dtype(p.q_dtype, p.kv_dtype)))
+
+
 def _kv_short(p) -> str | None:
-    """The spec's kv of a plan: "" for caches of q's dtype, "e4m3" / "e5m2" for fp8, None: no kernel."""
-    if p.kv_dtype == p.q_dtype:
+    """The spec's kv of a plan: "" for caches of the kernels' q dtype (``_q_short``), "e4m3" / "e5m2" for fp8,
+    None: no kernel."""
+    if p.kv_dtype == qcast.kernel_dtype(p.q_dtype, p.kv_dtype):
         return ""
     return arrays.SHORT_NAME[p.kv_dtype] if fp8.is_fp8(p.kv_dtype) else None
 

@@ -66,7 +66,7 @@ class BlockSparseAttentionWrapper:
              head_dim: int, mask=None, packed_mask=None, causal: bool = False, pos_encoding_mode: str = "NONE",
              use_fp16_qk_reduction: bool = False, logits_soft_cap: float | None = None,
              sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
-             q_data_type="float16", kv_data_type=None, o_data_type="float16", non_blocking: bool = True, *,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking: bool = True, *,
              window_left: int = -1, variant=None, fixed_split_size: int | None = None,
              disable_split_kv: bool = False) -> None:
         """Plan attention of M queries over N keys under the BSR mask.
@@ -82,14 +82,16 @@ class BlockSparseAttentionWrapper:
         causal, pos_encoding_mode, logits_soft_cap, window_left, variant, sm_scale, rope_* :
             as ``BatchPrefillWithPagedKVCacheWrapper.plan`` (positions are those of each row block's
             gathered keys)
-        o_data_type : the output dtype; must be q's (no other output dtype has a kernel)
+        o_data_type : the output dtype; None (the default): q_data_type's. Must be q's (no other output
+            dtype has a kernel: an explicit other dtype raises UnsupportedError). FlashInfer 0.6.4 defaults
+            it to "float16" (so its bf16-q plans write fp16); cuattn's output always has q's dtype.
         """
         fn = f"{self._fn}.plan"
         M, N, R, C = (_int_scalar(v, n, fn, 0 if n == "M" else 1) for v, n in ((M, "M"), (N, "N"), (R, "R"), (C, "C")))
         if N % C:
             raise ValueError(f"{fn}: N must be a multiple of C, got N={N}, C={C}")
         q_dt = arrays.as_dtype(q_data_type, "q_data_type", fn)
-        if arrays.as_dtype(o_data_type, "o_data_type", fn) != q_dt:
+        if o_data_type is not None and arrays.as_dtype(o_data_type, "o_data_type", fn) != q_dt:
             raise UnsupportedError(f"{fn}: o_data_type must be q_data_type ({q_dt}), got {o_data_type}")
         ip = arrays.host_int_vector(indptr, "indptr", fn).astype(np.int64)
         idx = arrays.host_int_vector(indices, "indices", fn).astype(np.int64)

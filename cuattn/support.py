@@ -35,7 +35,7 @@ _KV_RULES = {"same as q": lambda q: [q],
              "float16 or bfloat16 with a float32 q": lambda q: [np.dtype(np.float16), arrays.bfloat16]
              if q == np.float32 else []}
 # how a float32 q runs (cuattn/qcast.py), as the README says it
-FP32_Q = ("Float32 q (decode, prefill and the wrappers above them; MLA: NumPy path only): q is converted on the "
+FP32_Q = ("Float32 q (decode, prefill, MLA and the wrappers above them): q is converted on the "
           "GPU to the 16-bit kernels' type, bfloat16 for a bfloat16 KV cache, else float16 (11 significant bits against bfloat16's 8), "
           "saturating at the type's largest finite value (float16: +-65504: no finite q becomes inf; NaN stays NaN); "
           "the kernel's 16-bit output is converted back into a "

@@ -43,7 +43,8 @@
 //   2t, 2t+1 x dims 2g, 2g+1, so each 16-dim chunk is two n8 tiles (even dims, odd dims) and the
 //   accumulator's dims come out as 4t..4t+3 of the chunk (one float4 at the warp merge).
 // KV_F32: K/V stay fp32 in shared memory (cp.async, not TMA); fragments are built by 8-byte (K) and
-//   4-byte (V) shared loads and rounded to q's type (the tensor cores run q's type): a thread's K
+//   4-byte (V) shared loads and rounded to q's type (the tensor cores run q's type), saturating (pack2_sat:
+//   with an f16 q, |K| or |V| past 65504 reads as +-65504, not inf; NaN stays NaN): a thread's K
 //   fragment is key row g, dims 2t, 2t+1 | 2t+8, 2t+9 of the k16 step, its V fragment keys 2t, 2t+1 |
 //   2t+8, 2t+9 of dim g (the padded rows keep both conflict-free), so the accumulator is the 16-bit one.
 // Scales (every KV dtype): k = k_scale * (k_scales ? k_scales[kv_head or 0] : 1), likewise v;
@@ -83,7 +84,7 @@ typedef f16 q_t;
 typedef f16 kv_t;                                // the tensor cores' type
 typedef uint8_t kv_mem_t;                        // the cache's element (e4m3 or e5m2 bits)
 #elif KV_F32
-typedef q_t kv_t;                                // fp32 K/V rounded to q's type in the fragments
+typedef q_t kv_t;                                // fp32 K/V rounded (saturating) to q's type in the fragments
 typedef float kv_mem_t;
 #elif KV_BF16
 typedef bf16 kv_t;
@@ -514,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         for (int nt = 0; nt < 2; ++nt) {
           const float2 lo = *reinterpret_cast<const float2*>(krow + nt * 8 * SROW + kk * 64);
           const float2 hi = *reinterpret_cast<const float2*>(krow + nt * 8 * SROW + kk * 64 + 32);
-          mma_m16n8k16<kv_t>(s[nt], a, pack2<kv_t>(lo.x, lo.y), pack2<kv_t>(hi.x, hi.y));
+          mma_m16n8k16<kv_t>(s[nt], a, pack2_sat<kv_t>(lo.x, lo.y), pack2_sat<kv_t>(hi.x, hi.y));
         }
       }
     }
@@ -592,7 +593,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 8; ++j) {
         const float* v = vcol + 8 * j;
-        mma_m16n8k16<kv_t>(acc[j], pa, pack2<kv_t>(v[0], v[R]), pack2<kv_t>(v[8 * R], v[9 * R]));
+        mma_m16n8k16<kv_t>(acc[j], pa, pack2_sat<kv_t>(v[0], v[R]), pack2_sat<kv_t>(v[8 * R], v[9 * R]));
       }
     }
 #else

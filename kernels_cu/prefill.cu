@@ -8,7 +8,8 @@
 // Grid (num_work, num_kv_heads); block 128 (4 warps); dynamic smem BLOCK_M * HEAD_DIM * 2 + 2 STAGES BLOCK_N *
 //   HEAD_DIM * (K/V element bytes) (+ (2 STAGES + 1) * BLOCK_N * 4 when PAGED: the tiles' row offsets and
 //   page ids) (+ 2 BLOCK_N * HEAD_DIM * 2 when KV_FP8 or KV_F32: the converted K and V tiles).
-// KV_F32 (0 | 1): K/V of fp32 (q fp16 / bf16), staged and converted as KV_FP8's, rounded to q's type.
+// KV_F32 (0 | 1): K/V of fp32 (q fp16 / bf16), staged and converted as KV_FP8's, rounded to q's type saturating
+//   (pack2_sat: with an f16 q, |K| or |V| past 65504 becomes +-65504, not inf; NaN stays NaN).
 //
 // One CTA computes BLOCK_M = 64 * NUM_MMA_Q "packed rows" of one request and one kv head: packed
 // row r is query position r / group of qo head kv_head * group + r % group (GQA: the group's heads
@@ -287,7 +288,7 @@ __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uin
 }
 #elif KV_F32
 // -- an fp32 staging tile (plain rows of 4 DT bytes) -> the swizzled tile of q's type: each thread
-//    converts 32 bytes (8 values) into one 16-byte chunk (round to nearest)
+//    converts 32 bytes (8 values) into one 16-byte chunk (round to nearest even, saturating)
 template <int DT>
 __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uint32_t src) {
   constexpr int RCH = DT / 8;
@@ -297,7 +298,8 @@ __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uin
     const float4 a = *reinterpret_cast<const float4*>(smem + src + i * 32);
     const float4 b = *reinterpret_cast<const float4*>(smem + src + i * 32 + 16);
     *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, c)) =
-        make_uint4(pack2<mma_t>(a.x, a.y), pack2<mma_t>(a.z, a.w), pack2<mma_t>(b.x, b.y), pack2<mma_t>(b.z, b.w));
+        make_uint4(pack2_sat<mma_t>(a.x, a.y), pack2_sat<mma_t>(a.z, a.w), pack2_sat<mma_t>(b.x, b.y),
+                   pack2_sat<mma_t>(b.z, b.w));
   }
 }
 #endif

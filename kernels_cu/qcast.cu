@@ -3,18 +3,11 @@
 // Grid (rows, heads); block a multiple of 32 up to 256 threads, thread t converting columns t, t + blockDim.x, ...
 // of row (blockIdx.x, blockIdx.y). Strides in elements; the last dimension is contiguous.
 //   cuattn_cast_to_16:  fp32 q -> its elem_t copy, saturating at elem_t's largest finite value (f16: 65504,
-//                       bf16: 0x7f7f) so no finite q becomes inf; NaN stays NaN. Otherwise round to nearest even.
+//                       bf16: 0x7f7f) so no q becomes inf; NaN stays NaN. Otherwise round to nearest even
+//                       (common/dtypes.cuh from_float_sat, as fp32 K/V in decode.cu and prefill.cu).
 //   cuattn_cast_to_f32: the kernel's elem_t output -> the caller's fp32 out (exact).
 #include "common/dtypes.cuh"
 #include "common/elem_dtype.cuh"
-
-namespace cuattn {
-#if DTYPE == 0
-constexpr float ELEM_MAX = 65504.f;
-#else
-constexpr float ELEM_MAX = 3.38953139e38f;   // bf16 0x7f7f: fp32 values above it round to inf
-#endif
-}  // namespace cuattn
 
 using namespace cuattn;
 
@@ -24,11 +17,7 @@ extern "C" __global__ void __launch_bounds__(256) cuattn_cast_to_16(
     int dim, int64_t src_s_tok, int64_t src_s_head, int64_t dst_s_tok, int64_t dst_s_head) {
   const float* s = src + int64_t(blockIdx.x) * src_s_tok + int64_t(blockIdx.y) * src_s_head;
   elem_t* d = dst + int64_t(blockIdx.x) * dst_s_tok + int64_t(blockIdx.y) * dst_s_head;
-  for (int c = int(threadIdx.x); c < dim; c += int(blockDim.x)) {
-    const float x = s[c];
-    const float clamped = fminf(fmaxf(x, -ELEM_MAX), ELEM_MAX);   // (fminf / fmaxf drop a NaN: kept below)
-    d[c] = from_float<elem_t>(x != x ? x : clamped);
-  }
+  for (int c = int(threadIdx.x); c < dim; c += int(blockDim.x)) d[c] = from_float_sat<elem_t>(s[c]);
 }
 
 extern "C" __global__ void __launch_bounds__(256) cuattn_cast_to_f32(

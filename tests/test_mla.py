@@ -177,7 +177,7 @@ def test_mla_fp8_rejects_bad_dtypes_and_scales_naming_them():
     c = mla_case(23, [1], [10], 16)
     ckv8, kpe8, _ = fp8_case(c, "e4m3", 1.0)
     w = cuattn.BatchMLAPagedAttentionWrapper()
-    with pytest.raises(UnsupportedError, match="q_data_type must be a 16-bit"):
+    with pytest.raises(UnsupportedError, match="q_data_type must be float16, bfloat16 or float32"):
         w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
                "float8_e4m3fn", "float8_e4m3fn")
     w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
@@ -341,6 +341,46 @@ def test_mla_work_list_covers_every_row_and_visible_key_once(lens, heads, causal
     assert sorted((int(m[0]), int(m[1])) for m in wl.merge) == sorted(k for k, v in tiles.items() if len(v) > 1)
 
 
+# ============================================================================ fp32 q (issue 22: cuattn/qcast.py)
+# The GPU runs the 16-bit kernel of qcast.kernel_dtype (bf16 over a bf16 cache, else f16) on converted copies of
+# q_nope and q_pe, the output converted back into a float32 out; the NumPy path computes with the float32 q.
+
+
+def f32q_case(seed, qo_lens, kv_lens, page_size, kv_dtype, heads=16):
+    """mla_case with float32 q_nope / q_pe (values a 16-bit type does not hold exactly) over a ``kv_dtype`` cache."""
+    c = mla_case(seed, qo_lens, kv_lens, page_size, heads=heads, dtype=kv_dtype)
+    rng = np.random.default_rng(seed + 1000)
+    return dict(c, qn=rng.standard_normal(c["qn"].shape).astype(np.float32),
+                qp=rng.standard_normal(c["qp"].shape).astype(np.float32))
+
+
+def test_mla_f32_q_plans_the_16bit_kernel_of_the_compute_type():
+    c = mla_case(41, [1, 2], [30, 9], 16)
+    want = {"float16": ("f16", ""), "bfloat16": ("bf16", ""), "float8_e4m3fn": ("f16", "e4m3"),
+            "float32": ("f16", None)}                      # (kernel q, kernel kv); None: no kernel (run() refuses)
+    for kv, (q_short, kv_short) in want.items():
+        w = cuattn.BatchMLAPagedAttentionWrapper()
+        w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, 0.1,
+               "float32", kv)
+        assert w._plan.q_dtype == np.float32                  # what run() checks q_nope, q_pe and out against
+        assert (mla._q_short(w._plan), mla._kv_short(w._plan)) == (q_short, kv_short), kv
+
+
+@pytest.mark.parametrize("kv", [np.float16, BF16], ids=["f16", "bf16"])
+def test_mla_f32_q_numpy_path_matches_float64_oracle_and_checks_dtypes(kv):
+    c = f32q_case(42, [1, 3], [70, 20], 16, kv)
+    w = cuattn.BatchMLAPagedAttentionWrapper()
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, True, 0.07, "float32",
+           np.dtype(kv))
+    out = np.full(c["qn"].shape, np.nan, np.float32)
+    res, lse = w.run(c["qn"], c["qp"], c["ckv"], c["kpe"], out=out, return_lse=True, return_lse_base_on_e=True)
+    ref_o, ref_s = oracle_fast(c, True, 0.07)
+    assert res is out and out.dtype == np.float32
+    assert rel_err(out, ref_o) < 1e-5 and np.abs(lse - ref_s).max() < 1e-5 * np.abs(ref_s).max()  # float32 arithmetic
+    with pytest.raises(ValueError, match="q_pe must have dtype float32"):
+        w.run(c["qn"], c["qp"].astype(kv), c["ckv"], c["kpe"])
+
+
 # ============================================================================ GPU
 
 
@@ -396,8 +436,10 @@ ELEM_TOL = {"f16": 2e-2, "bf16": 6e-2}    # max |out - ref| / max |ref|, every e
 SCALE = 1 / math.sqrt(CKV + KPE)
 
 
-def check_gpu(c, causal, dtype, out, lse, lse_base_e, scales=(1.0, 1.0)):
-    key = "bf16" if dtype == BF16 else "f16"
+def check_gpu(c, causal, dtype, out, lse, lse_base_e, scales=(1.0, 1.0), kernel_dtype=None):
+    """out (of ``dtype``) and lse against oracle_fast, within the tolerance of the kernel's q type (``kernel_dtype``;
+    default ``dtype``: a float32 q runs a 16-bit kernel)."""
+    key = "bf16" if (dtype if kernel_dtype is None else kernel_dtype) == BF16 else "f16"
     ref_o, ref_s = oracle_fast(c, causal, SCALE, *scales)
     o = _host(out, dtype).astype(np.float64)
     assert np.isfinite(o).all(), "NaN left in out: a row was not written"
@@ -570,9 +612,10 @@ def test_mla_gpu_cuda_graph_replays_after_replan():
     graph_replay_after_replan(16, "auto", 15)
 
 
-def graph_replay_after_replan(heads, backend, seed):
+def graph_replay_after_replan(heads, backend, seed, q_dtype=np.float16):
     """A captured run() replays a later plan with other lengths and other pieces (tests/test_mla_sm90.py
-    runs it on the Hopper kernel too)."""
+    runs it on the Hopper kernel too). ``q_dtype`` float32: q and out float32 over the float16 cache (the
+    captured graph holds the q and out conversions around the kernel too)."""
     cp = _cp()
     ps = 16
     c0 = mla_case(seed, [1, 1], [3000, 40], ps, heads=heads)      # splits (2 items on 132 SMs at 16 heads)
@@ -580,8 +623,8 @@ def graph_replay_after_replan(heads, backend, seed):
     pages = max(len(c0["ckv"]), len(c1["ckv"]))
     ckv = cp.zeros((pages, ps, CKV), np.float16)
     kpe = cp.zeros((pages, ps, KPE), np.float16)
-    qn, qp = cp.zeros(c0["qn"].shape, np.float16), cp.zeros(c0["qp"].shape, np.float16)
-    out = _nan(c0["qn"].shape, np.float16)
+    qn, qp = cp.zeros(c0["qn"].shape, q_dtype), cp.zeros(c0["qp"].shape, q_dtype)    # (f16 values: exact in f32)
+    out = _nan(c0["qn"].shape, q_dtype)
     lse = cp.full(c0["qn"].shape[:2], np.nan, np.float32)
     w = cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=True, backend=backend)
 
@@ -595,7 +638,7 @@ def graph_replay_after_replan(heads, backend, seed):
 
     def plan(c):
         w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, CKV, KPE, ps, False, SCALE,
-               "float16", "float16")
+               np.dtype(q_dtype), "float16")
 
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
@@ -610,13 +653,59 @@ def graph_replay_after_replan(heads, backend, seed):
         load(c0)
         graph.launch()
     stream.synchronize()
-    check_gpu(c0, False, np.float16, out, lse, lse_base_e=False)
+    check_gpu(c0, False, q_dtype, out, lse, lse_base_e=False, kernel_dtype=np.float16)
     with stream:
         plan(c1)
         load(c1)
         graph.launch()
     stream.synchronize()
-    check_gpu(c1, False, np.float16, out, lse, lse_base_e=False)
+    check_gpu(c1, False, q_dtype, out, lse, lse_base_e=False, kernel_dtype=np.float16)
+
+
+F32Q_GPU = [   # (qo_lens, kv_lens, page_size, heads, causal, cache, backend)
+    ([1, 1, 1], [1, 63, 1000], 1, 16, False, "float16", "fa2"),
+    ([4, 1, 7], [100, 33, 7], 16, 128, True, "bfloat16", "auto"),     # sm_90: fa3
+    ([1], [16384], 64, 16, False, "bfloat16", "auto"),                # split: the merge writes the 16-bit copy
+    ([2, 1], [300, 45], 16, 16, True, "e4m3", "auto"),                # fp8 cache: f16 kernel, scales
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal,cache,backend", F32Q_GPU,
+                         ids=[f"{x[5]}-{x[6]}-h{x[3]}-kv{max(x[1])}" for x in F32Q_GPU])
+def test_mla_gpu_f32_q_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, cache, backend):
+    cp = _cp()
+    fp8 = cache == "e4m3"
+    kdt = {"float16": np.float16, "bfloat16": BF16, "e4m3": np.float16}[cache]      # the kernel's q type
+    c = f32q_case(43, qo_lens, kv_lens, page_size, kdt, heads=heads)
+    ref, ckv, kpe, scales = c, _dev(c["ckv"]), _dev(c["kpe"]), (1.0, 1.0)
+    if fp8:
+        ckv8, kpe8, ref = fp8_case(c, "e4m3", 0.5)
+        ckv, kpe, scales = cp.asarray(ckv8.view(np.uint8)), cp.asarray(kpe8.view(np.uint8)), (0.5, 0.25)
+    w = cuattn.BatchMLAPagedAttentionWrapper(backend=backend)
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], heads, CKV, KPE, page_size, causal, SCALE,
+           "float32", FP8["e4m3"] if fp8 else np.dtype(kdt))
+    qn = cp.asarray(c["qn"])
+    if fp8:     # an fp32 q needs no 16-byte alignment (the kernel reads its copy): q_nope 4 bytes past one
+        pad = cp.zeros(c["qn"].shape[:2] + (CKV + 1,), np.float32)
+        pad[..., 1:] = qn
+        qn = pad[..., 1:]
+    out, lse = cp.full(c["qn"].shape, np.nan, np.float32), cp.full(c["qn"].shape[:2], np.nan, np.float32)
+    res = w.run(qn, cp.asarray(c["qp"]), ckv, kpe, out=out, lse=lse, return_lse=True, k_scale=scales[0],
+                v_scale=scales[1])
+    assert res[0] is out and res[1] is lse and out.dtype == np.float32
+    if len(kv_lens) == 1:
+        assert "pieces of" in w.describe()
+    check_gpu(ref, causal, np.float32, out, lse, lse_base_e=False, scales=scales, kernel_dtype=kdt)
+    with pytest.raises(ValueError, match="q_nope must have dtype float32"):
+        w.run(qn.astype(np.float16), cp.asarray(c["qp"]), ckv, kpe)
+    with pytest.raises(ValueError, match="out must be .* float32"):
+        w.run(qn, cp.asarray(c["qp"]), ckv, kpe, out=cp.empty(c["qn"].shape, np.float16))
+
+
+@pytest.mark.gpu
+def test_mla_gpu_f32_q_cuda_graph_replays_after_replan():
+    graph_replay_after_replan(16, "auto", 17, q_dtype=np.float32)
 
 
 @pytest.mark.gpu
@@ -640,7 +729,7 @@ def test_mla_gpu_rejects_bad_arrays_naming_them():
     w32 = cuattn.BatchMLAPagedAttentionWrapper()
     w32.plan(c["qo_indptr"], c["kv_indptr"], c["kv_indices"], c["kv_len"], 16, CKV, KPE, 16, False, SCALE,
              "float32", "float32")
-    with pytest.raises(UnsupportedError, match="float16 or bfloat16"):
+    with pytest.raises(UnsupportedError, match=r"kv_data_type q_data_type's \(float32 q: float16 or bfloat16\)"):
         w32.run(qn.astype(np.float32), qp.astype(np.float32), ckv.astype(np.float32), kpe.astype(np.float32))
 
 

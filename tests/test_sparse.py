@@ -1,6 +1,9 @@
 """Block-sparse attention (BlockSparseAttentionWrapper, VariableBlockSparseAttentionWrapper) and mixed
 prefill + decode batches (BatchAttention) against float64 attention over each row block's gathered
 keys (tests/oracle.py), on the NumPy path and (gpu) on the GPU."""
+import inspect
+
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -77,6 +80,27 @@ def test_block_sparse_rejects_bad_plans():
     w.plan(indptr, indices, 64, 128, 32, 32, 4, 2, 64)
     with pytest.raises(ValueError, match="k must have shape"):
         w.run(q, k[:64], v)
+
+
+def test_block_sparse_output_dtype_defaults_to_q_dtype():
+    """o_data_type=None (the default) is q_data_type's, so a bf16 (or fp32) q plans without naming it; an explicit
+    o_data_type other than q's is refused (no kernel writes another dtype). FlashInfer 0.6.4 defaults to
+    "float16"; the wrapper over variable blocks takes no o_data_type (out has q's dtype, as FlashInfer's)."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    indptr, indices, mask, q, k, v = bsr_case(5, 64, 128, 32, 32, 4, 2, 64, 0.5, True)
+    q, k, v = q.astype(bf16), k.astype(bf16), v.astype(bf16)
+    ref_o, _ = bsr_oracle(indptr, indices, mask, q, k, v, 32, 32, False)
+    w = cuattn.BlockSparseAttentionWrapper()
+    for o_dt in (None, "bfloat16"):
+        w.plan(indptr, indices, 64, 128, 32, 32, 4, 2, 64, mask=mask, q_data_type="bfloat16", o_data_type=o_dt)
+        out = w.run(q, k, v)
+        assert out.dtype == bf16 and rel_err(out.astype(np.float64), ref_o) < 1e-2
+    with pytest.raises(cuattn.UnsupportedError, match=r"o_data_type must be q_data_type \(bfloat16\), got float16"):
+        w.plan(indptr, indices, 64, 128, 32, 32, 4, 2, 64, q_data_type="bfloat16", o_data_type="float16")
+    w.plan(indptr, indices, 64, 128, 32, 32, 4, 2, 64, mask=mask, q_data_type="float32", kv_data_type="bfloat16")
+    out32 = w.run(q.astype(np.float32), k, v)
+    assert out32.dtype == np.float32 and rel_err(out32, ref_o) < 1e-2
+    assert "o_data_type" not in inspect.signature(cuattn.VariableBlockSparseAttentionWrapper.plan).parameters
 
 
 def variable_case(seed, hq, hkv, d, row_sz, col_sz, density):

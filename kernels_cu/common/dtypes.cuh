@@ -38,6 +38,22 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float f) {
   return r;
 }
 
+// -- fp32 -> T saturating (PTX .satfinite, sm_80+): |f| past T's largest finite value (f16: 65504, bf16: 0x7f7f;
+//    an inf too) becomes that value with f's sign, so no fp32 value rounds to inf; NaN stays NaN; otherwise round
+//    to nearest even, as from_float / pack2. The one saturating conversion of fp32 data into a 16-bit type
+//    (an fp32 q in qcast.cu, fp32 K/V in decode.cu and prefill.cu).
+template <class T> __device__ __forceinline__ T from_float_sat(float f);
+template <> __device__ __forceinline__ f16 from_float_sat<f16>(float f) {
+  f16 r;
+  asm("cvt.rn.satfinite.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <> __device__ __forceinline__ bf16 from_float_sat<bf16>(float f) {
+  bf16 r;
+  asm("cvt.rn.satfinite.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+
 // -- two 16-bit values in one 32-bit register: element 0 in the low half
 template <class T> __device__ __forceinline__ float2 unpack2(uint32_t w);
 template <> __device__ __forceinline__ float2 unpack2<f16>(uint32_t w) {
@@ -56,6 +72,19 @@ template <> __device__ __forceinline__ uint32_t pack2<f16>(float lo, float hi) {
 template <> __device__ __forceinline__ uint32_t pack2<bf16>(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// pack2, saturating as from_float_sat (one instruction, as pack2's)
+template <class T> __device__ __forceinline__ uint32_t pack2_sat(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2_sat<f16>(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ uint32_t pack2_sat<bf16>(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
