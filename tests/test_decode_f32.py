@@ -248,7 +248,8 @@ def test_f32_q_batch_decode_gpu_matches_float64_oracle(case_args):
 @pytest.mark.gpu
 def test_f32_q_gpu_saturates_at_f16_max_and_single_decode_returns_fp32():
     """|q| past 65504 (inf and 65520, the first value that rounds to inf, included) runs as +-65504 (the same
-    output as a q clipped there, all finite), not as inf; a NaN in q stays NaN (its head's row only)."""
+    output as a q clipped there, all finite), not as inf; a NaN in q stays NaN through the conversion (its head's
+    row: as the 16-bit kernel gives it for that NaN)."""
     import cupy
     rng = np.random.default_rng(5)
     q = rng.standard_normal((8, 64)).astype(np.float32) * 1e-3
@@ -261,7 +262,16 @@ def test_f32_q_gpu_saturates_at_f16_max_and_single_decode_returns_fp32():
                                                  cupy.asarray(v))
     assert big.dtype == np.float32 and big.shape == (8, 64)
     big, clipped = cupy.asnumpy(big), cupy.asnumpy(clipped)
-    assert np.all(np.isnan(big[3])), "a NaN in q must stay NaN"
+    # the conversion keeps a NaN a NaN: its row is what the 16-bit kernel gives for the same NaN q (the
+    # decode kernel's max ignores NaN logits, so that row comes out as a fully masked one, not as the
+    # attention of a finite q that a NaN turned into 0 or 65504 would give)
+    q16 = np.clip(q, -65504, 65504).astype(np.float16)
+    nan16 = cupy.asnumpy(cuattn.single_decode_with_kv_cache(cupy.asarray(q16), cupy.asarray(k), cupy.asarray(v)))
+    np.testing.assert_array_equal(big[3], nan16[3].astype(np.float32))
+    q0 = q16.copy()
+    q0[3, 5] = 0                                                   # a NaN read as 0 would differ
+    zero16 = cupy.asnumpy(cuattn.single_decode_with_kv_cache(cupy.asarray(q0), cupy.asarray(k), cupy.asarray(v)))
+    assert not np.array_equal(nan16[3], zero16[3])
     rows = [0, 1, 2, 4, 5, 6, 7]
     assert np.all(np.isfinite(big[rows]))
     np.testing.assert_array_equal(big[rows], clipped[rows])
