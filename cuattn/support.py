@@ -25,7 +25,7 @@ TABLE = {
         kv_dtypes=("same as q", "float16 or bfloat16 with a float32 q", "float8_e4m3fn", "float8_e5m2", "float32"),
         layouts="NHD, HND, (k, v) pair", page_sizes="any >= 1",
         archs="fa2: sm_80+; fa3: sm_90a, head_dim 64, 128, 256, 192/128, K/V of q's dtype or fp8 (head_dim 64, 128), "
-              "contiguous K/V or pages of any size (fp8 pages: 16, 32, 64, 128 or a multiple of 128)"),
+              "contiguous K/V or pages of any size"),
 }
 # what a refused kv dtype is told, per family
 KV_NOT_YET = {"decode": "with any q dtype",

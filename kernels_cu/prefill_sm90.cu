@@ -63,9 +63,10 @@
 // (k_scales ? k_scales[kv head or 0] : 1), likewise v (a CTA has one kv head: scalars here). The key
 // factor joins the softmax scale (or, before a logits transform / without softmax, multiplies the raw
 // dot products), the value factor each output row at the store (partial rows too: the merge is linear).
-// KV_FP8: the TMA loads fp8 K / V tiles into fp8 staging buffers; warps 1..3 of the producer warpgroup
-// convert each into the 16-bit swizzled tile the wgmma path reads and arrive on its "full" mbarrier, so S and
-// P.V are the 16-bit path's (prefill_sm90_fp8.cuh). The tensor cores run f16: a bf16 q is converted to f16 in
+// KV_FP8: paged (PAGED = 2), the gather producer loads fp8 rows into registers, converts them (the hardware's
+// cvt) and stores the 16-bit swizzled tiles (prefill_sm90_gather.cuh); contiguous, the TMA loads fp8 K / V tiles
+// into fp8 staging buffers and warps 1..3 of the producer warpgroup convert each into the 16-bit tile and arrive
+// on its "full" mbarrier (prefill_sm90_fp8.cuh). Either way S and P.V are the 16-bit path's. The tensor cores run f16: a bf16 q is converted to f16 in
 // smem once, as prefill.cu does.
 #include "common/dtypes.cuh"
 #include "common/grid_dependency.cuh"
