@@ -20,9 +20,6 @@
 
 #if PAGED == 2
 #if KV_FP8
-#ifndef FP8_GATHER_OVERLAP
-#define FP8_GATHER_OVERLAP 0   // 1: a tile's V loads issued before its K stores (twice the loads in flight)
-#endif
 // -- the 8-byte fp8 pieces of one thread's rows of a tile (CH: 16-bit chunks a row; the thread's chunks q8 + 8 j)
 template <int CH>
 struct Fp8Rows {
@@ -99,18 +96,14 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
                                     : -1;
     if (t + 1 < num_tiles) load_page(t + 1);
 #if KV_FP8
+    // (V's loads issued before K's stores, both tiles in flight in 120 producer registers: 1.01-1.07x slower on an
+    // H100, prefill_sm90_notes.md; in git history)
     Fp8Rows<D_QK / 8> fk;
     fk.load(kb, k_s_row, row_id, a, q8);
-#if FP8_GATHER_OVERLAP
-    Fp8Rows<D_VO / 8> fv;
-    fv.load(vb, v_s_row, row_id, a, q8);
-#endif
     mbar_wait(sm.empty_k(s), ph ^ 1);
     fk.store(sm.k + s * K_TILE_BYTES, r0, q8, sm.full_k(s));
-#if !FP8_GATHER_OVERLAP
     Fp8Rows<D_VO / 8> fv;
     fv.load(vb, v_s_row, row_id, a, q8);
-#endif
     mbar_wait(sm.empty_v(s), ph ^ 1);
     fv.store(sm.v + s * V_TILE_BYTES, r0, q8, sm.full_v(s));
     (void)copy_rows;

@@ -64,10 +64,8 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
-#ifndef FP8_GATHER_REGS
-#define FP8_GATHER_REGS 88
-#endif
-constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE ? 88 : (PAGED == 2 && KV_FP8) ? FP8_GATHER_REGS
+// (the fp8 gather holds a tile's 16 fp8 pieces, 32 registers, in flight: 88, spill-free; consumers 208)
+constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE || (PAGED == 2 && KV_FP8) ? 88
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
