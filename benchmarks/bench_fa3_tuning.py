@@ -75,9 +75,10 @@ def main():
     current = []
     made = prefill_sm90.make_spec
     def tuned(*a, **kw):
-        fields = {t[1:].split("=")[0]: type(getattr(made(*a, **kw), t[1:].split("=")[0]))(int(t.split("=")[1]))
-                  for t in current if t.startswith("@")}
-        return dataclasses.replace(made(*a, **kw), tuning=tuple(t for t in current if not t.startswith("@")), **fields)
+        spec = made(*a, **kw)
+        fields = dict(t[1:].split("=") for t in current if t.startswith("@"))      # "@gather=0" -> gather: False
+        fields = {k: type(getattr(spec, k))(int(v)) for k, v in fields.items()}
+        return dataclasses.replace(spec, tuning=tuple(t for t in current if not t.startswith("@")), **fields)
     prefill_sm90.make_spec = tuned
     calls = {}
     for case in args.cases:

@@ -53,12 +53,6 @@
 #include "common/variant.cuh"
 
 using namespace cuattn;
-#ifndef MASK_SPLIT
-#define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
-#endif
-#ifndef KV_FP8
-#define KV_FP8 0
-#endif
 #ifndef KV_F32
 #define KV_F32 0
 #endif

@@ -5,18 +5,13 @@
 // prefill_sm90_gather.cuh, prefill_sm90_fp8.cuh) and the kernel build on it.
 #pragma once
 #include "common/dtypes.cuh"
+#include "common/prefill_tile.cuh"
 #include "common/variant.cuh"
 #ifndef PAGED
 #define PAGED 0
 #endif
 #ifndef PINGPONG
 #define PINGPONG 1          // the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5; 0: free-running)
-#endif
-#ifndef MASK_SPLIT
-#define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
-#endif
-#ifndef KV_FP8
-#define KV_FP8 0
 #endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of

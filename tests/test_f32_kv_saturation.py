@@ -51,6 +51,26 @@ def q16(rng, shape):
     return (rng.standard_normal(shape) * Q_SCALE).astype(np.float16)
 
 
+def split(x, indptr):
+    """x's rows per request of ``indptr``."""
+    return [x[indptr[b]:indptr[b + 1]] for b in range(len(indptr) - 1)]
+
+
+def decode_case(rng, lens, hq, hkv, d, ps, big=BIG, with_inf=False):
+    """A decode batch over an fp32 paged (k, v) pair holding ``big`` values (``with_inf``: a -inf in V too),
+    planned on a BatchDecodeWithPagedKVCacheWrapper: (wrapper, q, (k pages, v pages), ks, vs, big dims)."""
+    k, v, big_dims = kv_with_big_values(rng, sum(lens), hkv, d, big=big)
+    if with_inf:
+        v[rng.integers(sum(lens)), 0, big_dims[0]] = -np.inf      # an inf saturates too (qcast's rule for q)
+    kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = q16(rng, (len(lens), hq, d))
+    kp, indptr, indices, last = to_pages(k, kv_indptr, ps)
+    vp = to_pages(v, kv_indptr, ps)[0]
+    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type="float16", kv_data_type="float32")
+    return w, q, (kp, vp), split(k, kv_indptr), split(v, kv_indptr), big_dims
+
+
 def check(out, lse, ref_o, ref_s, big_dims, unclamped_o):
     """Finite, within TOL of the clamped oracle both over all columns and over the columns no big V value
     dominates, the LSE within 1e-3; and the clamp visibly matters for this data (the test can fail)."""
@@ -70,18 +90,8 @@ def test_f32_kv_numpy_path_keeps_values_past_f16_max_exact():
     """The documented choice: the NumPy path computes with the stored fp32 values (no clamp), so it matches
     the unclamped oracle; the GPU (tests below) matches the clamped one. (Values whose weighted sum stays
     within f16: the output has q's dtype on either path.)"""
-    rng = np.random.default_rng(40)
-    lens, hq, hkv, d, ps = [70, 33], 8, 2, 64, 16
-    k, v, _ = kv_with_big_values(rng, sum(lens), hkv, d, big=[2e5, -1e5, 65520.0])
-    kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(2)]
-    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(2)]
-    q = q16(rng, (2, hq, d))
-    kp, indptr, indices, last = to_pages(k, kv_indptr, ps)
-    vp, _, _, _ = to_pages(v, kv_indptr, ps)
-    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
-    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type="float16", kv_data_type="float32")
-    out = w.run(q, (kp, vp)).astype(np.float64)
+    w, q, cache, ks, vs, _ = decode_case(np.random.default_rng(40), [70, 33], 8, 2, 64, 16, big=[2e5, -1e5, 65520.0])
+    out = w.run(q, cache).astype(np.float64)
     exact, _ = oracle(q, ks, vs, [[0], [1]], clamp=False)
     sat, _ = oracle(q, ks, vs, [[0], [1]])
     assert rel_err(out, exact) < TOL and rel_err(out, sat) > 10 * TOL
@@ -93,18 +103,9 @@ def test_f32_kv_numpy_path_keeps_values_past_f16_max_exact():
 @pytest.mark.gpu
 def test_f32_kv_batch_decode_gpu_saturates_past_f16_max():
     import cupy
-    rng = np.random.default_rng(41)
-    lens, hq, hkv, d, ps = [150, 61, 97], 16, 4, 128, 16
-    k, v, big_dims = kv_with_big_values(rng, sum(lens), hkv, d)
-    v[rng.integers(sum(lens)), 0, big_dims[0]] = -np.inf      # an inf saturates too (qcast's rule for q)
-    kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
-    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
-    q = q16(rng, (3, hq, d))
-    kp, indptr, indices, last = to_pages(k, kv_indptr, ps)
-    vp, _, _, _ = to_pages(v, kv_indptr, ps)
-    w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
-    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type="float16", kv_data_type="float32")
+    hq, d = 16, 128
+    w, q, (kp, vp), ks, vs, big_dims = decode_case(np.random.default_rng(41), [150, 61, 97], hq, 4, d, 16,
+                                                   with_inf=True)
     out, lse = cupy.full((3, hq, d), np.nan, np.float16), cupy.full((3, hq), np.nan, np.float32)
     w.run(cupy.asarray(q), (cupy.asarray(kp), cupy.asarray(vp)), out=out, lse=lse)
     ref_o, ref_s = oracle(q, ks, vs, [[0], [1], [2]])
@@ -136,8 +137,7 @@ def test_f32_kv_prefill_gpu_saturates_past_f16_max(paged):
         w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=True, q_data_type="float16", kv_data_type="float32")
         w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
     assert w.backend == "fa2"          # fp32 K/V: fa2 only (fa3 reads K/V of q's dtype or fp8)
-    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
-    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))]
+    ks, vs = split(k, kv_indptr), split(v, kv_indptr)
     q_rows = [np.arange(qo_indptr[b], qo_indptr[b + 1]) for b in range(len(qo_lens))]
     ref_o, ref_s = oracle(q, ks, vs, q_rows, causal=True)
     unclamped = oracle(q, ks, vs, q_rows, causal=True, clamp=False)[0]

@@ -5,6 +5,14 @@
 #include "common/dtypes.cuh"
 #include "common/variant.cuh"
 
+// -- the defines both prefill kernels read, with their defaults
+#ifndef MASK_SPLIT
+#define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
+#endif
+#ifndef KV_FP8
+#define KV_FP8 0            // K/V of the kernel's 16-bit type; 1: e4m3, 2: e5m2
+#endif
+
 namespace cuattn {
 
 // -- work items: WORK_COLS int32 each, (request, query tile, kv piece, partial slot). A piece p of a
