@@ -5,7 +5,7 @@ Each case is planned once per tuning on its own wrapper (backend "fa3"; the tuni
 each gets its own specialization) and timed GPU-alone (bench_prefill.gpu_us: a matmul queued before each
 timed call keeps host time out of the events), median of 8 calls, in --rounds rounds; the report gives the
 median over rounds, TFLOP/s and the time over the first tuning's. 32:8 heads, head_dim 128, fp16, page 16
-in random order. Cases: KIND:BxN[:c] with KIND contig (ragged), paged, fp8 (e4m3 pages, scales 0.5 / 0.25),
+in random order. Cases: KIND:BxN[:c] with KIND contig (ragged), paged, pagedseq (pages in order), fp8 (e4m3 pages, scales 0.5 / 0.25),
 softcap / alibi (contiguous, with the variant); ":c" = causal. sm_90 only.
 
     python benchmarks/bench_fa3_tuning.py --tunings "" PINGPONG=0 --cases contig:1x16384 paged:8x2048:c [--rounds 3]
@@ -49,6 +49,8 @@ def make_call(kind, b, n, causal):
         return lambda: w.run(q, k, v, out=out)
     pages = -(-n // PS)
     perm = np.random.default_rng(0).permutation(b * pages).astype(np.int32)
+    if kind == "pagedseq":                         # pages in order: the gather's locality alone
+        kind, perm = "paged", np.arange(b * pages, dtype=np.int32)
     last = np.full(b, n - (pages - 1) * PS, np.int32)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     if kind == "fp8":
@@ -57,7 +59,7 @@ def make_call(kind, b, n, causal):
                q_data_type="float16", kv_data_type="float8_e4m3fn")
         return lambda: w.run(q, cache, out=out, k_scale=0.5, v_scale=0.25)
     if kind != "paged":
-        raise SystemExit(f"unknown case kind {kind!r} (contig, paged, fp8, softcap, alibi)")
+        raise SystemExit(f"unknown case kind {kind!r} (contig, paged, pagedseq, fp8, softcap, alibi)")
     cache = rand((b * pages, 2, PS, HKV, D), "float16")
     w.plan(indptr, np.arange(b + 1, dtype=np.int32) * pages, perm, last, HQ, HKV, D, PS, causal=causal,
            q_data_type="float16")

@@ -18,6 +18,9 @@
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
+#ifndef GATHER_NOCOPY
+#define GATHER_NOCOPY 0   // experiment: no copies (wrong output; the mechanism alone)
+#endif
 #if PAGED == 2
 #if KV_FP8
 // -- the 8-byte fp8 pieces of one thread's rows of a tile (CH: 16-bit chunks a row; the thread's chunks q8 + 8 j)
@@ -84,7 +87,8 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
       const uint8_t* src = rid >= 0 ? base + int64_t(rid) * s_row : base;
 #pragma unroll
       for (int j = 0; j < ch / TPR; ++j)
-        cp_async_16(sb + swz128(BLOCK_N, r, q8 + TPR * j), src + 16 * (q8 + TPR * j), rid >= 0 ? 16 : 0);
+        if (!GATHER_NOCOPY)
+          cp_async_16(sb + swz128(BLOCK_N, r, q8 + TPR * j), src + 16 * (q8 + TPR * j), rid >= 0 ? 16 : 0);
     }
   };
   if (num_tiles > 0) load_page(0);
