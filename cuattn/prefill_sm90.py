@@ -225,13 +225,16 @@ _NO_MAP = bytes(128)     # the tensor-map parameters of a gather spec (its produ
 def gather_args(k, v, k_strides, v_strides, paged: tuple, kv_bytes: int, fn: str) -> dict:
     """The gather producer's cache parameters: pointers, byte strides of a slot and a head, and the page
     stride in slots (K's and V's must agree: one row index serves both). Rows are addressed as page *
-    page_rows + slot in int32."""
+    page_rows + slot in int32, slot strides under 4 GiB."""
     (ks, kh, kp), (vs, vh, vp) = k_strides, v_strides
     num_pages = max(paged[1], paged[2])
     if kp % ks or vp * ks != kp * vs or num_pages * (kp // ks) >= 2 ** 31:
         raise UnsupportedError(f"{fn}: the fa3 gather addresses rows as page * (page stride / slot stride) + slot "
                                f"in int32: the page strides must be multiples of the slot strides, with the "
                                f"same ratio for K and V and num_pages * ratio < 2**31; got K {kp}/{ks}, V {vp}/{vs}")
+    if max(ks, vs) * kv_bytes >= 2 ** 32:
+        raise UnsupportedError(f"{fn}: the fa3 gather takes a slot stride under 4 GiB (a row offset is one 32 x 32 -> "
+                               f"64-bit multiply-add); got K {ks * kv_bytes}, V {vs * kv_bytes} bytes")
     return dict(k_cache=k.ptr, v_cache=v.ptr, k_s_row=ks * kv_bytes, k_s_head=kh * kv_bytes, v_s_row=vs * kv_bytes,
                 v_s_head=vh * kv_bytes, page_rows=kp // ks)
 

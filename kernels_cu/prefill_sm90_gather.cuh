@@ -2,7 +2,8 @@
 // The whole producer warpgroup copies K / V rows with cp.async, 8 threads a row (16-byte chunks q, q + 8, ..:
 // a warp moves 4 rows of 128 contiguous bytes per instruction), BLOCK_N / 16 rows a thread, each row from its
 // own page (row = page * page_rows + slot, page_rows = the page stride over the slot stride; byte strides
-// k_s_row / k_s_head, v_*); keys past the request's end are zero-filled. Each thread's arrival on the "full"
+// k_s_row / k_s_head, v_*; a row's offset is one 32 x 32 -> 64-bit multiply-add); keys past the request's end are
+// zero-filled (cp.async's zero-fill predicate; their row id is 0, an address of the cache). Each thread's arrival on the "full"
 // barrier (count 128) is cp.async.mbarrier.arrive.noinc: it lands with the thread's copies, so no producer
 // thread waits on its own loads; consumers fence the async proxy after the wait (cp.async writes are
 // generic-proxy stores, wgmma reads async-proxy). The page ids of tile t + 1 are loaded while the thread waits
@@ -33,7 +34,7 @@ struct Fp8Rows {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
-      const uint8_t* src = base + int64_t(rid >= 0 ? rid : 0) * s_row;
+      const uint8_t* src = base + uint64_t(uint32_t(rid >= 0 ? rid : 0)) * uint32_t(s_row);   // (a stride < 4 GiB)
 #pragma unroll
       for (int j = 0; j < PER_ROW; ++j) {
         uint2 v = make_uint2(0u, 0u);      // zero bits are 0 in both formats
@@ -73,22 +74,27 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
   const int my_r = (tid / 32) * 4 + lane % 4 + ROW_STEP * ((lane / 4) % ROWS);   // the row this lane looks up
   const uint8_t* kb = k_cache + kvh * k_s_head;
   const uint8_t* vb = v_cache + kvh * v_s_head;
+  // row offsets as one 32 x 32 -> 64-bit multiply-add (a row stride is < 4 GiB: prefill_sm90.py checks it)
+  const uint32_t ks_row = uint32_t(k_s_row), vs_row = uint32_t(v_s_row);
   int pg = 0;                            // the page of row my_r of the next tile (its load in flight)
   const auto load_page = [&](int t) {
     const int key = kv_lo + t * BLOCK_N + my_r;
     pg = key < kv_len ? __ldg(pages + (page_shift >= 0 ? key >> page_shift : key / page_size)) : 0;
   };
-  // -- this thread's rows (row ids by shuffle, -1 past the end: zero-filled) of a tile into buffer sb,
-  //    ch 16-byte chunks a row (D_QK or D_VO / 8)
-  const auto copy_rows = [&](uint32_t sb, const uint8_t* base, int64_t s_row, int row_id, const int ch) {
+  // -- this thread's rows (row ids by shuffle; row i is past the end where 16 i >= rem: zero-filled, its row
+  //    id 0) of a tile into buffer sb, ch 16-byte chunks a row (D_QK or D_VO / 8): chunk q8 + 8 j of row
+  //    r0 + 16 i sits at dst0 + i 16 rows + j column blocks (the row's swizzle, r0 % 8, is the thread's own)
+  const uint32_t dst0 = swz128(BLOCK_N, r0, q8);
+  const uint8_t* kq = kb + 16 * q8;        // the thread's first byte of row 0 of K / V
+  const uint8_t* vq = vb + 16 * q8;
+  const auto copy_rows = [&](uint32_t sb, const uint8_t* base, uint32_t s_row, int row_id, int rem, const int ch) {
 #pragma unroll GATHER_ROWS                   // (1: a rolled loop in the producer's 40 registers; > 1: 56)
     for (int i = 0; i < ROWS; ++i) {
-      const int r = r0 + ROW_STEP * i, rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
-      const uint8_t* src = rid >= 0 ? base + int64_t(rid) * s_row : base;
+      const uint8_t* src = base + uint64_t(uint32_t(__shfl_sync(0xffffffffu, row_id, a + 4 * i))) * s_row;
 #pragma unroll
       for (int j = 0; j < ch / TPR; ++j)
         if (!GATHER_NOCOPY)
-          cp_async_16(sb + swz128(BLOCK_N, r, q8 + TPR * j), src + 16 * (q8 + TPR * j), rid >= 0 ? 16 : 0);
+          cp_async_16_zfill(sb + dst0 + i * ROW_STEP * 128 + j * HALF_BYTES, src + 128 * j, 16 * i >= rem);
     }
   };
   if (num_tiles > 0) load_page(0);
@@ -97,7 +103,8 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     const uint32_t ph = (t / STAGES) & 1;
     const int key = kv_lo + t * BLOCK_N + my_r;
     const int row_id = key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size)
-                                    : -1;
+                                    : KV_FP8 ? -1 : 0;   // (past the end: fp8 skips the row's loads, else row 0)
+    const int rem = kv_len - (kv_lo + t * BLOCK_N + r0);   // this thread's row i: valid while 16 i < rem
     if (t + 1 < num_tiles) load_page(t + 1);
 #if KV_FP8
     // (V's loads issued before K's stores, both tiles in flight in 120 producer registers: 1.01-1.07x slower on an
@@ -113,10 +120,10 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     (void)copy_rows;
 #else
     mbar_wait(sm.empty_k(s), ph ^ 1);
-    copy_rows(sm.k + s * K_TILE_BYTES, kb, k_s_row, row_id, D_QK / 8);
+    copy_rows(sm.k + s * K_TILE_BYTES, kq, ks_row, row_id, rem, D_QK / 8);
     cp_async_mbar_arrive_noinc(sm.full_k(s));
     mbar_wait(sm.empty_v(s), ph ^ 1);
-    copy_rows(sm.v + s * V_TILE_BYTES, vb, v_s_row, row_id, D_VO / 8);
+    copy_rows(sm.v + s * V_TILE_BYTES, vq, vs_row, row_id, rem, D_VO / 8);
     cp_async_mbar_arrive_noinc(sm.full_v(s));
 #endif
     on_k_tile(t);                        // (warps 1..3 with a key transform: after their copies of tile t)

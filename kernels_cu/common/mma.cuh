@@ -24,14 +24,23 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 #define L2_PREFETCH 0
 #endif
 #if L2_PREFETCH == 256
-#define CP_ASYNC_16_PTX "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+#define CP_ASYNC_16_OP "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, "
 #elif L2_PREFETCH == 128
-#define CP_ASYNC_16_PTX "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
+#define CP_ASYNC_16_OP "cp.async.cg.shared.global.L2::128B [%0], [%1], 16, "
 #else
-#define CP_ASYNC_16_PTX "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+#define CP_ASYNC_16_OP "cp.async.cg.shared.global [%0], [%1], 16, "
 #endif
+#define CP_ASYNC_16_PTX CP_ASYNC_16_OP "%2;\n"
+#define CP_ASYNC_16_PRED_PTX CP_ASYNC_16_OP "z;\n"
+
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile(CP_ASYNC_16_PTX ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// -- the same with a predicate: zero = true writes 16 zero bytes and leaves src unread (src must still be an
+//    address of the tensor); one LDGSTS with its zero-fill predicate, no byte count to compute
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, bool zero) {
+  asm volatile("{\n.reg .pred z;\nsetp.ne.b32 z, %2, 0;\n" CP_ASYNC_16_PRED_PTX "}\n"
+               ::"r"(dst), "l"(src), "r"(int(zero)) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // -- wait until at most N of this thread's committed groups are still in flight
