@@ -19,9 +19,6 @@
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
-#ifndef GATHER_NOCOPY
-#define GATHER_NOCOPY 0   // experiment: no copies (wrong output; the mechanism alone)
-#endif
 #if PAGED == 2
 #if KV_FP8
 // -- the 8-byte fp8 pieces of one thread's rows of a tile (CH: 16-bit chunks a row; the thread's chunks q8 + 8 j)
@@ -93,8 +90,7 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
       const uint8_t* src = base + uint64_t(uint32_t(__shfl_sync(0xffffffffu, row_id, a + 4 * i))) * s_row;
 #pragma unroll
       for (int j = 0; j < ch / TPR; ++j)
-        if (!GATHER_NOCOPY)
-          cp_async_16_zfill(sb + dst0 + i * ROW_STEP * 128 + j * HALF_BYTES, src + 128 * j, 16 * i >= rem);
+        cp_async_16_zfill(sb + dst0 + i * ROW_STEP * 128 + j * HALF_BYTES, src + 128 * j, 16 * i >= rem);
     }
   };
   if (num_tiles > 0) load_page(0);

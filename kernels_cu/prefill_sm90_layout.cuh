@@ -60,12 +60,8 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
 // (the fp8 gather holds a tile's 16 fp8 pieces, 32 registers, in flight: 88, spill-free; consumers 208)
-#ifdef PRODUCER_REGS_SET   // experiment
-constexpr int PRODUCER_REGS = PRODUCER_REGS_SET;
-#else
 constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE || (PAGED == 2 && KV_FP8) ? 88
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
-#endif
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 constexpr int CONVERT_WARPS = 3;                    // FP8_STAGED: producer warps 1..3
