@@ -489,6 +489,8 @@ class BatchMLAPagedAttentionWrapper:
         spec, meta = p.run_spec, p.meta
         ks, vs = scales
         qn, qp, ckv, kpe = ts["q_nope"], ts["q_pe"], ts["ckv_cache"], ts["kpe_cache"]
+        if spec.backend == "fa3":
+            mla_sm90.check_cache_strides(ckv, kpe, self._fn)
         if p.grid_work:
             launch = jit.get_launcher(spec, spec.entry, ctx.device, PARAMS.kinds, spec.smem_bytes)
             launch((p.grid_work,), spec.threads, ctx.stream, *PARAMS.pack(

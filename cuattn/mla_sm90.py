@@ -82,3 +82,12 @@ def resolve_backend(backend: str, fn: str, arch: str | None, q_dtype: str | None
     if backend == "fa3":
         raise UnsupportedError(f"{fn}: backend='fa3': {reason}; use backend='fa2' or 'auto'")
     return "fa2"
+
+
+def check_cache_strides(ckv, kpe, fn: str) -> None:
+    """The kernel addresses a cache row as two 32 x 32 -> 64-bit multiply-adds (page, slot): byte strides of a
+    page and a token must be in [0, 4 GiB) (UnsupportedError naming them otherwise)."""
+    for name, t in (("ckv_cache", ckv), ("kpe_cache", kpe)):
+        if not all(0 <= int(s) * t.dtype.itemsize < 2 ** 32 for s in t.strides[:2]):
+            raise UnsupportedError(f"{fn}: backend 'fa3' takes {name} page and token strides in [0, 4 GiB); got "
+                                   f"{tuple(int(s) * t.dtype.itemsize for s in t.strides[:2])} bytes")

@@ -181,41 +181,67 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       }
     }
     const int page_base = kv_indptr[req];
+    // a power-of-two page size (1, 16, 64: what serving uses) by shift and mask, any other by division
+    const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
     int page[4];                        // the page ids of this thread's rows of the next tile
     auto page_ids = [&](int t) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int key = kv_lo + t * BLOCK_N + r16 + 16 * j;
-        page[j] = key < kv_end ? kv_indices[page_base + key / page_size] : 0;
+        page[j] = key < kv_end ? kv_indices[page_base + (page_shift >= 0 ? key >> page_shift : key / page_size)] : 0;
       }
     };
     if (num_tiles > 0) page_ids(0);
-    // -- ckv column blocks [i0, i1) (and kpe) of this thread's rows of tile t into dst
-    auto copy_rows = [&](uint32_t dst, int t, int i0, int i1, bool with_kpe) {
+    // a row's source: two 32 x 32 -> 64-bit multiply-adds (page, slot) on byte strides under 4 GiB (mla.py
+    // checks them: mla_sm90.check_cache_strides); chunk sub + 8 i of row r16 + 16 j sits at dst0 + j 16 rows +
+    // i column blocks (the row's swizzle, r16 % 8, is the thread's own)
+    const uint8_t* ckv_b = reinterpret_cast<const uint8_t*>(ckv_cache) + sub * 16;
+    const uint8_t* kpe_b = reinterpret_cast<const uint8_t*>(kpe_cache) + sub * 16;
+    const uint32_t ckv_sp = uint32_t(ckv_s_page * int64_t(sizeof(T))), ckv_st = uint32_t(ckv_s_tok * int64_t(sizeof(T)));
+    const uint32_t kpe_sp = uint32_t(kpe_s_page * int64_t(sizeof(T))), kpe_st = uint32_t(kpe_s_tok * int64_t(sizeof(T)));
+    const uint32_t dst0 = swz(r16, sub);
+    // -- this thread's rows of tile t: the sources of their ckv and kpe rows, and how many are inside the piece
+    //    (row j while 16 j < rem; the others are zero-filled from page 0's slot, an address of the cache)
+    struct Rows {
+      const uint8_t* ckv[4];
+      const uint8_t* kpe[4];
+      int rem;
+    };
+    auto rows_of = [&](int t) {
+      Rows w;
+      const int key0 = kv_lo + t * BLOCK_N + r16;
+      w.rem = kv_end - key0;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {        // (unrolled: page[] stays in registers)
-        const int r = r16 + 16 * j, key = kv_lo + t * BLOCK_N + r;
-        const bool ok = key < kv_end;
-        const int slot = ok ? key % page_size : 0;
-        const T* ckv = ckv_cache + int64_t(page[j]) * ckv_s_page + slot * ckv_s_tok + sub * 8;
+        const int key = key0 + 16 * j;
+        const uint32_t slot = uint32_t(page_shift >= 0 ? key & (page_size - 1) : key % page_size);
+        w.ckv[j] = ckv_b + uint64_t(uint32_t(page[j])) * ckv_sp + uint64_t(slot) * ckv_st;
+        w.kpe[j] = kpe_b + uint64_t(uint32_t(page[j])) * kpe_sp + uint64_t(slot) * kpe_st;
+      }
+      return w;
+    };
+    // -- ckv column blocks [i0, i1) (and kpe) of rows w into dst
+    auto copy_rows = [&](uint32_t dst, const Rows& w, int i0, int i1, bool with_kpe) {
 #pragma unroll
-        for (int i = i0; i < i1; ++i) cp_async_16(dst + swz(r, sub + 8 * i), ckv + i * 64, ok ? 16 : 0);
-        if (with_kpe)
-          cp_async_16(dst + swz(r, 64 + sub), kpe_cache + int64_t(page[j]) * kpe_s_page + slot * kpe_s_tok + sub * 8,
-                      ok ? 16 : 0);
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int i = i0; i < i1; ++i)
+          cp_async_16_zfill(dst + dst0 + j * 2048 + i * COL_BLOCK, w.ckv[j] + i * 128, 16 * j >= w.rem);
+        if (with_kpe) cp_async_16_zfill(dst + dst0 + j * 2048 + 8 * COL_BLOCK, w.kpe[j], 16 * j >= w.rem);
       }
     };
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
       const int s = t % STAGES;
       const uint32_t ph = ((t / STAGES) & 1) ^ 1, dst = sK + s * TILE_BYTES;
+      const Rows w = rows_of(t);
       mbar_wait(EMPTY_HI(s), ph);          // the consumers are done with the high half of tile t - STAGES
       // -- the high half (ckv 256..511, kpe) first: it frees first (consumer B's P V and the S product are its
       //    readers) and S(t) reads it first; then the low half once consumer A's P V of tile t - STAGES is done
-      copy_rows(dst, t, 4, 8, true);
+      copy_rows(dst, w, 4, 8, true);
       cp_async_mbar_arrive_noinc(FULL_HI(s));         // (tile 0's arrival covers the Q copies too)
       mbar_wait(EMPTY_LO(s), ph);
-      copy_rows(dst, t, 0, 4, false);
+      copy_rows(dst, w, 0, 4, false);
       cp_async_mbar_arrive_noinc(FULL_LO(s));
       if (t + 1 < num_tiles) page_ids(t + 1);
     }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cuattn
-from cuattn import UnsupportedError, cli, jit, mla, mla_sm90
+from cuattn import UnsupportedError, arrays, cli, jit, mla, mla_sm90
 
 from .conftest import gpu_cc
 from .oracle import rel_err
@@ -71,6 +71,16 @@ def test_mla_fa3_numpy_inputs_run_the_reference():
     np.testing.assert_array_equal(a, b)
 
 
+def test_mla_fa3_cache_strides_over_4_gib_are_refused_by_name():
+    ok = arrays.Tensor(0, (8, 64, CKV), (64 * CKV, CKV, 1), np.dtype(np.float16), 0, "cupy", None)
+    mla_sm90.check_cache_strides(ok, ok, "run")
+    big = ok._replace(strides=(2 ** 31, CKV, 1))          # 4 GiB of fp16 between pages
+    neg = ok._replace(strides=(-64 * CKV, CKV, 1))
+    for ckv, kpe, name in ((big, ok, "ckv_cache"), (ok, neg, "kpe_cache")):
+        with pytest.raises(UnsupportedError, match=f"{name} page and token strides in"):
+            mla_sm90.check_cache_strides(ckv, kpe, "run")
+
+
 def test_mla_fa3_pieces_are_whole_64_key_tiles():
     ext = np.array([20000, 64, 5000])
     for slots in (None, 40):
@@ -132,6 +142,7 @@ FA3_CASES = [   # (qo_lens, kv_lens, page_size, heads, causal)
     ([4, 4], [300, 1000], 64, 128, True),                   # 512 rows a request: 8 query tiles
     ([1, 2], [500, 129], 16, 64, True),                     # 64 heads: one full tile a token
     ([4, 3], [77, 5], 1, 16, True),
+    ([1, 3], [70, 200], 5, 16, True),                       # a page size no shift divides: the division path
 ]
 FA3_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'full'}" for q, k, p, h, c in FA3_CASES]
 
