@@ -31,7 +31,7 @@ struct Fp8Rows {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
-      const uint8_t* src = base + uint64_t(uint32_t(rid >= 0 ? rid : 0)) * uint32_t(s_row);   // (a stride < 4 GiB)
+      const uint8_t* src = base + int64_t(rid >= 0 ? rid : 0) * s_row;
 #pragma unroll
       for (int j = 0; j < PER_ROW; ++j) {
         uint2 v = make_uint2(0u, 0u);      // zero bits are 0 in both formats
