@@ -2,7 +2,7 @@
 // the bytes; boxes of min(D_QK or D_VO, 128) byte-columns, a swizzle of as many bytes: LoadTile) into
 // LOAD_STAGES fp8 staging buffers each ("loaded" mbarriers; "free" ones when the converters are done reading).
 // Warps 1..3 of the producer warpgroup convert each staged tile into the 16-bit swizzled tile the wgmma path
-// reads (prefill_sm90_layout.cuh fp8_chunk_to_f16, FP8_FACTOR joining the scales), V rows past the
+// reads (common/prefill_tile.cuh fp8_chunk_to_f16, FP8_FACTOR joining the scales), V rows past the
 // request's end as zeros, then arrive on the "full" mbarrier the consumers wait on (after their release of
 // that 16-bit buffer on "empty"), so S and P.V are the 16-bit path's.
 #pragma once

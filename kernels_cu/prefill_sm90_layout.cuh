@@ -27,10 +27,8 @@ typedef DTYPE mma_t;
 template <class A, class B> struct SameType { static constexpr bool value = false; };
 template <class A> struct SameType<A, A> { static constexpr bool value = true; };
 constexpr bool Q_CONVERT = !SameType<dtype_t, mma_t>::value;   // bf16 q with fp8 K/V
-#ifndef FP8_HW_CVT
-#define FP8_HW_CVT 1        // fp8 -> f16 by the hardware's conversion (dtypes.cuh fp8x8_to_f16x8_hw; 0: the byte trick)
-#endif
-constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;   // joins the k / v scales
+// fp8 K/V -> f16: common/prefill_tile.cuh fp8_chunk_to_f16 (FP8_HW_CVT); its factor joins the k / v scales
+constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;
 #define NEG_INF __int_as_float(0xff800000)
 
 // -- tile geometry, all of it from HEAD_DIM_QK, HEAD_DIM_VO, BLOCK_N and STAGES (prefill_sm90.py
@@ -105,11 +103,6 @@ static_assert(SMEM_BYTES == SPEC_SMEM_BYTES, "prefill_sm90.py Sm90PrefillSpec.sm
 // -- smem byte offset of 16-byte chunk c (0..D/8) of row r in a swizzled [rows][D] tile of `rows` rows (any D)
 __device__ __forceinline__ uint32_t swz128(int rows, int r, int c) {
   return uint32_t((c / 8) * rows * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16));
-}
-
-// -- 8 fp8 K/V values (two words, memory order) -> the 16-byte f16 chunk the tiles hold (times 1 / FP8_FACTOR)
-__device__ __forceinline__ uint4 fp8_chunk_to_f16(uint32_t a, uint32_t b) {
-  return FP8_HW_CVT ? fp8x8_to_f16x8_hw<KV_FP8>(a, b) : fp8x8_to_f16x8<KV_FP8>(a, b);
 }
 
 __device__ __forceinline__ uint4 lds128(uint32_t a) {

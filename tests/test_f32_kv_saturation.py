@@ -8,7 +8,7 @@ import pytest
 
 import cuattn
 from tests.oracle import dense_attention, rel_err
-from tests.test_prefill_dtypes import to_pages
+from tests.prefill_dtype_cases import to_pages
 
 F16_MAX = 65504.0
 BIG = [1e5, -7e4, 65520.0, -3e38, F16_MAX]   # 65520: the first value that rounds to inf without saturation

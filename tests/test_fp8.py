@@ -164,7 +164,7 @@ def test_fp8_append_rejects_bad_scales():
 
 
 def test_fp8_fused_rope_is_refused_with_a_clear_message():
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()     # fp8 prefill itself: tests/test_prefill_dtypes.py
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper()     # fp8 prefill itself: tests/test_prefill_fp8.py
     with pytest.raises(UnsupportedError, match="16-bit KV cache"):
         w.plan(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
                np.array([4], np.int32), 4, 4, 64, 16, q_data_type="float16", kv_data_type="float8_e4m3fn",

@@ -74,7 +74,7 @@ def test_what_no_gpu_kernel_runs_is_refused_at_plan_on_the_numpy_path_too():
     for kw, match in ((dict(head_dim=96), "head_dim=96 has no kernel; supported: 64, 128, 256"),
                       (dict(q_data_type="float64"), "q dtype float64 has no kernel")):
         # (fp8 and fp32 KV, and an fp32 q, have kernels in both families: tests/test_fp8.py,
-        # tests/test_decode_f32.py, tests/test_prefill_dtypes.py)
+        # tests/test_decode_f32.py, tests/test_prefill_fp8.py, tests/test_prefill_f32.py)
         args = dict(head_dim=64, q_data_type="float16") | kw
         d = args.pop("head_dim")
         with pytest.raises(UnsupportedError, match=match):

@@ -23,7 +23,7 @@ NEW_DIMS = [(64, 64), (256, 256), (192, 128)]      # (head_dim_qk, head_dim_vo) 
 
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_dtypes.py);
+    # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_fp8.py);
     # other dims: f16 / bf16 paged causal
     assert len({s.name for s in specs}) == len(specs) == 8 + 8 + 2 * len(NEW_DIMS)
     assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
@@ -465,7 +465,7 @@ DIM_PAGED = [   # (head dims, q dtype, page_size, layout, one cache array or a (
 def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout, form, split, launches):
     """Paged K/V in random page order, free slots and spare pages NaN (they must not leak), causal with
     qo_len < kv_len and one request with qo_len > kv_len; split-KV (fixed_split_size) where given."""
-    from .test_prefill_dtypes import to_pages
+    from .prefill_dtype_cases import to_pages
     dk, dv = dims
     hq, hkv = 32, 8
     q, k, v, qo_indptr, kv_indptr, ks, vs = _dims_inputs(np.random.default_rng(page_size + dk), [300, 1, 77, 129],
@@ -496,7 +496,7 @@ def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches):
     """fp8 at head_dim 64 (64-byte fp8 boxes and swizzle): paged e4m3 with a bf16 q (converted to f16),
     page 16 in random order with NaN bits in free slots and spare pages, per-head scales; paged e5m2, f16
     q, split-KV pieces of 256 keys, 1-element device scales; ragged e5m2 non-causal, scalar scales."""
-    from .test_prefill_dtypes import (FP8_NAME, _check, _dev, _dev_scale, _oracle, _poisoned, paged_fp8_case,
+    from .prefill_dtype_cases import (FP8_NAME, _check, _dev, _dev_scale, _oracle, _poisoned, paged_fp8_case,
                                       ragged_fp8_case)
     hq, hkv, d = 16, 4, 64
     for qo_lens, kv_lens, kv, qdt, sk, split in (([17, 1, 300], [54, 97, 1300], "e4m3", "bfloat16", "head", None),
