@@ -464,7 +464,7 @@ def max_index(ids: np.ndarray) -> int | None:
 def config_key(*args) -> tuple | None:
     """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
     arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""
-    key = tuple([(type(a), a) for a in args])
+    key = (args, tuple(map(type, args)))
     try:
         hash(key)
     except TypeError:
