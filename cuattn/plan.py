@@ -660,19 +660,20 @@ class PlanBuffers:
             caps = [self.caps[name] for name, _, _ in segments]
         else:       # eager: every segment's capacity is its length
             caps = lens = [0 if a is None else len(a) for _, a, _ in segments]
-        offsets, total = [], 0
-        for cap in caps:
-            offsets.append(total)
+        layout, total = [], 0        # (name, array, fill, offset, length, capacity) per segment
+        for (name, a, fill), n, cap in zip(segments, lens, caps):
+            layout.append((name, a, fill, total, n, cap))
             total += (cap + 3) & ~3                        # 16-byte aligned segments (int4 loads)
         bufs = self._bufs
         if bufs is None:
             bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
         host = bufs.staging(total)
-        for (_, a, fill), o, n, cap in zip(segments, offsets, lens, caps):
-            if n == 1 and type(a) is tuple:                # a scalar segment (kv_chunk)
-                host[o] = a[0]
-            elif n:
-                host[o:o + n] = a
+        for _, a, fill, o, n, cap in layout:
+            if n:
+                if type(a) is tuple:                       # a scalar segment (kv_chunk)
+                    host[o] = a[0]
+                else:
+                    host[o:o + n] = a
             if cap > n:
                 host[o + n:o + cap] = fill
         # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
@@ -680,9 +681,9 @@ class PlanBuffers:
         dev = bufs.plan
         if dev is None or dev.size < total:
             dev = bufs._ensure("plan", total, np.int32, "the plan")
-        bufs.upload(dev.data.ptr, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
         base = dev.data.ptr
-        return {seg[0]: base + 4 * o if cap else 0 for seg, o, cap in zip(segments, offsets, caps)}
+        bufs.upload(base, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
+        return {name: base + 4 * o if cap else 0 for name, _, _, o, _, cap in layout}
 
     def rows(self, name: str, n: int, cols: int) -> int:
         """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""
