@@ -32,7 +32,7 @@ _NO_MERGE = np.zeros((0, 4), np.int32)     # the merge rows of a plan that split
 _NO_MERGE.flags.writeable = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)       # (not frozen: a frozen dataclass's __init__ costs ~4x, every plan)
 class DecodeWorkList:
     work: np.ndarray          # int32 [num_work, 8]
     merge: np.ndarray         # int32 [num_merge, 4]
@@ -166,7 +166,7 @@ PREFILL_COLS = 4          # work rows (request, query tile, kv piece, partial sl
                           # (request, query tile, first slot, pieces): common/prefill_tile.cuh
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillWorkList:
     work: np.ndarray          # int32 [num_work, 4]
     merge: np.ndarray         # int32 [num_merge, 4]
@@ -277,20 +277,21 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
 
 
 def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
-                      chunk: int = 0, items: tuple | None = None, top: int | None = None) -> PrefillWorkList:
+                      chunk: int = 0, items: tuple | None = None, bounds: tuple | None = None) -> PrefillWorkList:
     """Work rows for every (request, query tile), each cut into pieces of ``chunk`` keys (0: none),
     the most key tiles first (long pieces start early); split items' pieces get partial slots and a
-    merge row each. ``items``: ``prefill_items``' result when the caller has it already; ``top``: the
-    largest of its extents (``items[2].max()``), likewise."""
+    merge row each. ``items``: ``prefill_items``' result when the caller has it already; ``bounds``: the
+    smallest and largest of its extents (``int_bounds(items[2])``), likewise."""
     req, tile, ext = items if items is not None else prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group,
                                                                   block_m, causal)
     n = len(req)
-    if top is None:
-        top = int(ext.max()) if n else 0
+    if bounds is None:
+        bounds = int_bounds(ext) if n else (0, 0)
+    bottom, top = bounds
     if chunk <= 0 or top <= chunk:               # nothing split: one row per item
         work = np.empty((n, PREFILL_COLS), np.int32)
         # -- equal key tiles everywhere (the fewest, the bottom's, equal the top's): the stable order is the identity
-        lo, hi = ((int(ext.min()) + block_n - 1) // block_n, (top + block_n - 1) // block_n) if n else (0, 0)
+        lo, hi = (bottom + block_n - 1) // block_n, (top + block_n - 1) // block_n
         if lo != hi:
             tiles = (ext + (block_n - 1)) // block_n
             order = descending(tiles, lo, hi)
@@ -301,7 +302,6 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         work[:, 3] = -1
         return PrefillWorkList(work, _NO_MERGE, 0, 0, ext)
     p0 = (top + chunk - 1) // chunk                  # p0 > 1: the most pieces of an item
-    bottom = int(ext.min())
     if (bottom + chunk - 1) // chunk == p0:
         # -- every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids; pieces k < p0 - 1 read
         #    chunk keys, the last ext - (p0 - 1) * chunk (in 1..chunk); the partial slot of row i is i
@@ -312,8 +312,9 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         work[:, :, 2] = np.arange(p0)
         work[:, :, 3] = np.arange(total).reshape(n, p0)
         work = work.reshape(total, PREFILL_COLS)
-        piece_ext = np.full((n, p0), chunk, np.int64)
-        piece_ext[:, -1] = ext - (p0 - 1) * chunk
+        piece_ext = np.empty((n, p0), np.int64)
+        piece_ext.fill(chunk)                        # (np.full costs twice as much)
+        np.subtract(ext, (p0 - 1) * chunk, out=piece_ext[:, -1], casting="unsafe")   # (as an assignment casts)
         piece_ext = piece_ext.reshape(total)
         lo, hi = (bottom - (p0 - 1) * chunk + block_n - 1) // block_n, (chunk + block_n - 1) // block_n
         if lo != hi:
@@ -354,14 +355,15 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
 
 
 def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, ctas_per_sm: int, block_n: int,
-                         max_slots: int | None = None, top: int | None = None) -> int:
+                         max_slots: int | None = None, top: int | None = None, total: int | None = None) -> int:
     """Keys per piece for split-KV prefill (0: none split): decode's rule (``choose_chunk``) over the
     (request, query tile) items, pieces of at least PREFILL_MIN_CHUNK keys; then as large as needed
-    for the partial slots to fit ``max_slots`` (a fixed workspace). ``top``: ``extents.max()`` when known."""
+    for the partial slots to fit ``max_slots`` (a fixed workspace). ``top``, ``total``: ``extents.max()``,
+    ``extents.sum()`` when known."""
     if len(extents) and top is None:
         top = int(extents.max())
     chunk = choose_chunk(extents, num_kv_heads, num_sms, ctas_per_sm, block_n, min_chunk=PREFILL_MIN_CHUNK,
-                         max_len=top)
+                         max_len=top, total=total)
     if chunk and max_slots is not None:
         while chunk and int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
@@ -459,6 +461,21 @@ def max_index(ids: np.ndarray) -> int | None:
         top = int(ids.view(ids.dtype.str.replace("i", "u")).max())
         return None if top >> (8 * ids.itemsize - 1) else top
     return int(ids.max())
+
+
+_SHORT = 32      # int_bounds: arrays up to this long are reduced as a Python list
+
+
+def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
+    """(min, max) of a non-empty 1-D array as Python ints, and its sum with ``total``. A short array (a shared
+    prefix's few query tiles, a small batch) goes through a list: a NumPy reduction costs ~0.7 µs whatever the
+    size, a list of up to _SHORT ints and all three of min / max / sum ~0.4."""
+    if len(a) <= _SHORT:
+        v = a.tolist()
+        lo, hi = int(min(v)), int(max(v))
+        return (lo, hi, int(sum(v))) if total else (lo, hi)
+    lo, hi = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
+    return (lo, hi, int(np.add.reduce(a))) if total else (lo, hi)
 
 
 def config_key(*args) -> tuple | None:
