@@ -478,6 +478,11 @@ def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
     return (lo, hi, int(np.add.reduce(a))) if total else (lo, hi)
 
 
+def int_min(a: np.ndarray) -> int:
+    """The minimum of a non-empty 1-D array as a Python int (a short one through a list, as ``int_bounds``)."""
+    return int(min(a.tolist())) if len(a) <= _SHORT else int(np.minimum.reduce(a))
+
+
 def config_key(*args) -> tuple | None:
     """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
     arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""
