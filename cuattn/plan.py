@@ -96,9 +96,9 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
     at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed.
     ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already."""
     batch = len(kv_lens)
-    kv_lens = kv_lens.astype(np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)      # (read only: no copy of an int64 array)
     if batch and bounds is None:
-        bounds = int(kv_lens.min()), int(kv_lens.max())
+        bounds = int_bounds(kv_lens)
     if chunk <= 0 or (batch and bounds[1] <= chunk):     # nothing split: one row per request
         work = np.zeros((batch, WORK_COLS), np.int32)
         lo, hi = bounds if batch > 1 else (0, 0)
