@@ -173,7 +173,7 @@ class MultiLevelCascadeAttentionWrapper:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
         self._rows = totals.pop()
-        self._plan_states(fn, int(num_qo_heads), int(head_dim), arrays.as_dtype(q_data_type, "q_data_type", fn))
+        self._plan_states(fn, int(num_qo_heads), int(head_dim))
         self._planned = True
 
     def _iota(self, n: int, dtype) -> bytes:
@@ -182,10 +182,11 @@ class MultiLevelCascadeAttentionWrapper:
             self._iota_last = (n, dtype, np.arange(n, dtype=dtype).tobytes())
         return self._iota_last[2]
 
-    def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
+    def _plan_states(self, fn: str, heads: int, head_dim: int) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
-        at the first plan, with room for twice its queries)."""
-        device = self._levels[0]._plan.device      # plan.Plan, whichever kind the level is
+        at the first plan, with room for twice its queries), of the levels' q dtype."""
+        first = self._levels[0]._plan      # plan.Plan, whichever kind the level is
+        device, dtype = first.device, first.q_dtype
         if device is None or self._num_levels == 1:
             return
         if self._states is not None:
