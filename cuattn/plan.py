@@ -306,12 +306,17 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         # -- every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids; pieces k < p0 - 1 read
         #    chunk keys, the last ext - (p0 - 1) * chunk (in 1..chunk); the partial slot of row i is i
         total = n * p0
-        work = np.empty((n, p0, PREFILL_COLS), np.int32)
-        work[:, :, 0] = req[:, None]
-        work[:, :, 1] = tile[:, None]
-        work[:, :, 2] = np.arange(p0)
-        work[:, :, 3] = np.arange(total).reshape(n, p0)
-        work = work.reshape(total, PREFILL_COLS)
+        merge = np.empty((n, PREFILL_COLS), np.int32)
+        merge[:, 0] = req
+        merge[:, 1] = tile
+        merge[:, 2] = np.arange(0, total, p0)
+        merge[:, 3] = p0
+        # -- each item's merge row (request, tile, first slot, p0) once per piece, then k = slot - first slot and
+        #    the slot (strided writes into an (n, p0, 4) grid cost twice as much)
+        work = merge.repeat(p0, axis=0)
+        slot = np.arange(total, dtype=np.int32)
+        np.subtract(slot, work[:, 2], out=work[:, 2])
+        work[:, 3] = slot
         piece_ext = np.empty((n, p0), np.int64)
         piece_ext.fill(chunk)                        # (np.full costs twice as much)
         np.subtract(ext, (p0 - 1) * chunk, out=piece_ext[:, -1], casting="unsafe")   # (as an assignment casts)
@@ -321,11 +326,6 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
             tiles = (piece_ext + (block_n - 1)) // block_n
             order = descending(tiles, lo, hi)                       # most key tiles first
             work, piece_ext = work[order], piece_ext[order]
-        merge = np.empty((n, PREFILL_COLS), np.int32)
-        merge[:, 0] = req
-        merge[:, 1] = tile
-        merge[:, 2] = np.arange(0, total, p0)
-        merge[:, 3] = p0
         return PrefillWorkList(work, merge, total, int(chunk), piece_ext)
     pieces = (ext + (chunk - 1)) // chunk
     np.maximum(pieces, 1, out=pieces)
