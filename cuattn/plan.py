@@ -663,9 +663,9 @@ class PlanBuffers:
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
         of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
         otherwise)."""
+        caps = None         # eager: every segment's capacity is its length
         if self.graph:
-            lens = [0 if a is None else len(a) for _, a, _ in segments]
-            sizes = {name: n for (name, _, _), n in zip(segments, lens)}
+            sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
             if self.caps is None:
                 self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
                 if "merge" in self.caps and "work" in self.caps:
@@ -679,18 +679,25 @@ class PlanBuffers:
                     raise ValueError(f"{fn}: {n} ({s} int32) must fit the capacity fixed by the first plan with "
                                      f"use_cuda_graph=True ({self.caps[n]}); plan the largest batch first or make "
                                      f"a new wrapper")
-            caps = [self.caps[name] for name, _, _ in segments]
-        else:       # eager: every segment's capacity is its length
-            caps = lens = [0 if a is None else len(a) for _, a, _ in segments]
+            caps = self.caps
         layout, total = [], 0        # (name, array, fill, offset, length, capacity) per segment
-        for (name, a, fill), n, cap in zip(segments, lens, caps):
+        for name, a, fill in segments:
+            n = 0 if a is None else len(a)
+            cap = n if caps is None else caps[name]
             layout.append((name, a, fill, total, n, cap))
             total += (cap + 3) & ~3                        # 16-byte aligned segments (int4 loads)
         bufs = self._bufs
         if bufs is None:
             bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
+        # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
+        #    record work from any current device (the event and the stream are both this device's)
+        dev = bufs.plan
+        if dev is None or dev.size < total:
+            dev = bufs._ensure("plan", total, np.int32, "the plan")
+        base = dev.data.ptr
         host = bufs.staging(total)
-        for _, a, fill, o, n, cap in layout:
+        ptrs = {}
+        for name, a, fill, o, n, cap in layout:
             if n:
                 if type(a) is tuple:                       # a scalar segment (kv_chunk)
                     host[o] = a[0]
@@ -698,14 +705,9 @@ class PlanBuffers:
                     host[o:o + n] = a
             if cap > n:
                 host[o + n:o + cap] = fill
-        # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
-        #    record work from any current device (the event and the stream are both this device's)
-        dev = bufs.plan
-        if dev is None or dev.size < total:
-            dev = bufs._ensure("plan", total, np.int32, "the plan")
-        base = dev.data.ptr
+            ptrs[name] = base + 4 * o if cap else 0
         bufs.upload(base, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
-        return {name: base + 4 * o if cap else 0 for name, _, _, o, _, cap in layout}
+        return ptrs
 
     def rows(self, name: str, n: int, cols: int) -> int:
         """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""
