@@ -451,16 +451,21 @@ def host_ints(x, name: str, fn: str) -> np.ndarray:
     return arrays.host_int_vector(x, name, fn)
 
 
+_UNSIGNED = {np.dtype(s): np.dtype(u) for s, u in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
+                                                    (np.int64, np.uint64))}     # (a view by dtype string: +0.3 µs)
+
+
 def max_index(ids: np.ndarray) -> int | None:
     """The largest value of a host int array (-1 when empty), or None when a value is negative, in one
     pass (min and max were two: ~10 µs for a batch-256 page table): a signed array viewed as unsigned
     puts every negative value above every non-negative one."""
     if not len(ids):
         return -1
-    if ids.dtype.kind == "i":
-        top = int(ids.view(ids.dtype.str.replace("i", "u")).max())
+    dt = ids.dtype
+    if dt.kind == "i":
+        top = int(np.maximum.reduce(ids.view(_UNSIGNED.get(dt) or dt.str.replace("i", "u"))))
         return None if top >> (8 * ids.itemsize - 1) else top
-    return int(ids.max())
+    return int(np.maximum.reduce(ids))
 
 
 _SHORT = 32      # int_bounds: arrays up to this long are reduced as a Python list
