@@ -94,7 +94,8 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
                      block_n: int = BLOCK_N, align: int = 1, bounds: tuple | None = None) -> DecodeWorkList:
     """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first; pieces start
     at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed.
-    ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already."""
+    ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already; the first may be any
+    lower bound >= 0 that equals the maximum only when every length does (it decides whether to sort)."""
     batch = len(kv_lens)
     kv_lens = np.asarray(kv_lens, np.int64)      # (read only: no copy of an int64 array)
     if batch and bounds is None:
@@ -481,6 +482,14 @@ def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
         return (lo, hi, int(sum(v))) if total else (lo, hi)
     lo, hi = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
     return (lo, hi, int(np.add.reduce(a))) if total else (lo, hi)
+
+
+def int_top(a: np.ndarray) -> tuple:
+    """(max, sum) of a non-empty 1-D array as Python ints (a short one through a list, as ``int_bounds``)."""
+    if len(a) <= _SHORT:
+        v = a.tolist()
+        return int(max(v)), int(sum(v))
+    return int(np.maximum.reduce(a)), int(np.add.reduce(a))
 
 
 def int_min(a: np.ndarray) -> int:
