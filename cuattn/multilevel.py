@@ -150,12 +150,13 @@ class MultiLevelCascadeAttentionWrapper:
         for i in range(self._num_levels):
             qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
             n = len(qo)
-            totals.add(int(qo[-1]) if n else 0)
+            rows = int(qo[-1]) if n else 0
+            totals.add(rows)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
             #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
             kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
-            kind = "decode" if n > 1 and len(kv_indptr) == n and qo[0] == 0 and qo[-1] == n - 1 and \
+            kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
                 qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
             if kind != self._kinds[i]:
                 if self._graph and self._kinds[i] is not None:
