@@ -464,7 +464,8 @@ def max_index(ids: np.ndarray) -> int | None:
         return -1
     dt = ids.dtype
     if dt.kind == "i":
-        top = int(np.maximum.reduce(ids.view(_UNSIGNED.get(dt) or dt.str.replace("i", "u"))))
+        u = _UNSIGNED.get(dt)           # (None for a byte-swapped dtype: by its string)
+        top = int(np.maximum.reduce(ids.view(u if u is not None else dt.str.replace("i", "u"))))
         return None if top >> (8 * ids.itemsize - 1) else top
     return int(np.maximum.reduce(ids))
 
