@@ -194,9 +194,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
 
         heads_work = p.num_kv_heads * _m_tiles(p.group)
-        # -- the lengths' sum and range, read once (the warps, the split choice, the work list's order)
-        tokens = int(kv_lens.sum())
-        bounds = (int(kv_lens.min()), int(kv_lens.max())) if p.batch else None
+        # -- the lengths' maximum and sum, read once (the warps, the split choice, the work list's order); not their
+        #    minimum (a reduction): the lengths (>= 0) are all equal iff max * batch == sum, all the order needs
+        hi, tokens = _plan.int_top(kv_lens) if p.batch else (0, 0)
+        bounds = (hi if hi * p.batch == tokens else 0, hi) if p.batch else None
         # -- 8 warps x 3 stages (one 217 KB CTA per SM) when the batch gives at most one CTA per
         #    SM (hd128; H200 2026-11-22: bs1x32k 55.5 -> 53.3 us, bs16x2048 51.9 -> 49.9, bs16x32k
         #    548 -> 541), else 4 warps x 3 stages, two CTAs per SM (8 warps: bs64x512 51.6 -> 58.9),

@@ -25,6 +25,8 @@ _TMA_ALIGN = 16               # TMA kernel: tokens per warp-box; pages and piece
 
 @dataclass(frozen=True)
 class DecodeSpec:
+    """A decode kernel's specialization. The derived sizes that plan() reads (stages, shared memory, CTAs per
+    SM) are cached on the instance (plan()'s specs are kept by ``_make_spec``: computed once, not per plan)."""
     head_dim: int       # 64 | 128 | 256
     dtype_q: str        # "f16" | "bf16"
     dtype_kv: str       # "f16" | "bf16" | "e4m3" | "e5m2" | "f32" (fp8: to f16, fp32: to q's type when fragments load)
@@ -54,11 +56,11 @@ class DecodeSpec:
     def archs(self) -> tuple[str, ...] | None:   # cli.shipped_specs: TMA kernels for Hopper alone
         return (_TMA_ARCH,) if self.tma else None
 
-    @property
+    @functools.cached_property
     def kv_bytes(self) -> int:   # bytes per K/V element
         return 1 if self.dtype_kv in FP8 else 4 if self.dtype_kv == "f32" else 2
 
-    @property
+    @functools.cached_property
     def stages(self) -> int:   # pipeline depth: ~70-135 KB of K/V in flight per CTA
         if self.num_stages:
             return self.num_stages
@@ -83,7 +85,7 @@ class DecodeSpec:
     def block_n(self) -> int:  # tokens per pipeline stage
         return 16 * self.num_warps
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         q_rows = _M_TILE * (self.head_dim * 2 + 16)
         kvb = self.kv_bytes
@@ -92,7 +94,7 @@ class DecodeSpec:
         row = self.head_dim * kvb + 16
         return self.stages * 2 * self.block_n * row + q_rows + 2 * 512 * 4   # + page-id windows
 
-    @property
+    @functools.cached_property
     def ctas_per_sm(self) -> int:
         return max(1, min(4, (228 * 1024) // (self.smem_bytes + 1024)))
 

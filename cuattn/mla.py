@@ -78,15 +78,15 @@ MIN_PIECE = 256   # keys per split-KV piece at least: a piece reads 288 KiB, its
 
 
 def _choose_chunk(extents: np.ndarray, num_sms: int, max_slots: int | None, block_n: int = BLOCK_N,
-                  top: int | None = None) -> int:
+                  top: int | None = None, total: int | None = None) -> int:
     """Keys per piece (0: none split): plan.choose_chunk over the (request, query tile) items with one
     resident CTA per SM (the kernel takes 156-193 KiB of shared memory) and pieces of >= MIN_PIECE
     keys (a batch of one 32k request: 128 pieces; plan.choose_prefill_chunk's 512 would leave half of
-    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace). ``top``:
-    ``extents.max()`` when the caller has it."""
+    132 SMs idle); then doubled until the partial slots fit ``max_slots`` (a fixed workspace). ``top``,
+    ``total``: ``extents.max()``, ``extents.sum()`` when the caller has them."""
     if top is None and len(extents):
         top = int(extents.max())
-    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, block_n, min_chunk=MIN_PIECE, max_len=top)
+    chunk = _plan.choose_chunk(extents, 1, num_sms, 1, block_n, min_chunk=MIN_PIECE, max_len=top, total=total)
     if chunk and max_slots is not None:
         while int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
@@ -220,7 +220,7 @@ class BatchMLAPagedAttentionWrapper:
         kvl = _plan.host_ints(kv_len_arr, "kv_len_arr", fn).astype(np.int64)
         batch = len(qo) - 1
         qo_lens, pages = qo[1:] - qo[:-1], kp[1:] - kp[:-1]        # np.diff, without its wrapper's cost
-        qo_range = (int(qo_lens.min()), int(qo_lens.max())) if batch > 0 else None
+        qo_range = _plan.int_bounds(qo_lens) if batch > 0 else None
         if batch < 0 or qo[0] != 0 or (qo_range and qo_range[0] < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         if len(kp) != batch + 1 or len(kvl) != batch or kp[0] != 0 or (batch and pages.min() < 0):
@@ -284,15 +284,17 @@ class BatchMLAPagedAttentionWrapper:
         p.spec = fa2
         h, qo_lens = p.num_qo_heads, p.qo_lens
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal, p.qo_range)
-        top = int(items[2].max()) if len(items[2]) else 0      # (read once: the split choice and the work list)
+        # -- the extents' range (and sum, for the scheduler's choice), read once: the split choice and the work list
+        stats = _plan.int_bounds(items[2], fixed_split_size is None and not disable_split_kv) if len(items[2]) \
+            else (0, 0, 0)
         slot_floats = BLOCK_M * (HEAD_DIM_CKV + 1)          # a slot: a tile's fp32 rows and their LSEs
         sms = _plan.num_sms(device)
 
         def auto():
-            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats), spec.block_n, top)
+            c = _choose_chunk(items[2], sms, bufs.max_partial(slot_floats), spec.block_n, stats[1], stats[2])
             return c, _plan.split_reason(len(items[2]), sms, c)
         chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
-        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items, top)
+        wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items, stats[:2])
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         segments = [("kv_chunk", (wl.chunk,), 0), ("qo_indptr", p.qo_indptr, 0),       # (int64 values: the

@@ -150,12 +150,13 @@ class MultiLevelCascadeAttentionWrapper:
         for i in range(self._num_levels):
             qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
             n = len(qo)
-            totals.add(int(qo[-1]) if n else 0)
+            rows = int(qo[-1]) if n else 0
+            totals.add(rows)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
             #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
             kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
-            kind = "decode" if n > 1 and len(kv_indptr) == n and qo[0] == 0 and qo[-1] == n - 1 and \
+            kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
                 qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
             if kind != self._kinds[i]:
                 if self._graph and self._kinds[i] is not None:
@@ -173,7 +174,7 @@ class MultiLevelCascadeAttentionWrapper:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
         self._rows = totals.pop()
-        self._plan_states(fn, int(num_qo_heads), int(head_dim), arrays.as_dtype(q_data_type, "q_data_type", fn))
+        self._plan_states(fn, int(num_qo_heads), int(head_dim))
         self._planned = True
 
     def _iota(self, n: int, dtype) -> bytes:
@@ -182,10 +183,11 @@ class MultiLevelCascadeAttentionWrapper:
             self._iota_last = (n, dtype, np.arange(n, dtype=dtype).tobytes())
         return self._iota_last[2]
 
-    def _plan_states(self, fn: str, heads: int, head_dim: int, dtype) -> None:
+    def _plan_states(self, fn: str, heads: int, head_dim: int) -> None:
         """The (out, lse) buffers of every level but the last, allocated here, not in run() (graph mode:
-        at the first plan, with room for twice its queries)."""
-        device = self._levels[0]._plan.device      # plan.Plan, whichever kind the level is
+        at the first plan, with room for twice its queries), of the levels' q dtype."""
+        first = self._levels[0]._plan      # plan.Plan, whichever kind the level is
+        device, dtype = first.device, first.q_dtype
         if device is None or self._num_levels == 1:
             return
         if self._states is not None:

@@ -15,6 +15,7 @@ import numpy as np
 from . import arrays, fp8, jit, reference
 from .errors import CacheFullError
 from .arrays import Tensor
+from .plan import int_bounds, int_min
 
 _SOURCE = "page.cu"
 KV_LAYOUTS = ("NHD", "HND")
@@ -166,11 +167,12 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
     pages = ip[1:] - ip[:-1]                          # (np.diff costs ~5 µs more)
     lpl = last_page_len.astype(np.int64)
     kv_lens = (pages - 1) * page_size + lpl
-    if batch:
-        min_pages = int(pages.min())
+    if batch:       # (plan.int_min / int_bounds: a short table's through a list, no NumPy reductions)
+        min_pages = int_min(pages)
         if min_pages < 0:
             _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
-        if lpl.min() < 1 or lpl.max() > page_size:    # (fast path: all in range)
+        lo, hi = int_bounds(lpl)
+        if lo < 1 or hi > page_size:    # (fast path: all in range)
             _lpl_error(fn, pages, lpl, page_size, prefix)
         if min_pages == 0:
             kv_lens[pages == 0] = 0

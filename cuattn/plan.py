@@ -32,7 +32,7 @@ _NO_MERGE = np.zeros((0, 4), np.int32)     # the merge rows of a plan that split
 _NO_MERGE.flags.writeable = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)       # (not frozen: a frozen dataclass's __init__ costs ~4x, every plan)
 class DecodeWorkList:
     work: np.ndarray          # int32 [num_work, 8]
     merge: np.ndarray         # int32 [num_merge, 4]
@@ -94,11 +94,12 @@ def decode_work_list(indptr: np.ndarray, kv_lens: np.ndarray, chunk: int,
                      block_n: int = BLOCK_N, align: int = 1, bounds: tuple | None = None) -> DecodeWorkList:
     """Pieces of at most ``chunk`` tokens (0: one piece per request), longest first; pieces start
     at multiples of ``align`` (the TMA kernel's 16-slot boxes), rounding ``chunk`` up if needed.
-    ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already."""
+    ``bounds``: (``kv_lens.min()``, ``kv_lens.max()``) when the caller has them already; the first may be any
+    lower bound >= 0 that equals the maximum only when every length does (it decides whether to sort)."""
     batch = len(kv_lens)
-    kv_lens = kv_lens.astype(np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)      # (read only: no copy of an int64 array)
     if batch and bounds is None:
-        bounds = int(kv_lens.min()), int(kv_lens.max())
+        bounds = int_bounds(kv_lens)
     if chunk <= 0 or (batch and bounds[1] <= chunk):     # nothing split: one row per request
         work = np.zeros((batch, WORK_COLS), np.int32)
         lo, hi = bounds if batch > 1 else (0, 0)
@@ -166,7 +167,7 @@ PREFILL_COLS = 4          # work rows (request, query tile, kv piece, partial sl
                           # (request, query tile, first slot, pieces): common/prefill_tile.cuh
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PrefillWorkList:
     work: np.ndarray          # int32 [num_work, 4]
     merge: np.ndarray         # int32 [num_merge, 4]
@@ -277,20 +278,21 @@ def prefill_items(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, block_m:
 
 
 def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool,
-                      chunk: int = 0, items: tuple | None = None, top: int | None = None) -> PrefillWorkList:
+                      chunk: int = 0, items: tuple | None = None, bounds: tuple | None = None) -> PrefillWorkList:
     """Work rows for every (request, query tile), each cut into pieces of ``chunk`` keys (0: none),
     the most key tiles first (long pieces start early); split items' pieces get partial slots and a
-    merge row each. ``items``: ``prefill_items``' result when the caller has it already; ``top``: the
-    largest of its extents (``items[2].max()``), likewise."""
+    merge row each. ``items``: ``prefill_items``' result when the caller has it already; ``bounds``: the
+    smallest and largest of its extents (``int_bounds(items[2])``), likewise."""
     req, tile, ext = items if items is not None else prefill_items(np.asarray(qo_lens), np.asarray(kv_lens), group,
                                                                   block_m, causal)
     n = len(req)
-    if top is None:
-        top = int(ext.max()) if n else 0
+    if bounds is None:
+        bounds = int_bounds(ext) if n else (0, 0)
+    bottom, top = bounds
     if chunk <= 0 or top <= chunk:               # nothing split: one row per item
         work = np.empty((n, PREFILL_COLS), np.int32)
         # -- equal key tiles everywhere (the fewest, the bottom's, equal the top's): the stable order is the identity
-        lo, hi = ((int(ext.min()) + block_n - 1) // block_n, (top + block_n - 1) // block_n) if n else (0, 0)
+        lo, hi = (bottom + block_n - 1) // block_n, (top + block_n - 1) // block_n
         if lo != hi:
             tiles = (ext + (block_n - 1)) // block_n
             order = descending(tiles, lo, hi)
@@ -301,30 +303,30 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
         work[:, 3] = -1
         return PrefillWorkList(work, _NO_MERGE, 0, 0, ext)
     p0 = (top + chunk - 1) // chunk                  # p0 > 1: the most pieces of an item
-    bottom = int(ext.min())
     if (bottom + chunk - 1) // chunk == p0:
         # -- every item cut into p0 pieces (a shared prefix's tiles): (items, p0) grids; pieces k < p0 - 1 read
         #    chunk keys, the last ext - (p0 - 1) * chunk (in 1..chunk); the partial slot of row i is i
         total = n * p0
-        work = np.empty((n, p0, PREFILL_COLS), np.int32)
-        work[:, :, 0] = req[:, None]
-        work[:, :, 1] = tile[:, None]
-        work[:, :, 2] = np.arange(p0)
-        work[:, :, 3] = np.arange(total).reshape(n, p0)
-        work = work.reshape(total, PREFILL_COLS)
-        piece_ext = np.full((n, p0), chunk, np.int64)
-        piece_ext[:, -1] = ext - (p0 - 1) * chunk
+        merge = np.empty((n, PREFILL_COLS), np.int32)
+        merge[:, 0] = req
+        merge[:, 1] = tile
+        merge[:, 2] = np.arange(0, total, p0)
+        merge[:, 3] = p0
+        # -- each item's merge row (request, tile, first slot, p0) once per piece, then k = slot - first slot and
+        #    the slot (strided writes into an (n, p0, 4) grid cost twice as much)
+        work = merge.repeat(p0, axis=0)
+        slot = np.arange(total, dtype=np.int32)
+        np.subtract(slot, work[:, 2], out=work[:, 2])
+        work[:, 3] = slot
+        piece_ext = np.empty((n, p0), np.int64)
+        piece_ext.fill(chunk)                        # (np.full costs twice as much)
+        np.subtract(ext, (p0 - 1) * chunk, out=piece_ext[:, -1], casting="unsafe")   # (as an assignment casts)
         piece_ext = piece_ext.reshape(total)
         lo, hi = (bottom - (p0 - 1) * chunk + block_n - 1) // block_n, (chunk + block_n - 1) // block_n
         if lo != hi:
             tiles = (piece_ext + (block_n - 1)) // block_n
             order = descending(tiles, lo, hi)                       # most key tiles first
             work, piece_ext = work[order], piece_ext[order]
-        merge = np.empty((n, PREFILL_COLS), np.int32)
-        merge[:, 0] = req
-        merge[:, 1] = tile
-        merge[:, 2] = np.arange(0, total, p0)
-        merge[:, 3] = p0
         return PrefillWorkList(work, merge, total, int(chunk), piece_ext)
     pieces = (ext + (chunk - 1)) // chunk
     np.maximum(pieces, 1, out=pieces)
@@ -354,14 +356,15 @@ def prefill_work_list(qo_lens, kv_lens, group: int, block_m: int, block_n: int, 
 
 
 def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, ctas_per_sm: int, block_n: int,
-                         max_slots: int | None = None, top: int | None = None) -> int:
+                         max_slots: int | None = None, top: int | None = None, total: int | None = None) -> int:
     """Keys per piece for split-KV prefill (0: none split): decode's rule (``choose_chunk``) over the
     (request, query tile) items, pieces of at least PREFILL_MIN_CHUNK keys; then as large as needed
-    for the partial slots to fit ``max_slots`` (a fixed workspace). ``top``: ``extents.max()`` when known."""
+    for the partial slots to fit ``max_slots`` (a fixed workspace). ``top``, ``total``: ``extents.max()``,
+    ``extents.sum()`` when known."""
     if len(extents) and top is None:
         top = int(extents.max())
     chunk = choose_chunk(extents, num_kv_heads, num_sms, ctas_per_sm, block_n, min_chunk=PREFILL_MIN_CHUNK,
-                         max_len=top)
+                         max_len=top, total=total)
     if chunk and max_slots is not None:
         while chunk and int(np.where(extents > chunk, -(-extents // chunk), 0).sum()) > max_slots:
             chunk *= 2
@@ -449,22 +452,56 @@ def host_ints(x, name: str, fn: str) -> np.ndarray:
     return arrays.host_int_vector(x, name, fn)
 
 
+_UNSIGNED = {np.dtype(s): np.dtype(u) for s, u in ((np.int8, np.uint8), (np.int16, np.uint16), (np.int32, np.uint32),
+                                                    (np.int64, np.uint64))}     # (a view by dtype string: +0.3 µs)
+
+
 def max_index(ids: np.ndarray) -> int | None:
     """The largest value of a host int array (-1 when empty), or None when a value is negative, in one
     pass (min and max were two: ~10 µs for a batch-256 page table): a signed array viewed as unsigned
     puts every negative value above every non-negative one."""
     if not len(ids):
         return -1
-    if ids.dtype.kind == "i":
-        top = int(ids.view(ids.dtype.str.replace("i", "u")).max())
+    dt = ids.dtype
+    if dt.kind == "i":
+        u = _UNSIGNED.get(dt)           # (None for a byte-swapped dtype: by its string)
+        top = int(np.maximum.reduce(ids.view(u if u is not None else dt.str.replace("i", "u"))))
         return None if top >> (8 * ids.itemsize - 1) else top
-    return int(ids.max())
+    return int(np.maximum.reduce(ids))
+
+
+_SHORT = 32      # int_bounds: arrays up to this long are reduced as a Python list
+
+
+def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
+    """(min, max) of a non-empty 1-D array as Python ints, and its sum with ``total``. A short array (a shared
+    prefix's few query tiles, a small batch) goes through a list: a NumPy reduction costs ~0.7 µs whatever the
+    size, a list of up to _SHORT ints and all three of min / max / sum ~0.4."""
+    if len(a) <= _SHORT:
+        v = a.tolist()
+        lo, hi = int(min(v)), int(max(v))
+        return (lo, hi, int(sum(v))) if total else (lo, hi)
+    lo, hi = int(np.minimum.reduce(a)), int(np.maximum.reduce(a))
+    return (lo, hi, int(np.add.reduce(a))) if total else (lo, hi)
+
+
+def int_top(a: np.ndarray) -> tuple:
+    """(max, sum) of a non-empty 1-D array as Python ints (a short one through a list, as ``int_bounds``)."""
+    if len(a) <= _SHORT:
+        v = a.tolist()
+        return int(max(v)), int(sum(v))
+    return int(np.maximum.reduce(a)), int(np.add.reduce(a))
+
+
+def int_min(a: np.ndarray) -> int:
+    """The minimum of a non-empty 1-D array as a Python int (a short one through a list, as ``int_bounds``)."""
+    return int(min(a.tolist())) if len(a) <= _SHORT else int(np.minimum.reduce(a))
 
 
 def config_key(*args) -> tuple | None:
     """A memo key of plan()'s configuration arguments, each with its type (16 and 16.0 are different
     arguments to a check), or None when one is unhashable (a user variant without __hash__): no memo."""
-    key = tuple([(type(a), a) for a in args])
+    key = (args, tuple(map(type, args)))
     try:
         hash(key)
     except TypeError:
@@ -641,9 +678,9 @@ class PlanBuffers:
         ``segments`` = [(name, int32 array or None, fill of the rows past it)] on the current stream
         of ``like``'s framework. ``kernel``: the configuration a captured run() launches (graph mode; unread
         otherwise)."""
+        caps = None         # eager: every segment's capacity is its length
         if self.graph:
-            lens = [0 if a is None else len(a) for _, a, _ in segments]
-            sizes = {name: n for (name, _, _), n in zip(segments, lens)}
+            sizes = {name: 0 if a is None else len(a) for name, a, _ in segments}
             if self.caps is None:
                 self.caps = {n: (s if n == "kv_chunk" else max(2 * s, 256)) for n, s in sizes.items()}
                 if "merge" in self.caps and "work" in self.caps:
@@ -657,32 +694,35 @@ class PlanBuffers:
                     raise ValueError(f"{fn}: {n} ({s} int32) must fit the capacity fixed by the first plan with "
                                      f"use_cuda_graph=True ({self.caps[n]}); plan the largest batch first or make "
                                      f"a new wrapper")
-            caps = [self.caps[name] for name, _, _ in segments]
-        else:       # eager: every segment's capacity is its length
-            caps = lens = [0 if a is None else len(a) for _, a, _ in segments]
-        offsets, total = [], 0
-        for cap in caps:
-            offsets.append(total)
+            caps = self.caps
+        layout, total = [], 0        # (name, array, fill, offset, length, capacity) per segment
+        for name, a, fill in segments:
+            n = 0 if a is None else len(a)
+            cap = n if caps is None else caps[name]
+            layout.append((name, a, fill, total, n, cap))
             total += (cap + 3) & ~3                        # 16-byte aligned segments (int4 loads)
         bufs = self._bufs
         if bufs is None:
             bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
-        host = bufs.staging(total)
-        for (_, a, fill), o, n, cap in zip(segments, offsets, lens, caps):
-            if n == 1 and type(a) is tuple:                # a scalar segment (kv_chunk)
-                host[o] = a[0]
-            elif n:
-                host[o:o + n] = a
-            if cap > n:
-                host[o + n:o + cap] = fill
         # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
         #    record work from any current device (the event and the stream are both this device's)
         dev = bufs.plan
         if dev is None or dev.size < total:
             dev = bufs._ensure("plan", total, np.int32, "the plan")
-        bufs.upload(dev.data.ptr, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
         base = dev.data.ptr
-        return {seg[0]: base + 4 * o if cap else 0 for seg, o, cap in zip(segments, offsets, caps)}
+        host = bufs.staging(total)
+        ptrs = {}
+        for name, a, fill, o, n, cap in layout:
+            if n:
+                if type(a) is tuple:                       # a scalar segment (kv_chunk)
+                    host[o] = a[0]
+                else:
+                    host[o:o + n] = a
+            if cap > n:
+                host[o + n:o + cap] = fill
+            ptrs[name] = base + 4 * o if cap else 0
+        bufs.upload(base, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
+        return ptrs
 
     def rows(self, name: str, n: int, cols: int) -> int:
         """The grid's extent for segment ``name`` of ``n`` rows: its capacity in graph mode."""

@@ -100,7 +100,7 @@ class _BatchPrefillBase:
                      page_size=None):
         qo = _plan.host_ints(qo_indptr, "qo_indptr", fn).astype(np.int64)
         qo_lens = qo[1:] - qo[:-1]          # np.diff, without its wrapper's cost
-        qo_range = (int(qo_lens.min()), int(qo_lens.max())) if len(qo_lens) else None
+        qo_range = _plan.int_bounds(qo_lens) if len(qo_lens) else None
         if len(qo) < 1 or qo[0] != 0 or (qo_range and qo_range[0] < 0):
             raise ValueError(f"{fn}: qo_indptr must start at 0 and be non-decreasing, got {qo[:8]}")
         batch = len(qo) - 1
@@ -206,21 +206,23 @@ class _BatchPrefillBase:
         h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
         items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal, plan.qo_range)
         ext = items[2]
-        top = int(ext.max()) if len(ext) else 0       # (read once: the split choice and the work list)
+        # -- the extents' range (and sum, for the scheduler's choice), read once: the split choice and the work list
+        auto_split = fixed_split_size is None and not disable_split_kv
+        stats = _plan.int_bounds(ext, auto_split) if len(ext) else (0, 0, 0)
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
         max_slots = bufs.max_partial(slot_floats)
         sms = _plan.num_sms(device)
         slots = sms * (2 if backend == "fa2" else 1)       # resident CTAs
 
         def auto():
-            c = _plan.choose_prefill_chunk(ext, h_kv, sms, slots // sms, spec.block_n, max_slots, top)
+            c = _plan.choose_prefill_chunk(ext, h_kv, sms, slots // sms, spec.block_n, max_slots, stats[1], stats[2])
             return c, _plan.split_reason(len(ext) * h_kv, slots, c)
         if composite.use_softmax:
             chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
         else:                                     # weights without softmax: never split (nothing to merge)
             chunk, why = 0, "the variant has no softmax to merge"
         wl = _plan.prefill_work_list(plan.qo_lens, plan.kv_lens, group, spec.block_m, spec.block_n,
-                                     plan.causal, chunk, items, top)
+                                     plan.causal, chunk, items, stats[:2])
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         mask = plan.mask

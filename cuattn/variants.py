@@ -54,6 +54,7 @@ the new ``(a, b)``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -319,7 +320,7 @@ class Composite:
         transform (no fp8 KV kernel)."""
         return self.has_rope or self.has("query_transform") or self.has("key_transform")
 
-    @property
+    @functools.cached_property      # (read by every plan(): once per composite)
     def use_softmax(self) -> bool:
         return all(v.use_softmax for v in self.pieces)
 

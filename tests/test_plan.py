@@ -340,3 +340,16 @@ def test_descending_is_the_stable_argsort_of_the_negated_keys(hi):
         got = plan.descending(keys, int(keys.min()), int(keys.max()))
         assert got.tolist() == np.argsort(-keys, kind="stable").tolist()
         assert got.tolist() == sorted(range(n), key=lambda i: (-int(keys[i]), i))
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(st.integers(-2**40, 2**40), min_size=1, max_size=80),
+       dtype=st.sampled_from(["int32", "int64", "float64"]))
+def test_int_reductions_equal_numpys_on_short_and_long_arrays(values, dtype):
+    """plan.int_bounds / int_top / int_min: Python ints equal to NumPy's reductions, through a list (<= 32
+    values) or the ufuncs (longer), for int32 / int64 lengths and the float64 extents of a float page size."""
+    a = np.array(values, np.int64).astype(dtype) if dtype != "int32" else np.array(values, np.int64).astype(np.int32)
+    lo, hi, total = int(a.min()), int(a.max()), int(a.sum())
+    assert plan.int_bounds(a) == (lo, hi) and plan.int_bounds(a, True) == (lo, hi, total)
+    assert plan.int_top(a) == (hi, total) and plan.int_min(a) == lo
+    assert all(type(v) is int for v in plan.int_bounds(a, True) + plan.int_top(a) + (plan.int_min(a),))
