@@ -303,23 +303,12 @@ def test_prefill_gpu_fp8_fa3_soft_cap_scales_raw_logits():
 
 
 @pytest.mark.gpu
-@sm90
-def test_prefill_gpu_scales_with_16_bit_kv_on_fa3():
-    rng = np.random.default_rng(13)
+@pytest.mark.parametrize("backend,seed", [pytest.param("fa3", 13, marks=sm90), ("fa2", 12)], ids=["fa3", "fa2"])
+def test_prefill_gpu_scales_with_16_bit_kv(backend, seed):
+    rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((77, 8, 128), (300, 2, 128), (300, 2, 128)))
     vs = np.array([2.0, 0.5], np.float32)
-    out = cuattn.single_prefill_with_kv_cache(_dev(q), _dev(k), _dev(v), causal=True, backend="fa3", k_scale=0.3,
-                                              v_scale=_cp().asarray(vs))
-    ref, _ = dense_attention(q, k.astype(np.float64) * 0.3, v.astype(np.float64) * vs[None, :, None], causal=True)
-    assert rel_err(_cp().asnumpy(out), ref) < 5e-3
-
-
-@pytest.mark.gpu
-def test_prefill_gpu_scales_with_16_bit_kv_on_fa2():
-    rng = np.random.default_rng(12)
-    q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((77, 8, 128), (300, 2, 128), (300, 2, 128)))
-    vs = np.array([2.0, 0.5], np.float32)
-    out = cuattn.single_prefill_with_kv_cache(_dev(q), _dev(k), _dev(v), causal=True, backend="fa2", k_scale=0.3,
+    out = cuattn.single_prefill_with_kv_cache(_dev(q), _dev(k), _dev(v), causal=True, backend=backend, k_scale=0.3,
                                               v_scale=_cp().asarray(vs))
     ref, _ = dense_attention(q, k.astype(np.float64) * 0.3, v.astype(np.float64) * vs[None, :, None], causal=True)
     assert rel_err(_cp().asnumpy(out), ref) < 5e-3
