@@ -96,14 +96,7 @@ typedef f16 kv_mem_t;
 constexpr int KVB = KV_FP8 ? 1 : KV_F32 ? 4 : 2; // bytes per K/V element
 // e4m3 -> f16: by bit operations (sm_80), exact times 2^-8, the scales carrying the 2^8; by the hardware's cvt
 // where the arch has one (sm_89+: exact, factor 1)
-#ifndef FP8_HW_CVT
-#define FP8_HW_CVT 1        // fp8 -> f16 by the hardware's cvt where the arch has it (dtypes.cuh; 0: the byte trick)
-#endif
-constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;
-template <int SEL>          // two fp8 bytes of x (the trick's prmt selector) -> f16x2, times 1 / FP8_FACTOR
-__device__ __forceinline__ uint32_t fp8_pair(uint32_t x) {
-  return FP8_HW_CVT ? fp8x2_to_f16x2_hw<KV_FP8, SEL>(x) : fp8x2_to_f16x2<KV_FP8, SEL>(x);
-}
+constexpr float FP8_FACTOR = fp8_factor(KV_FP8);   // (dtypes.cuh fp8_pair's conversion, FP8_HW_CVT)
 #if (KV_FP8 || KV_F32) && (CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK)
 #error "fused RoPE and query / key transforms need a 16-bit KV cache"
 #endif
@@ -499,8 +492,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           ldmatrix_x4(a, q_addr + (2 * p + h) * 32);
-          mma_m16n8k16<kv_t>(s[0], a, fp8_pair<0x1404>(b[2 * h]), fp8_pair<0x3424>(b[2 * h]));
-          mma_m16n8k16<kv_t>(s[1], a, fp8_pair<0x1404>(b[2 * h + 1]), fp8_pair<0x3424>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(s[0], a, fp8_pair<KV_FP8, 0x1404>(b[2 * h]), fp8_pair<KV_FP8, 0x3424>(b[2 * h]));
+          mma_m16n8k16<kv_t>(s[1], a, fp8_pair<KV_FP8, 0x1404>(b[2 * h + 1]), fp8_pair<KV_FP8, 0x3424>(b[2 * h + 1]));
         }
       }
     }
@@ -580,9 +573,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 2 * p + h;
-          mma_m16n8k16<kv_t>(acc[2 * c], pa, fp8_pair<0x2404>(b[2 * h]), fp8_pair<0x2404>(b[2 * h + 1]));
-          mma_m16n8k16<kv_t>(acc[2 * c + 1], pa, fp8_pair<0x3414>(b[2 * h]),
-                             fp8_pair<0x3414>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(acc[2 * c], pa, fp8_pair<KV_FP8, 0x2404>(b[2 * h]), fp8_pair<KV_FP8, 0x2404>(b[2 * h + 1]));
+          mma_m16n8k16<kv_t>(acc[2 * c + 1], pa, fp8_pair<KV_FP8, 0x3414>(b[2 * h]),
+                             fp8_pair<KV_FP8, 0x3414>(b[2 * h + 1]));
         }
       }
     }

@@ -23,7 +23,7 @@
 //     qo_len (bottom-right). A row with no visible key in its piece gives 0 and LSE -inf.
 //   - KV_FP8: key tiles land as fp8 bytes (plain rows of 576 bytes) in the STAGES-deep ring and are converted
 //     by the whole CTA into one DTYPE tile (the layout above) after the tile's barrier, then a second barrier;
-//     fp8 -> f16 by common/dtypes.cuh fp8x8_to_f16x8_hw: the hardware's cvt on sm_89+ (exact values), the byte
+//     fp8 -> f16 by common/dtypes.cuh fp8_chunk: the hardware's cvt on sm_89+ (exact values), the byte
 //     trick on sm_80 (or FP8_HW_CVT 0: e4m3 exact times 2^-8, FP8_FACTOR's 2^8 joining the scales), then to
 //     bf16 through fp32 for a bf16 q (exact: e4m3 / e5m2 values, or 2^-8 times them, are bf16 values). Keys
 //     past the piece are zero-filled bytes: 0 either way.
@@ -46,9 +46,6 @@
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
-#ifndef FP8_HW_CVT
-#define FP8_HW_CVT 1        // fp8 -> f16 by the hardware's cvt where the arch has it (sm_89+; 0: the byte trick)
-#endif
 
 namespace cuattn {
 namespace mla {
@@ -60,11 +57,7 @@ constexpr int CHUNKS = D_QK / 8;                // 16-byte chunks per DTYPE row 
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;        // bytes per cache element
 constexpr int CKV_CH = D_CKV * KV_BYTES / 16, KPE_CH = D_KPE * KV_BYTES / 16;   // 16-byte chunks of a cache row
 constexpr int STG_ROW = KV_FP8 ? D_QK : PITCH * 2;   // bytes per row of the copy ring (fp8: plain rows)
-#if KV_FP8
-constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;   // 256 for e4m3 by the byte trick, else 1
-#else
-constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;   // 1 (this form keeps the 16-bit cubins byte-identical)
-#endif
+constexpr float FP8_FACTOR = fp8_factor(KV_FP8);   // 256 for e4m3 by the byte trick, else 1 (dtypes.cuh)
 constexpr int K_HALF = D_QK / 2;                // 288 dims of the score per warp of a pair
 constexpr int V_HALF = D_CKV / 2;               // 256 value columns per warp of a pair
 constexpr int S_PITCH = BLOCK_N + 8;            // floats per row of the score exchange (conflict-free float2)
@@ -94,7 +87,7 @@ typedef T kv_t;
 #endif
 
 #if KV_FP8
-// -- two f16 values from fp8 (dtypes.cuh fp8x8_to_f16x8[_hw]) -> two T in one register, element 0 low
+// -- two f16 values from fp8 (dtypes.cuh fp8_chunk) -> two T in one register, element 0 low
 __device__ __forceinline__ uint32_t f16x2_as(uint32_t h, f16) { return h; }
 __device__ __forceinline__ uint32_t f16x2_as(uint32_t h, bf16) {   // exact for fp8-born values
   const float2 f = unpack2<f16>(h);
@@ -108,7 +101,7 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stg, T* dst) {
   for (int i = int(threadIdx.x); i < BLOCK_N * CHUNKS; i += THREADS) {
     const int r = i / CHUNKS, c = i % CHUNKS;
     const uint2 x = *reinterpret_cast<const uint2*>(stg + r * D_QK + c * 8);
-    const uint4 h = FP8_HW_CVT ? fp8x8_to_f16x8_hw<KV_FP8>(x.x, x.y) : fp8x8_to_f16x8<KV_FP8>(x.x, x.y);
+    const uint4 h = fp8_chunk<KV_FP8>(x.x, x.y);
     *reinterpret_cast<uint4*>(dst + r * PITCH + c * 8) =
         make_uint4(f16x2_as(h.x, T{}), f16x2_as(h.y, T{}), f16x2_as(h.z, T{}), f16x2_as(h.w, T{}));
   }

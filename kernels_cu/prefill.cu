@@ -29,7 +29,7 @@
 //   one f16 K and one f16 V tile (swizzled, as the 16-bit path's stage buffers), a second barrier
 //   publishes them and frees the staging slot for tile it + STAGES: two barriers per tile, as the 16-bit
 //   path. The tensor cores run f16 (a bf16 q is converted to f16 in smem once; out is stored as DTYPE).
-//   fp8 -> f16 by common/prefill_tile.cuh fp8_chunk_to_f16: the hardware's cvt on sm_89+ (exact values), the
+//   fp8 -> f16 by common/dtypes.cuh fp8_chunk: the hardware's cvt on sm_89+ (exact values), the
 //   byte trick on sm_80 (or FP8_HW_CVT 0: e4m3 exact times 2^-8); FP8_FACTOR (2^8 there) joins the scales.
 //   Rows past kv_len are zero-filled bytes: 0 in both.
 // Scales (every KV dtype): k = k_scale * (k_scales ? k_scales[kv_head or 0] : 1), likewise v; the key
@@ -76,11 +76,7 @@ typedef DTYPE kv_t;
 template <class A, class B> struct SameType { static constexpr bool value = false; };
 template <class A> struct SameType<A, A> { static constexpr bool value = true; };
 constexpr bool Q_CONVERT = !SameType<dtype_t, mma_t>::value;   // bf16 q with fp8 K/V: converted to f16 in smem
-#if KV_FP8   // the factor of the conversion (common/prefill_tile.cuh fp8_chunk_to_f16): joins the k / v scales
-constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;
-#else        // 1 (this form, not Fp8Factor's, keeps the 16-bit / fp32 K/V cubins byte-identical)
-constexpr float FP8_FACTOR = Fp8F16Factor<KV_FP8>::value;
-#endif
+constexpr float FP8_FACTOR = fp8_factor(KV_FP8);   // the conversion's factor (dtypes.cuh): joins the k / v scales
 #define NEG_INF __int_as_float(0xff800000)
 
 constexpr int NUM_WARPS = 4;
@@ -282,8 +278,8 @@ __device__ __forceinline__ void convert_kv_tile(uint8_t* smem, uint32_t dst, uin
   for (int i = int(threadIdx.x); i < BLOCK_N * RCH; i += NUM_THREADS) {
     const int r = i / RCH, c = i % RCH;
     const uint4 x = *reinterpret_cast<const uint4*>(smem + src + i * 16);
-    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = fp8_chunk_to_f16(x.x, x.y);
-    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = fp8_chunk_to_f16(x.z, x.w);
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c)) = fp8_chunk<KV_FP8>(x.x, x.y);
+    *reinterpret_cast<uint4*>(smem + dst + swz_t<DT / 8>(r, 2 * c + 1)) = fp8_chunk<KV_FP8>(x.z, x.w);
   }
 }
 #elif KV_F32

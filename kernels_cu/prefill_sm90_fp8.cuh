@@ -2,7 +2,7 @@
 // the bytes; boxes of min(D_QK or D_VO, 128) byte-columns, a swizzle of as many bytes: LoadTile) into
 // LOAD_STAGES fp8 staging buffers each ("loaded" mbarriers; "free" ones when the converters are done reading).
 // Warps 1..3 of the producer warpgroup convert each staged tile into the 16-bit swizzled tile the wgmma path
-// reads (common/prefill_tile.cuh fp8_chunk_to_f16, FP8_FACTOR joining the scales), V rows past the
+// reads (common/dtypes.cuh fp8_chunk, FP8_FACTOR joining the scales), V rows past the
 // request's end as zeros, then arrive on the "full" mbarrier the consumers wait on (after their release of
 // that 16-bit buffer on "empty"), so S and P.V are the 16-bit path's.
 #pragma once
@@ -26,8 +26,8 @@ __device__ __forceinline__ void convert_fp8_tile(uint32_t src, uint32_t dst, int
     const int cc = c % BCH;
     uint4 x = lds128(src + (c / BCH) * (BLOCK_N * F8) + r * F8 + ((cc ^ ((r * F8 / 128) % BCH)) * 16));
     if (r >= valid) x = make_uint4(0u, 0u, 0u, 0u);  // zero bits are 0 in both formats
-    sts128(dst + swz128(BLOCK_N, r, 2 * c), fp8_chunk_to_f16(x.x, x.y));
-    sts128(dst + swz128(BLOCK_N, r, 2 * c + 1), fp8_chunk_to_f16(x.z, x.w));
+    sts128(dst + swz128(BLOCK_N, r, 2 * c), fp8_chunk<KV_FP8>(x.x, x.y));
+    sts128(dst + swz128(BLOCK_N, r, 2 * c + 1), fp8_chunk<KV_FP8>(x.z, x.w));
   }
 }
 

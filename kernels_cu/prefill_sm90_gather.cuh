@@ -11,7 +11,7 @@
 // consumers keep enough registers.
 // fp8 K/V (KV_FP8): the same threads and rows, but each 16-byte chunk of the 16-bit tile comes from 8 fp8 bytes
 // that the thread loads into registers (all of a tile's loads in flight at once, issued before the wait for the
-// buffer), converts (common/prefill_tile.cuh fp8_chunk_to_f16: the hardware's cvt) and stores; keys past the end are
+// buffer), converts (common/dtypes.cuh fp8_chunk: the hardware's cvt) and stores; keys past the end are
 // zeros. The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
 // staging tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
 #pragma once
@@ -47,7 +47,7 @@ struct Fp8Rows {
     for (int i = 0; i < ROWS; ++i)
 #pragma unroll
       for (int j = 0; j < PER_ROW; ++j)
-        sts128(sb + swz128(BLOCK_N, r0 + 16 * i, q8 + 8 * j), fp8_chunk_to_f16(x[i][j].x, x[i][j].y));
+        sts128(sb + swz128(BLOCK_N, r0 + 16 * i, q8 + 8 * j), fp8_chunk<KV_FP8>(x[i][j].x, x[i][j].y));
     fence_proxy_async();                   // generic stores -> the consumers' wgmma reads
     mbar_arrive(full);
   }

@@ -27,8 +27,8 @@ typedef DTYPE mma_t;
 template <class A, class B> struct SameType { static constexpr bool value = false; };
 template <class A> struct SameType<A, A> { static constexpr bool value = true; };
 constexpr bool Q_CONVERT = !SameType<dtype_t, mma_t>::value;   // bf16 q with fp8 K/V
-// fp8 K/V -> f16: common/prefill_tile.cuh fp8_chunk_to_f16 (FP8_HW_CVT); its factor joins the k / v scales
-constexpr float FP8_FACTOR = Fp8Factor<KV_FP8, FP8_HW_CVT>::value;
+// fp8 K/V -> f16: common/dtypes.cuh fp8_chunk (FP8_HW_CVT); its factor joins the k / v scales
+constexpr float FP8_FACTOR = fp8_factor(KV_FP8);
 #define NEG_INF __int_as_float(0xff800000)
 
 // -- tile geometry, all of it from HEAD_DIM_QK, HEAD_DIM_VO, BLOCK_N and STAGES (prefill_sm90.py

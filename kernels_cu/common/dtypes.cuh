@@ -105,7 +105,7 @@ template <> __device__ __forceinline__ uint4 convert8<bf16, bf16>(uint4 x) { ret
 // -- two fp8 of x -> f16x2 (FMT 1: e4m3, 2: e5m2). SEL is a prmt selector putting each chosen byte
 //    at the top of a 16-bit half (0x1404: bytes 0, 1; 0x3424: bytes 2, 3). e5m2 is the top byte of
 //    an f16 (exact); e4m3 s.eeee.mmm -> f16 s.0eeee.mmm0.. is exact times 2^-8, subnormals included:
-//    callers fold FP8_F16_FACTOR into their scales.
+//    callers fold fp8_factor's 2^8 into their scales.
 template <int FMT, int SEL>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
   uint32_t y;
@@ -119,10 +119,9 @@ __device__ __forceinline__ uint4 fp8x8_to_f16x8(uint32_t a, uint32_t b) {
   return make_uint4(fp8x2_to_f16x2<FMT, 0x1404>(a), fp8x2_to_f16x2<FMT, 0x3424>(a), fp8x2_to_f16x2<FMT, 0x1404>(b),
                     fp8x2_to_f16x2<FMT, 0x3424>(b));
 }
-template <int FMT> struct Fp8F16Factor { static constexpr float value = FMT == 1 ? 256.f : 1.f; };
 // -- the same with the hardware conversion where there is one (sm_89+: cvt.rn.f16x2.e4m3x2, one instruction a
 //    pair after at most one prmt, exact real values: no factor; e5m2 keeps its one prmt; older archs: the trick
-//    above, and Fp8Factor<FMT, false>). Unlike the trick, e4m3 NaN stays NaN: callers must zero or mask rows
+//    above). Unlike the trick, e4m3 NaN stays NaN: callers must zero or mask rows
 //    that hold no key (the trick turns NaN bits into finite values).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define CUATTN_FP8_HW_CVT 1
@@ -149,10 +148,23 @@ __device__ __forceinline__ uint4 fp8x8_to_f16x8_hw(uint32_t a, uint32_t b) {
   return make_uint4(fp8x2_to_f16x2_hw<FMT, 0x1404>(a), fp8x2_to_f16x2_hw<FMT, 0x3424>(a),
                     fp8x2_to_f16x2_hw<FMT, 0x1404>(b), fp8x2_to_f16x2_hw<FMT, 0x3424>(b));
 }
-// the factor the scales take for the conversion used (HW: the _hw functions on an arch that has the cvt)
-template <int FMT, bool HW> struct Fp8Factor {
-  static constexpr float value = HW && CUATTN_FP8_HW_CVT ? 1.f : Fp8F16Factor<FMT>::value;
-};
+// -- the conversion every fp8 K/V kernel runs (decode.cu, prefill.cu, prefill_sm90*, mla.cu), chosen here once:
+//    FP8_HW_CVT 1 (the default) the _hw functions, 0 the byte trick everywhere (an A/B define). fp8_factor(FMT):
+//    the factor a kernel's k / v scales take for it (2^8 for e4m3 by the trick; 1 otherwise, 16-bit / fp32 K/V too).
+#ifndef FP8_HW_CVT
+#define FP8_HW_CVT 1
+#endif
+template <int FMT, int SEL>
+__device__ __forceinline__ uint32_t fp8_pair(uint32_t x) {
+  return FP8_HW_CVT ? fp8x2_to_f16x2_hw<FMT, SEL>(x) : fp8x2_to_f16x2<FMT, SEL>(x);
+}
+template <int FMT>
+__device__ __forceinline__ uint4 fp8_chunk(uint32_t a, uint32_t b) {
+  return FP8_HW_CVT ? fp8x8_to_f16x8_hw<FMT>(a, b) : fp8x8_to_f16x8<FMT>(a, b);
+}
+__host__ __device__ constexpr float fp8_factor(int fmt) {
+  return fmt == 1 && !(FP8_HW_CVT && CUATTN_FP8_HW_CVT) ? 256.f : 1.f;
+}
 
 // 2^x with the hardware approximation (softmax runs in base 2 with log2(e) folded into the scale)
 __device__ __forceinline__ float exp2_approx(float x) {

@@ -12,20 +12,8 @@
 #ifndef KV_FP8
 #define KV_FP8 0            // K/V of the kernel's 16-bit type; 1: e4m3, 2: e5m2
 #endif
-#ifndef FP8_HW_CVT
-#define FP8_HW_CVT 1        // fp8 K/V -> f16 by the hardware's cvt where the arch has it (sm_89+; 0: the byte trick)
-#endif
 
 namespace cuattn {
-
-#if KV_FP8
-// -- 8 fp8 K/V values (two words, memory order) -> the 16-byte f16 chunk the tiles hold, times 1 / the
-//    kernel's FP8_FACTOR (Fp8Factor<KV_FP8, FP8_HW_CVT>, joining the k / v scales): exact values where
-//    dtypes.cuh fp8x8_to_f16x8_hw runs the hardware's cvt (sm_89+), e4m3 times 2^-8 by the byte trick (sm_80)
-__device__ __forceinline__ uint4 fp8_chunk_to_f16(uint32_t a, uint32_t b) {
-  return FP8_HW_CVT ? fp8x8_to_f16x8_hw<KV_FP8>(a, b) : fp8x8_to_f16x8<KV_FP8>(a, b);
-}
-#endif
 
 // -- work items: WORK_COLS int32 each, (request, query tile, kv piece, partial slot). A piece p of a
 //    split item covers keys [p * kv_chunk, (p + 1) * kv_chunk) (kv_chunk 0: unsplit, piece 0) and
