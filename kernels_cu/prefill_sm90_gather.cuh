@@ -2,8 +2,8 @@
 // The whole producer warpgroup copies K / V rows with cp.async, 8 threads a row (16-byte chunks q, q + 8, ..:
 // a warp moves 4 rows of 128 contiguous bytes per instruction), BLOCK_N / 16 rows a thread, each row from its
 // own page (row = page * page_rows + slot, page_rows = the page stride over the slot stride; byte strides
-// k_s_row / k_s_head, v_*; a row's offset is one 32 x 32 -> 64-bit multiply-add); keys past the request's end are
-// zero-filled (cp.async's zero-fill predicate; their row id is 0, an address of the cache). Each thread's arrival on the "full"
+// k_s_row / k_s_head, v_*; a 16-bit row's offset is one 32 x 32 -> 64-bit multiply-add); keys past the request's
+// end are zero-filled (cp.async's zero-fill predicate; their row id is 0, an address of the cache). Each thread's arrival on the "full"
 // barrier (count 128) is cp.async.mbarrier.arrive.noinc: it lands with the thread's copies, so no producer
 // thread waits on its own loads; consumers fence the async proxy after the wait (cp.async writes are
 // generic-proxy stores, wgmma reads async-proxy). The page ids of tile t + 1 are loaded while the thread waits
@@ -12,7 +12,8 @@
 // fp8 K/V (KV_FP8): the same threads and rows, but each 16-byte chunk of the 16-bit tile comes from 8 fp8 bytes
 // that the thread loads into registers (all of a tile's loads in flight at once, issued before the wait for the
 // buffer), converts (common/dtypes.cuh fp8_chunk: the hardware's cvt) and stores; keys past the end are
-// zeros. The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
+// zeros: their row id is -1 and their loads are skipped (the row offset stays an int64 multiply-add here: the
+// 32-bit form with the per-tile row bound spilled 16 bytes at 88 producer registers). The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
 // staging tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
 #pragma once
 #include "common/mma.cuh"
