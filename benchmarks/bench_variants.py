@@ -54,6 +54,9 @@ def variant_table(kv_len):
         "sinks": ({}, "sinks"),
         "user softcap": (dict(variant=USER_SOFTCAP), (30.0,)),
         "rope": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), ()),
+        # prefill only: the fused RoPE rotating every key tile in the kernel (the ragged plan's choice where
+        # few query tiles share a key; "rope" above rotates the keys once ahead here: prefill_rope.py)
+        "rope in-kernel": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), "in-kernel"),
     }
     return {k: v for k, v in table.items() if not ONLY or k == "plain" or k in ONLY}
 
@@ -66,6 +69,8 @@ def decode_rows(args, flush, hq=32, hkv=8, d=128, page=16):
         out = cp.empty_like(q)
         calls = {}
         for name, (opts, extra) in variant_table(kv_len).items():
+            if extra == "in-kernel":
+                continue
             w = cuattn.BatchDecodeWithPagedKVCacheWrapper()
             w.plan(indptr, indices, lpl, hq, hkv, d, page, q_data_type="float16", **opts)
             kw = dict(sinks=sinks) if extra == "sinks" else {}
@@ -99,6 +104,9 @@ def prefill_rows(args, hq=32, hkv=8, d=128):
         for name, (opts, extra) in variant_table(length).items():
             if extra == "sinks":
                 opts, extra = dict(variant=sink_v), (sinks,)
+            if extra == "in-kernel":
+                calls[name] = _in_kernel_rope(q, k, v, backend, opts)
+                continue
             calls[name] = (lambda opts=opts, extra=extra: cuattn.single_prefill_with_kv_cache(
                 q, k, v, causal=True, backend=backend, variant_args=extra, **opts))
         times = {n: [] for n in calls}
@@ -116,6 +124,22 @@ def prefill_rows(args, hq=32, hkv=8, d=128):
     return rows
 
 
+def _in_kernel_rope(q, k, v, backend, opts):
+    """A ragged wrapper of the single request planned with the key pre-pass off (prefill_rope.MIN_SHARING
+    out of reach while it plans): the kernel rotates every key tile it reads."""
+    from cuattn import prefill_rope
+    length, hq, d = q.shape
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+    saved, prefill_rope.MIN_SHARING = prefill_rope.MIN_SHARING, 1 << 60
+    try:
+        ind = np.array([0, length], np.int32)
+        w.plan(ind, ind, hq, k.shape[1], d, causal=True, **opts)
+    finally:
+        prefill_rope.MIN_SHARING = saved
+    assert not w._plan.rope_prepass
+    return lambda: w.run(q, k, v)
+
+
 def compile_rows():
     arch = jit.device_arch(0)
     rows = []
@@ -123,7 +147,7 @@ def compile_rows():
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["CUATTN_CACHE_DIR"] = tmp
         for name, (opts, _) in variant_table(4096).items():
-            if name in ("window 1k", "rope"):
+            if name in ("window 1k", "rope", "rope in-kernel"):
                 continue
             comp = variants.resolve("bench", num_qo_heads=32, sinks=name == "sinks", **opts).composite
             for spec in (cuattn.decode.DecodeSpec(128, "f16", "f16", variant=comp),

@@ -133,17 +133,20 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
+        k_tok, k_head = tok, head
+        if self._keys.active:       # fused RoPE: the keys rotated once, into (nnz, heads, head_dim) (prefill_rope.py)
+            kt, k_tok, k_head = self._keys.rotate(ctx, plan, kt, tok, head), 0, 1
         if plan["backend"] == "fa3":
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kt, v=vt, k_strides=(kt.strides[tok], kt.strides[head]),
-                                    v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[tok], out=ot,
+                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kt, v=vt, k_strides=(kt.strides[k_tok], kt.strides[k_head]),
+                                    v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[k_tok], out=ot,
                                     lse_ptr=lse_ptr, num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"],
                                     group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"],
                                     pdl=pdl, scales=scales)
         else:
             _launch(ctx, plan["spec"], q=qk, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                    k_strides=(kt.strides[tok], kt.strides[head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
+                    k_strides=(kt.strides[k_tok], kt.strides[k_head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                     sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))

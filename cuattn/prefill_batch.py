@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import arrays, fp8, jit, plan as _plan, prefill_sm90, qcast, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, prefill_rope, prefill_sm90, qcast, reference, support, variants
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host
@@ -92,6 +92,7 @@ class _BatchPrefillBase:
         self._plan = None
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
+        self._keys = prefill_rope.KeyRotation()               # ragged fused RoPE: K rotated ahead (prefill_rope.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
 
@@ -156,10 +157,19 @@ class _BatchPrefillBase:
             if key is not None:
                 _plan.memo_put(self._configs, key, (bound, head_dim_vo, q_dt, kv_dt, kv_short, specs))
         spec = specs[small_q]
+        # -- ragged fused RoPE over keys many query tiles share: K rotated once per run, a query-only kernel
+        prepass = not paged and not self._bufs.graph and spec is not None and prefill_rope.pays(
+            bound.composite, qo_lens, kv_lens, group, causal)
+        if prepass:
+            spec = specs.get("rope_q")
+            if spec is None:
+                spec = specs["rope_q"] = make_spec(head_dim_qk, specs[False].dtype, causal, has_mask,
+                                                   paged, prefill_rope.kernel_composite(bound.composite), False,
+                                                   kv_short, head_dim_vo)
         return _plan.Plan(self._fn, batch, num_qo_heads, num_kv_heads, head_dim_qk, q_dt, kv_dt,
                           sm_scale or 1 / math.sqrt(head_dim_qk), bound, bool(causal), page_size, spec,
                           kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, qo_range=qo_range,
-                          mask=mask_host, mask_indptr=mask_indptr, head_dim_vo=head_dim_vo)
+                          mask=mask_host, mask_indptr=mask_indptr, head_dim_vo=head_dim_vo, rope_prepass=prepass)
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
@@ -185,9 +195,10 @@ class _BatchPrefillBase:
         device = bufs.device_for(stream_of)
         plan.device = device
         self._f32q.plan(plan)       # fp32 q: the 16-bit copies of q and out
+        self._keys.plan(plan)       # ragged fused RoPE: the rotated keys' buffer
         if device is None or plan.spec is None:
             return
-        composite = plan["bound"].composite
+        composite = plan.spec.variant       # the kernel's (the plan's, or its query-only RoPE: prefill_rope.py)
         # -- the backend and kernel of this configuration on this device: as the last plan's when
         #    everything they depend on is (a serving loop's steady state). The configuration memo
         #    (_plan_common) hands out the same spec object for the same configuration: its identity
@@ -252,6 +263,9 @@ class _BatchPrefillBase:
         wl, spec, h = p["work_list"], p["run_spec"], p["num_kv_heads"]
         lines.append(f"kernel: {spec.name} (backend {p['backend']}), tiles of {spec.block_m} packed query rows x "
                      f"{spec.block_n} keys")
+        if p.rope_prepass:
+            lines.append("fused RoPE: the keys rotated once per run ahead of the kernel, the query rows in it "
+                         "(prefill_rope.py)")
         lines.append(f"work: {len(wl.work)} items x {h} kv heads = {len(wl.work) * h} CTAs on "
                      f"{_plan.num_sms(p['device'])} SMs" + (f"; grid padded to {p['grid_work']} items (CUDA graph)"
                                                            if self._bufs.graph else ""))

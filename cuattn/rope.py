@@ -419,15 +419,53 @@ def _run_plan(plan: _Plan, pointers: list, stream):
         q_out, k_out = (arrays.pointer_layout(r)[0] for r in results)
     if plan.launcher is not None:
         meta = (0, pointers[2], pointers[3]) if plan.ragged else (pointers[2], 0, 0)
-        bits = q | k | q_out | k_out
-        vector = int(plan.layout.access != 0 and bits % plan.layout.access == 0)
-        tail_unit = min(plan.tail_unit, bits & -bits)                   # the pointers' alignment too
+        vector, tail_unit = _access(plan.layout, plan.tail_unit, q | k | q_out | k_out)
         plan.launcher(plan.grid, _WARPS * 32, stream, q, k, q_out, k_out, *meta, pointers[-1] if plan.cached else 0,
                       *plan.ints, vector, plan.layout.lanes_per_row, tail_unit, *plan.rest)
     if results is None:
         return None
     ctx = arrays.Context(plan.framework, plan.device, stream)
     return arrays.export(ctx, results[0], plan.dtype), arrays.export(ctx, results[1], plan.dtype)
+
+
+def _access(layout: _Layout, tail_unit: int, bits: int) -> tuple[int, int]:
+    """(vector, tail_unit) of a launch whose pointers OR to ``bits``: vector accesses and tail copies only
+    as wide as the pointers' alignment allows too."""
+    return int(layout.access != 0 and bits % layout.access == 0), min(tail_unit, bits & -bits)
+
+
+def _launch_shape(spec: RopeSpec, device: int, nnz: int, heads: int, head_dim: int, rot: int, interleave: bool,
+                  copy_tail: bool, strides: list):
+    """(tail_unit, layout, launcher, grid) of a launch over ``heads`` rows a token whose strides in bytes
+    are ``strides``; ``copy_tail``: the results are new arrays, the elements past ``rot`` copied into them
+    (in the widest access the tails, bases and strides allow). launcher None: nothing to launch."""
+    tail_unit = 0 if not copy_tail or rot == head_dim else next(
+        u for u in (16, 8, 4, 2) if (rot * 2) % u == 0 and ((head_dim - rot) * 2) % u == 0 and
+        all(s % u == 0 for s in strides))
+    layout = _vector_layout(rot, head_dim, interleave, tail_unit != 0, strides)
+    if not (nnz and heads):
+        return tail_unit, layout, None, (0, 0)
+    entry = _ENTRIES[layout.pairs]
+    return (tail_unit, layout, jit.get_launcher(spec, entry, device, _ARG_KINDS),
+            spec.grid(nnz, heads, _resident_blocks(spec, entry, device)))
+
+
+def rotate_rows(ctx, src: arrays.Tensor, dst_ptr: int, indptr_ptr: int, batch: int, rotary_dim: int,
+                freq_args: tuple) -> None:
+    """Ragged prefill's key pre-pass (prefill_rope.py): the rows (nnz, heads, head_dim) of ``src`` (element
+    strides, the last 1) rotated into ``dst_ptr`` (contiguous, src's dtype), token t of request b at position
+    t - indptr[b] (``indptr_ptr``: batch + 1 int32 on the GPU); NeoX pairs, elements past ``rotary_dim``
+    copied; ``freq_args``: ``_kernel_freq``'s 10 values. One launch on ``ctx``'s stream."""
+    nnz, heads, head_dim = src.shape
+    s_str, d_str = src.strides, (heads * head_dim, head_dim, 1)
+    strides = [2 * s for st in (s_str, d_str) for n, s in zip((nnz, heads), st[:2]) if n > 1]
+    tail_unit, layout, launcher, grid = _launch_shape(_SPECS[src.dtype], ctx.device, nnz, heads, head_dim,
+                                                      rotary_dim, False, True, strides)
+    if launcher is not None:
+        vector, tail_unit = _access(layout, tail_unit, src.ptr | dst_ptr)
+        launcher(grid, _WARPS * 32, ctx.stream, src.ptr, src.ptr, dst_ptr, dst_ptr, 0, indptr_ptr, 0, 0,
+                 nnz, batch, heads, 0, head_dim, rotary_dim, 0, 0, vector, layout.lanes_per_row, tail_unit,
+                 s_str[0], s_str[1], s_str[0], s_str[1], d_str[0], d_str[1], d_str[0], d_str[1], 0, 0, *freq_args)
 
 
 def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, cache, head_size, names):
@@ -470,16 +508,8 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
     spec = _SPECS[dtype]
     strides = [s * 2 for shape, stride in ((q3, q_str), (k3, k_str), (q3, qo_str), (k3, ko_str))
                for n, s in zip(shape[:2], stride[:2]) if n > 1]            # bytes
-    # the returning forms copy the elements past rot: the widest access their offsets and strides allow
-    tail_unit = 0 if inplace or rot == head_dim else next(
-        u for u in (16, 8, 4, 2) if (rot * 2) % u == 0 and ((head_dim - rot) * 2) % u == 0 and
-        all(s % u == 0 for s in strides))
-    layout = _vector_layout(rot, head_dim, interleave, tail_unit != 0, strides)
-    launcher, grid = None, (0, 0)
-    if nnz and heads:
-        entry = _ENTRIES[layout.pairs]
-        launcher = jit.get_launcher(spec, entry, ctx.device, _ARG_KINDS)
-        grid = spec.grid(nnz, heads, _resident_blocks(spec, entry, ctx.device))
+    tail_unit, layout, launcher, grid = _launch_shape(spec, ctx.device, nnz, heads, head_dim, rot, interleave,
+                                                      not inplace, strides)
     plan = _Plan(ctx.framework, ctx.device, dtype, None if inplace else (tq.shape, tk.shape),
                  not isinstance(where, _PosIds), cache is not None, launcher, grid, layout, tail_unit,
                  (nnz, batch, q3[1], k3[1], head_dim, rot, int(interleave), int(idx_dtype == np.int64)),
