@@ -55,7 +55,7 @@ def variant_table(kv_len):
         "user softcap": (dict(variant=USER_SOFTCAP), (30.0,)),
         "rope": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), ()),
         # prefill only: the fused RoPE rotating every key tile in the kernel (the ragged plan's choice where
-        # few query tiles share a key; "rope" above rotates the keys once ahead here: prefill_rope.py)
+        # few query tiles share a key; "rope" above rotates q and the keys once ahead here: prefill_rope.py)
         "rope in-kernel": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5), "in-kernel"),
     }
     return {k: v for k, v in table.items() if not ONLY or k == "plain" or k in ONLY}

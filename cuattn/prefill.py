@@ -134,8 +134,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         k_tok, k_head = tok, head
-        if self._keys.active:       # fused RoPE: the keys rotated once, into (nnz, heads, head_dim) (prefill_rope.py)
-            kt, k_tok, k_head = self._keys.rotate(ctx, plan, kt, tok, head), 0, 1
+        if self._rope.active:       # fused RoPE: q and the keys rotated once, contiguous NHD (prefill_rope.py)
+            (qk, kt), k_tok, k_head = self._rope.rotate(ctx, plan, qk, kt, tok, head), 0, 1
         if plan["backend"] == "fa3":
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kt, v=vt, k_strides=(kt.strides[k_tok], kt.strides[k_head]),

@@ -92,7 +92,7 @@ class _BatchPrefillBase:
         self._plan = None
         self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
-        self._keys = prefill_rope.KeyRotation()               # ragged fused RoPE: K rotated ahead (prefill_rope.py)
+        self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
 
@@ -157,15 +157,15 @@ class _BatchPrefillBase:
             if key is not None:
                 _plan.memo_put(self._configs, key, (bound, head_dim_vo, q_dt, kv_dt, kv_short, specs))
         spec = specs[small_q]
-        # -- ragged fused RoPE over keys many query tiles share: K rotated once per run, a query-only kernel
+        # -- ragged fused RoPE over keys many query tiles share: q and K rotated once per run, the kernel without it
         prepass = not paged and not self._bufs.graph and spec is not None and prefill_rope.pays(
             bound.composite, qo_lens, kv_lens, group, causal)
         if prepass:
-            spec = specs.get("rope_q")
+            spec = specs.get("rope_ahead")
             if spec is None:
-                spec = specs["rope_q"] = make_spec(head_dim_qk, specs[False].dtype, causal, has_mask,
-                                                   paged, prefill_rope.kernel_composite(bound.composite), False,
-                                                   kv_short, head_dim_vo)
+                spec = specs["rope_ahead"] = make_spec(head_dim_qk, specs[False].dtype, causal, has_mask, paged,
+                                                       prefill_rope.kernel_composite(bound.composite), False,
+                                                       kv_short, head_dim_vo)
         return _plan.Plan(self._fn, batch, num_qo_heads, num_kv_heads, head_dim_qk, q_dt, kv_dt,
                           sm_scale or 1 / math.sqrt(head_dim_qk), bound, bool(causal), page_size, spec,
                           kv_lens=kv_lens, qo_indptr=qo.astype(np.int32), qo_lens=qo_lens, qo_range=qo_range,
@@ -195,10 +195,10 @@ class _BatchPrefillBase:
         device = bufs.device_for(stream_of)
         plan.device = device
         self._f32q.plan(plan)       # fp32 q: the 16-bit copies of q and out
-        self._keys.plan(plan)       # ragged fused RoPE: the rotated keys' buffer
+        self._rope.plan(plan)       # ragged fused RoPE: the buffer of the rotated q and K
         if device is None or plan.spec is None:
             return
-        composite = plan.spec.variant       # the kernel's (the plan's, or its query-only RoPE: prefill_rope.py)
+        composite = plan.spec.variant       # the kernel's (the plan's, or without its RoPE: prefill_rope.py)
         # -- the backend and kernel of this configuration on this device: as the last plan's when
         #    everything they depend on is (a serving loop's steady state). The configuration memo
         #    (_plan_common) hands out the same spec object for the same configuration: its identity
@@ -241,7 +241,8 @@ class _BatchPrefillBase:
                     ("qo_indptr", plan.qo_indptr, 0), ("kv_indptr", plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan.mask_indptr, 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
-                    ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1)]
+                    ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1),
+                    ("rope_offsets", prefill_rope.offsets(plan.qo_lens, plan.kv_lens) if plan.rope_prepass else None, 0)]
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
                            stream_of)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
@@ -264,8 +265,7 @@ class _BatchPrefillBase:
         lines.append(f"kernel: {spec.name} (backend {p['backend']}), tiles of {spec.block_m} packed query rows x "
                      f"{spec.block_n} keys")
         if p.rope_prepass:
-            lines.append("fused RoPE: the keys rotated once per run ahead of the kernel, the query rows in it "
-                         "(prefill_rope.py)")
+            lines.append("fused RoPE: q and the keys rotated once per run ahead of the kernel (prefill_rope.py)")
         lines.append(f"work: {len(wl.work)} items x {h} kv heads = {len(wl.work) * h} CTAs on "
                      f"{_plan.num_sms(p['device'])} SMs" + (f"; grid padded to {p['grid_work']} items (CUDA graph)"
                                                            if self._bufs.graph else ""))
@@ -313,15 +313,16 @@ class _BatchPrefillBase:
         meta = plan["meta"] or {}
         dev = {} if not on_gpu or plan["mask"] is None else {
             "custom_mask": variants.Pointer(meta.get("mask", 0)), "mask_indptr": variants.Pointer(meta.get("mask_indptr", 0))}
+        kernel = prefill_rope.kernel_bound(bound) if on_gpu and plan.rope_prepass else bound   # the kernel's variant
         if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
             if plan.fixed_vargs is None:
-                plan.fixed_vargs = bound.kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
+                plan.fixed_vargs = kernel.kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
             return plan["sm_scale"], plan["fixed_vargs"]
         values = {**bound.values(tuple(args), fn), **dev}
         bound.check_sinks(values, plan["num_qo_heads"], fn)
         bound.check_custom_mask(values, plan["qo_lens"], plan["kv_lens"], fn)
         scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
-        return scale, (bound.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
+        return scale, (kernel.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
 
     def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values, out_arg, lse_arg):
         qa = arrays.host_array(q, "q", fn)

@@ -450,12 +450,13 @@ def _launch_shape(spec: RopeSpec, device: int, nnz: int, heads: int, head_dim: i
             spec.grid(nnz, heads, _resident_blocks(spec, entry, device)))
 
 
-def rotate_rows(ctx, src: arrays.Tensor, dst_ptr: int, indptr_ptr: int, batch: int, rotary_dim: int,
-                freq_args: tuple) -> None:
-    """Ragged prefill's key pre-pass (prefill_rope.py): the rows (nnz, heads, head_dim) of ``src`` (element
-    strides, the last 1) rotated into ``dst_ptr`` (contiguous, src's dtype), token t of request b at position
-    t - indptr[b] (``indptr_ptr``: batch + 1 int32 on the GPU); NeoX pairs, elements past ``rotary_dim``
-    copied; ``freq_args``: ``_kernel_freq``'s 10 values. One launch on ``ctx``'s stream."""
+def rotate_rows(ctx, src: arrays.Tensor, dst_ptr: int, indptr_ptr: int, offsets_ptr: int, batch: int,
+                rotary_dim: int, freq_args: tuple) -> None:
+    """Ragged prefill's RoPE ahead of the kernel (prefill_rope.py): the rows (nnz, heads, head_dim) of ``src``
+    (element strides, the last 1; ``src.dtype`` the logical 16-bit type) rotated into ``dst_ptr`` (contiguous),
+    token t of request b at position offsets[b] + t - indptr[b] (int32 device arrays of batch + 1 and batch
+    entries); NeoX pairs, elements past ``rotary_dim`` copied; ``freq_args``: ``_kernel_freq``'s 10 values.
+    One launch on ``ctx``'s stream."""
     nnz, heads, head_dim = src.shape
     s_str, d_str = src.strides, (heads * head_dim, head_dim, 1)
     strides = [2 * s for st in (s_str, d_str) for n, s in zip((nnz, heads), st[:2]) if n > 1]
@@ -463,7 +464,7 @@ def rotate_rows(ctx, src: arrays.Tensor, dst_ptr: int, indptr_ptr: int, batch: i
                                                       rotary_dim, False, True, strides)
     if launcher is not None:
         vector, tail_unit = _access(layout, tail_unit, src.ptr | dst_ptr)
-        launcher(grid, _WARPS * 32, ctx.stream, src.ptr, src.ptr, dst_ptr, dst_ptr, 0, indptr_ptr, 0, 0,
+        launcher(grid, _WARPS * 32, ctx.stream, src.ptr, src.ptr, dst_ptr, dst_ptr, 0, indptr_ptr, offsets_ptr, 0,
                  nnz, batch, heads, 0, head_dim, rotary_dim, 0, 0, vector, layout.lanes_per_row, tail_unit,
                  s_str[0], s_str[1], s_str[0], s_str[1], d_str[0], d_str[1], d_str[0], d_str[1], 0, 0, *freq_args)
 

@@ -237,11 +237,6 @@ ROPE_LLAMA = Variant("rope", params=tuple((n, "float") for n in ROPE_FREQ) + (("
                                                                               ("q_rope_offset", "int*")),
                      numpy={"qk_transform": _rope_np})
 _OPTIONAL_POINTERS = {"q_rope_offset"}     # built-in array parameters that may be None (a null pointer)
-# The fused RoPE with the query rotation only (kernels only, never resolved from options): ragged prefill
-# rotates K once per run() before the attention kernel when many query tiles share each key
-# (prefill_rope.py), and the kernel takes this piece in ROPE_LLAMA's place (same parameters, so the same
-# kernel arguments): each CTA rotates its own query rows, no key tile.
-ROPE_Q = Variant("rope_q", params=ROPE_LLAMA.params)
 
 SINK = Variant(
     "sink", params=(("sinks", "float*"),),
@@ -316,11 +311,6 @@ class Composite:
         return any(v == ROPE_LLAMA for v in self.pieces)
 
     @property
-    def rotates_queries(self) -> bool:
-        """The kernels rotate the query rows by the built-in RoPE (ROPE_LLAMA, or ROPE_Q: queries only)."""
-        return any(v == ROPE_LLAMA or v == ROPE_Q for v in self.pieces)
-
-    @property
     def has_custom_mask(self) -> bool:
         return any(v == CUSTOM_MASK for v in self.pieces)
 
@@ -328,7 +318,7 @@ class Composite:
     def has_qk_transform(self) -> bool:
         """The kernels rewrite q and K rows in shared memory: the built-in RoPE or a user query / key
         transform (no fp8 KV kernel)."""
-        return self.rotates_queries or self.has("query_transform") or self.has("key_transform")
+        return self.has_rope or self.has("query_transform") or self.has("key_transform")
 
     @functools.cached_property      # (read by every plan(): once per composite)
     def use_softmax(self) -> bool:
@@ -426,14 +416,13 @@ class Composite:
                   f"constexpr bool HAS_KV_BEGIN = {str(bool(b)).lower()};",
                   f"constexpr bool HAS_SINK = {str(bool(s)).lower()};",
                   f"constexpr bool USE_SOFTMAX = {str(self.use_softmax).lower()};",
-                  f"constexpr bool HAS_ROPE = {str(self.rotates_queries).lower()};",
+                  f"constexpr bool HAS_ROPE = {str(self.has_rope).lower()};",
                   "constexpr bool NEEDS_POSITION = HAS_TRANSFORM || HAS_MASK || HAS_KV_BEGIN || HAS_ROPE;",
                   "}}  // namespace cuattn::variant"]
         decl = "".join(f", {PARAM_KINDS[k][0]} vp_{n}" for n, k in self.params)
         init = "".join(f", vp_{n}" for n, _ in self.params)
         qk = self.has("query_transform") or self.has("key_transform")
-        lines += [f"#define CUATTN_VARIANT_ROPE {int(self.rotates_queries)}",     # q rows rotated
-                  f"#define CUATTN_VARIANT_ROPE_K {int(self.has_rope)}",           # and key tiles
+        lines += [f"#define CUATTN_VARIANT_ROPE {int(self.has_rope)}",
                   f"#define CUATTN_VARIANT_QK {int(qk)}",
                   f"#define CUATTN_VARIANT_ARGS , float vp_sm_scale{decl}",
                   f"#define CUATTN_VARIANT_PARAMS {{vp_sm_scale{init}}}", ""]

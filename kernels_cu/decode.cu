@@ -465,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
     }
 #endif
 
-#if CUATTN_VARIANT_ROPE_K
+#if CUATTN_VARIANT_ROPE
     // -- fused RoPE: this warp's 16 key rows, each at its own position
     rope_rotate_rows_linear<kv_t>(
         [&](int r, int c) { return smem_u32(ks + (c / 8) * BLOCK_STRIDE + chunk_offset(r, c % 8)); }, tok0, WARP_N, lane,

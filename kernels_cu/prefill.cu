@@ -590,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     convert_kv_tile<D>(smem, sKc - sQ, sK + stage * TILE_BYTES - sQ);
     __syncthreads();                            // f16 K[it] (and q) visible; K staging slot `stage` free
 #endif
-#if CUATTN_VARIANT_ROPE_K
+#if CUATTN_VARIANT_ROPE
     // -- fused RoPE: the K tile's rows at their positions (the barrier above made them visible)
     rope_rotate_rows_linear<dtype_t>([&](int r, int c) { return sKs + swz(r, c); }, kv0, BLOCK_N, tid, NUM_THREADS,
                                      vp, rc);

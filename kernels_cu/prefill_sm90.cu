@@ -174,10 +174,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   if (tid < 128) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<PRODUCER_REGS>();
-#if CUATTN_VARIANT_ROPE_K || CUATTN_VARIANT_QK
+#if CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK
     // -- K tile t transformed in place once it has landed (FULL_K), then handed to both consumers (READY_K)
     const int xt = tid - (128 - XFORM_THREADS);   // (producer warps 1..3)
-#if CUATTN_VARIANT_ROPE_K
+#if CUATTN_VARIANT_ROPE
     const RopeCols rc = rope_cols(vp, max(xt, 0) % (vp.rotary_dim / 16), XFORM_THREADS / (vp.rotary_dim / 16));
 #endif
     const auto xform_k_tile = [&](int t) {
@@ -185,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       const int kv0 = kv_lo + t * BLOCK_N;   // the tile's first key in the request (split pieces: absolute)
       const auto addr = [&](int r, int c) { return sKs + swz128(BLOCK_N, r, c); };
       mbar_wait(sm.full_k(t % STAGES), (t / STAGES) & 1);
-#if CUATTN_VARIANT_ROPE_K
+#if CUATTN_VARIANT_ROPE
       rope_rotate_rows_linear<dtype_t>(addr, kv0, BLOCK_N, xt, XFORM_THREADS, vp, rc);
       if (variant::HAS_KEY_TRANSFORM) named_barrier(3, XFORM_THREADS);   // other chunks of the same rows next
 #endif
@@ -217,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     else if (tid >= 32)
       fp8_converters(sm, tid, kv_lo, kv_len, num_tiles);
 #endif
-#if CUATTN_VARIANT_ROPE_K || CUATTN_VARIANT_QK
+#if CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK
     else if (K_XFORM && tid >= 128 - XFORM_THREADS) {
       for (int t = 0; t < num_tiles; ++t) xform_k_tile(t);
     }

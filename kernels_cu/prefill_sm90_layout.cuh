@@ -46,7 +46,7 @@ constexpr uint32_t K_TILE_BYTES = (D_QK / 64) * HALF_BYTES;
 constexpr uint32_t V_TILE_BYTES = (D_VO / 64) * HALF_BYTES;
 // -- query / key transforms (see the header); plain attention: both false, today's code
 constexpr bool Q_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_QUERY_TRANSFORM;
-constexpr bool K_XFORM = CUATTN_VARIANT_ROPE_K || variant::HAS_KEY_TRANSFORM;   // (ROPE_Q: queries only)
+constexpr bool K_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_KEY_TRANSFORM;
 constexpr int XFORM_THREADS = 96;                   // producer warps 1..3
 // RoPE: rotary_dim is a power of two <= D_QK, so its rotary_dim / 16 chunks divide this largest one
 constexpr int ROPE_MAX_CHUNKS = D_QK >= 256 ? 16 : D_QK >= 128 ? 8 : D_QK >= 64 ? 4 : D_QK >= 32 ? 2 : 1;
@@ -58,7 +58,7 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
 // (the fp8 gather holds a tile's 16 fp8 pieces, 32 registers, in flight: 88, spill-free; consumers 208)
-constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE_K || (PAGED == 2 && KV_FP8) ? 88
+constexpr int PRODUCER_REGS = CUATTN_VARIANT_ROPE || (PAGED == 2 && KV_FP8) ? 88
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
@@ -94,7 +94,7 @@ static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
-static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE_K && D_QK == 256),
+static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");
 static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles (fp8: and their staging) exceed 227 KiB "
               "of shared memory");

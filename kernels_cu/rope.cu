@@ -23,8 +23,7 @@
 // after each row by the row's lanes in accesses of tail_unit = 2 to 16 bytes (the launcher found the
 // tails, bases and strides aligned to it); the in-place forms pass tail_unit 0 and leave them.
 // Positions: pos_ids[t]; or, with pos_ids == nullptr, ragged: b = the last request with indptr[b] <= t
-// (a 32-way search by the warp, in [0, batch) whatever indptr holds), pos = offsets[b] + t - indptr[b]
-// (offsets == nullptr: 0; ragged prefill's key pre-pass, cuattn/prefill_rope.py).
+// (a 32-way search by the warp, in [0, batch) whatever indptr holds), pos = offsets[b] + t - indptr[b].
 // int32 or int64 (idx64).
 // The launcher checks shapes, not the contents of device metadata (that would need a sync): whatever
 // they hold, nothing is read or written out of bounds.
@@ -79,7 +78,7 @@ __device__ __forceinline__ int64_t token_position(const RopeArgs& a, int64_t t, 
     lo += keep * chunk;
     n = min(chunk, n - keep * chunk);
   }
-  return (a.offsets != nullptr ? load_index(a.offsets, lo, a.idx64) : 0) + t - load_index(a.indptr, lo, a.idx64);
+  return load_index(a.offsets, lo, a.idx64) + t - load_index(a.indptr, lo, a.idx64);
 }
 
 // Head row h of token t: its input and its output.

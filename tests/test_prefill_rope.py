@@ -1,11 +1,11 @@
-"""Ragged prefill's fused RoPE with the keys rotated once per run (cuattn/prefill_rope.py): when plan()
-picks it, the kernel it runs (ROPE_Q: query rows only), what it compiles to, and on the GPU the result
+"""Ragged prefill's fused RoPE with q and the keys rotated once per run ahead of the kernel
+(cuattn/prefill_rope.py): when plan() picks it, the kernel and arguments it runs, and on the GPU the result
 against the float64 oracle for both backends, both layouts, rotary_dim < head_dim, fp16 and bf16."""
 import numpy as np
 import pytest
 
 import cuattn
-from cuattn import jit, prefill, prefill_rope, prefill_sm90, variants
+from cuattn import prefill_rope, variants
 from tests.conftest import gpu_cc
 from tests.test_qk_transform import THETA, _batch_oracle, _dev, _host, _poisoned
 from tests.test_variants import BF16, _check, _cp, _rand
@@ -24,10 +24,12 @@ def _ragged_plan(qlens, kvlens, causal=True, hq=16, hkv=4, d=128, **kw):
 
 
 def test_plan_rotates_keys_ahead_only_where_query_tiles_share_them():
-    # 1000 queries x group 4 = 32 tiles of 128 rows over each key: ahead, a query-only kernel
+    # 1000 queries x group 4 = 32 tiles of 128 rows over each key: ahead, the plain kernel
     p = _ragged_plan([1000], [1500])
-    assert p.rope_prepass and p.spec.variant.rotates_queries and not p.spec.variant.has_rope
-    assert variants.ROPE_Q in p.spec.variant.pieces and p.bound.composite.has_rope     # NumPy path: the full RoPE
+    assert p.rope_prepass and p.spec.variant.is_default and p.bound.composite.has_rope   # NumPy path: the RoPE
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(_indptr([1000]), _indptr([1500]), 16, 4, 128, causal=True, logits_soft_cap=30.0, **ROPE)
+    assert w._plan.rope_prepass and w._plan.spec.variant.pieces == (variants.SOFT_CAP,)   # other pieces stay
     # one or two tiles a key (decode-like and short appends): the kernel rotates key tiles itself
     for qlens, kvlens in (([1, 7], [4000, 300]), ([30], [2000])):
         p = _ragged_plan(qlens, kvlens)
@@ -46,31 +48,13 @@ def test_plan_rotates_keys_ahead_only_where_query_tiles_share_them():
     assert not prefill_rope.pays(variants.DEFAULT, np.array([1000]), np.array([1500]), 4, True)
 
 
-def test_query_only_rope_shares_the_rope_parameters_and_kernel_arguments():
-    full = variants.resolve("f", num_qo_heads=16, head_dim=128, **ROPE)
-    q_only = prefill_rope.kernel_composite(full.composite)
-    assert q_only.params == full.composite.params and q_only.arg_kinds == full.composite.arg_kinds
-    assert q_only.name != full.composite.name
-    # the kernel arguments the plan's bound builds fit the query-only kernel as they are
-    args = variants.Bound(q_only, full.fixed, full.runtime).kernel_args(0.1, full.fixed, "f")
-    assert args == full.kernel_args(0.1, full.fixed, "f")
-    prelude = q_only.prelude("x.cu")
-    assert "#define CUATTN_VARIANT_ROPE 1" in prelude and "#define CUATTN_VARIANT_ROPE_K 0" in prelude
-    assert "#define CUATTN_VARIANT_ROPE_K 1" in full.composite.prelude("x.cu")
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_query_only_rope_kernels_compile_without_spills(arch, tmp_cache_dir):
-    q_only = prefill_rope.kernel_composite(variants.resolve("f", num_qo_heads=8, head_dim=128, **ROPE).composite)
-    specs = [prefill.make_spec(d, dt, c, False, False, q_only) for d in (64, 128, 256) for dt in ("f16", "bf16")
-             for c in (False, True)]
-    if arch == "sm_90a":
-        specs += [prefill_sm90.make_spec(dt, c, q_only, head_dim_qk=d) for d in (64, 128, 256)
-                  for dt in ("f16", "bf16") for c in (False, True)]
-        assert not any(s.k_xform for s in specs[-12:])       # no producer warps rotating key tiles
-    for spec in specs:
-        for entry, r in jit._compile_now(spec, arch).resources.items():
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
+def test_kernel_arguments_without_the_rope_are_the_other_pieces():
+    full = variants.resolve("f", num_qo_heads=16, head_dim=128, logits_soft_cap=30.0, **ROPE)
+    kb = prefill_rope.kernel_bound(full)
+    assert kb.composite.pieces == (variants.SOFT_CAP,) and kb.runtime == full.runtime
+    assert kb.kernel_args(0.1, full.fixed, "f") == (0.1, 30.0, 1 / 30.0)
+    # q at kv_len - qo_len (bottom-right), then the keys at 0, per request
+    assert prefill_rope.offsets(np.array([3, 0, 5]), np.array([10, 4, 5])).tolist() == [7, 4, 0, 0, 0, 0]
 
 
 BACKENDS = ["fa2", pytest.param("fa3", marks=pytest.mark.skipif(gpu_cc() != 90, reason="fa3 needs sm_90"))]
@@ -95,10 +79,11 @@ def test_ragged_rope_with_keys_rotated_ahead_matches_oracle_on_gpu(backend, d, r
     kd, vd = _dev(cp, k), _dev(cp, v)
     if layout == "HND":
         kd, vd = cp.ascontiguousarray(kd.transpose(1, 0, 2)), cp.ascontiguousarray(vd.transpose(1, 0, 2))
-    k_before = kd.copy()
+    qd = _dev(cp, q)
+    q_before, k_before = qd.copy(), kd.copy()
     out, lse = _poisoned(cp, q.shape, dtype), cp.full(q.shape[:2], np.nan, np.float32)
-    w.run(_dev(cp, q), kd, vd, out=out, lse=lse)
-    assert w.backend == backend and bool((kd == k_before).all())
+    w.run(qd, kd, vd, out=out, lse=lse)
+    assert w.backend == backend and bool((kd == k_before).all()) and bool((qd == q_before).all())
     ks = [k[kv_indptr[b]:kv_indptr[b + 1]].astype(np.float64) for b in range(len(qlens))]
     vs = [v[kv_indptr[b]:kv_indptr[b + 1]].astype(np.float64) for b in range(len(qlens))]
     want, want_lse = _batch_oracle(q.astype(np.float64), ks, vs, qo_indptr, rot or d, 2.0)
