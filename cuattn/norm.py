@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, jit, plan
+from . import arrays, jit
 from .errors import UnsupportedError
 
 _SOURCE = "norm.cu"
@@ -27,25 +27,11 @@ _MAX_THREADS = 1024
 # (rmsnorm 4096 x 8192: 43 against 81 µs); layernorm 512-1024 x 4096 would still gain ~15% from the first.
 _LATENCY_ELEMENTS = 1 << 20
 # layernorm's gamma and beta (float32) are 4x a bf16 row's bytes: read from L2 for every row they bound the
-# kernel by L2 bandwidth (H100: 63% / 75% of the copy ceiling at hidden 4096 / 8192). Large calls up to this
-# hidden stage them in shared memory once per block, blocks looping over rows:
-# - with 16-byte accesses and hidden % 8 == 0, a team form (norm.cu's layernorm_team_rows): a warp a row up to
-#   hidden _TEAM_HIDDEN (2 warps up to 8192), no block barrier past the start. "warp": the next row loaded into
-#   the registers once the current one is written, blocks of _TEAM_BLOCK threads (16 warps an SM); "warp_slots":
-#   the next row copied (cp.async) into shared memory slots while the current one is reduced (fewer teams a
-#   block: gamma, beta and the slots share _TEAM_SMEM);
-# - the others cuattn_layernorm_pipe: several rows a block, two block barriers a tile, the next tile's rows
-#   copied (cp.async) into shared memory while the current one is reduced and written (H100: 78.5% / 83.0% of
-#   the copy ceiling at 4096 x 4096 / 8192 bf16, session 13).
-# _LAYERNORM_FORM picks the default; _layernorm(..., form=) any of them, for the A/B benchmarks/_run_layernorm_ab.py.
+# kernel by L2 bandwidth (H100: 63% / 75% of the copy ceiling at hidden 4096 / 8192). Large calls up to
+# this hidden run cuattn_layernorm_pipe: gamma and beta staged in shared memory once per block, several rows a
+# block, the next tile's rows copied (cp.async) into shared memory while the current one is reduced and written.
 _STAGED_HIDDEN = 8192
 _LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's largest block
-_LAYERNORM_FORMS = {"pipe": "cuattn_layernorm_pipe", "warp": "cuattn_layernorm_warp",
-                    "warp_slots": "cuattn_layernorm_warp_slots"}
-_LAYERNORM_FORM = "warp"
-_TEAM_HIDDEN = 8 * 16 * 32  # norm.cu's LN_WARP_GROUPS groups of 8 a thread: 4096 elements a warp
-_TEAM_BLOCK = 512           # norm.cu's LN_WARP_THREADS
-_TEAM_SMEM = 96 * 1024      # warp_slots' gamma, beta (8 * hidden bytes) and slots; within sm_89's 99 KB a block
 # fused_add_rmsnorm's large calls (rows * hidden above _LATENCY_ELEMENTS) with hidden <= 8192 run NormSpec
 # max_groups 1 (32 registers, a thread per 8 elements: FlashInfer's geometry, 512 threads and 4 rows an SM at
 # hidden 4096); the others max_groups 4. Session 12's H100 A/B of these launch forms (and layernorm's, and the
@@ -93,26 +79,15 @@ class NormSpec:
         threads = vectors if latency else -(-vectors // self.max_groups)
         return min(_MAX_THREADS, max(32, -(-threads // 32) * 32))
 
-    def layernorm_geometry(self, hidden: int, rows: int, vec: int, sms: int,
-                           form: str | None = None) -> tuple[str, int, int, int]:
-        """(entry, threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm for rows
-        with 16-byte accesses or not (``vec``) on a GPU of ``sms`` SMs. Small calls and hidden > _STAGED_HIDDEN
-        run cuattn_layernorm, a row a block with gamma and beta from L2; larger ones ``form`` (a key of
-        _LAYERNORM_FORMS, default _LAYERNORM_FORM), where a team form is asked for but does not apply (2-byte
-        accesses, hidden % 8 != 0) cuattn_layernorm_pipe. A team form's blocks take ceil(rows / sms) teams up to
-        their limit, so a call of fewer rows than the GPU's teams still spreads over every SM. Each entry has one
-        shared memory size (the function's raised limit never shrinks)."""
+    def layernorm_geometry(self, hidden: int, rows: int) -> tuple[str, int, int, int]:
+        """(entry, threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm. Large
+        calls with hidden <= _STAGED_HIDDEN run cuattn_layernorm_pipe: gamma and beta in shared memory once per
+        block, several rows a block (up to _LAYERNORM_BLOCK threads), the next tile's rows prefetched into
+        shared memory (always _pipe_smem bytes, so that the function's raised limit never shrinks); the
+        others run cuattn_layernorm, a row a block with gamma and beta from L2."""
         threads = self.threads(hidden, rows)
         if rows * hidden <= _LATENCY_ELEMENTS or hidden > _STAGED_HIDDEN:
             return "cuattn_layernorm", threads, 1, 0
-        entry = _LAYERNORM_FORMS[form or _LAYERNORM_FORM]
-        if entry != "cuattn_layernorm_pipe" and vec and hidden % _GROUP == 0:
-            team = 32 * -(-hidden // _TEAM_HIDDEN)                       # threads a row: 1 or 2 warps
-            teams, smem = _TEAM_BLOCK // team, 8 * _STAGED_HIDDEN          # gamma and beta
-            if entry == "cuattn_layernorm_warp_slots":
-                slots = 16 * team * -(-hidden // (_GROUP * team))        # a team's: 16 bytes a group a thread
-                teams, smem = min(teams, (_TEAM_SMEM - 8 * hidden) // slots), _TEAM_SMEM
-            return entry, team, min(teams, -(-rows // sms)), smem
         per_block = max(1, min(_LAYERNORM_BLOCK // threads, rows))       # blocks of up to 512 threads
         return "cuattn_layernorm_pipe", threads, per_block, _pipe_smem(self)
 
@@ -243,15 +218,6 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     ValueError
         If shapes disagree.
     """
-    return _layernorm(input, gemma, beta, eps, stream)
-
-
-# ---------------------------------------------------------------------------- implementation
-
-
-def _layernorm(input, gemma, beta, eps, stream, form: str | None = None):
-    """layernorm; ``form`` (a key of _LAYERNORM_FORMS) overrides _LAYERNORM_FORM for large GPU calls (A/B runs,
-    tests of every form)."""
     fn = "layernorm"
     ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
     if not ctx.on_gpu:
@@ -269,14 +235,17 @@ def _layernorm(input, gemma, beta, eps, stream, form: str | None = None):
     to = arrays.device_tensor(out, "out", fn)
     rows, hidden = tx.shape
     if rows:
-        spec, vec = NormSpec(arrays.SHORT_NAME[dtype]), _aligned((tx, to, tg, tb))
-        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows, vec, plan.num_sms(ctx.device), form)
+        spec = NormSpec(arrays.SHORT_NAME[dtype])
+        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
         launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
         tiles = -(-rows // per_block)
         grid = min(tiles, _resident_blocks(spec, entry, ctx.device, threads * per_block, smem)) if smem else tiles
         launch((grid,), threads * per_block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
-               tx.strides[0], to.strides[0], float(eps), vec)
+               tx.strides[0], to.strides[0], float(eps), _aligned((tx, to, tg, tb)))
     return arrays.export(ctx, out, dtype)
+
+
+# ---------------------------------------------------------------------------- implementation
 
 
 def _rmsnorm(fn, input, weight, eps, out, enable_pdl, stream, weight_bias: float):
@@ -353,7 +322,7 @@ def _resident_blocks(spec: NormSpec, entry: str, device: int, block: int, smem: 
     function = jit.get_function(spec, entry, device)
     with cp.cuda.Device(device):
         per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, smem)
-    return plan.num_sms(device) * max(1, per_sm)
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"] * max(1, per_sm)
 
 
 def _rms_scale(x: np.ndarray, weight: np.ndarray, eps: float, weight_bias: float) -> np.ndarray:

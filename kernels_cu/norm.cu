@@ -6,8 +6,8 @@
 // Grid (rows); block T = NormSpec.threads(hidden, rows), a multiple of 32 up to MAX_THREADS with
 // 8 * MAX_GROUPS * T >= hidden: for small calls a thread per 8 elements (the shortest dependent chain),
 // for large ones the fewest warps (each thread keeps up to MAX_GROUPS 16-byte loads in flight).
-// One block per row (except layernorm's large calls and cuattn_fused_add_rmsnorm_regs: blocks looping over
-// rows): every load of the row (and of the weight, for rmsnorm) is issued before the first use, a block reduction
+// One block per row (except cuattn_fused_add_rmsnorm_regs, at the end: blocks looping over rows): every
+// load of the row (and of the weight, for rmsnorm) is issued before the first use, a block reduction
 // gives the row's sum of squares in fp32 (layernorm: its mean, then its variance about it), then the row
 // is scaled from registers and written.
 // vec != 0 (the launcher checked 16-byte aligned bases and row strides that are multiples of 8
@@ -163,17 +163,16 @@ constexpr int STAGED_THREADS = 512;
 // 32); sub-block r serves row tile * R + r for tile = blockIdx.x, blockIdx.x + gridDim.x, ... (the
 // launcher sizes the grid to one wave). cuattn_layernorm (small calls, hidden > 8192: one row a block): gamma
 // and beta are read from global memory after the reductions, an L2 prefetch issued with the row's loads taking
-// their latency off that path. cuattn_layernorm_pipe (large calls, hidden <= 8192, that the team forms below
-// do not take; STAGED): gamma and beta are copied into dynamic shared memory (2 * round_up(hidden, 8) floats)
-// once per block, while the first rows load: read from L2 once per row instead, they are 4x the row's own bytes
-// and bound the kernel by L2 bandwidth (H100: 63% of the copy ceiling at hidden 4096). The rows are
-// software-pipelined: each thread copies its own 16-byte groups of the next tile's row with cp.async into its
-// own slots of shared memory (MAX_GROUPS * blockDim.x slots after gamma and beta) as soon as it has read the
-// current tile's out of them (after the mean's partial sum consumed them: a data dependence, so the slots' reads
-// are done), and waits for them at the top of the next tile: one tile's loads are in flight through the
-// reductions, normalization and stores (a staged form without the pipeline, loads issued only after the previous
-// tile's rows are written, reached 77-79% of the copy ceiling; session 12 A/B in
-// benchmarks/results/ops_notes_session12.md, code in git history).
+// their latency off that path. cuattn_layernorm_pipe (large calls, hidden <= 8192; STAGED): gamma and beta are
+// copied into dynamic shared memory (2 * round_up(hidden, 8) floats) once per block, while the first rows load:
+// read from L2 once per row instead, they are 4x the row's own bytes and bound the kernel by L2 bandwidth (H100:
+// 63% of the copy ceiling at hidden 4096). The rows are software-pipelined: each thread copies its own 16-byte
+// groups of the next tile's row with cp.async into its own slots of shared memory (MAX_GROUPS * blockDim.x
+// slots after gamma and beta) as soon as it has read the current tile's out of them (after the mean's partial
+// sum consumed them: a data dependence, so the slots' reads are done), and waits for them at the top of the
+// next tile: one tile's loads are in flight through the reductions, normalization and stores (a staged form
+// without the pipeline, loads issued only after the previous tile's rows are written, reached 77-79% of the
+// copy ceiling; session 12 A/B in benchmarks/results/ops_notes_session12.md, code in git history).
 // Only the vec path pipelines (cp.async moves 16 bytes); groups crossing the row's end load directly.
 namespace cuattn {
 template <bool STAGED>
@@ -317,159 +316,6 @@ extern "C" __global__ void __launch_bounds__(STAGED_THREADS, 2) cuattn_layernorm
     const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
     int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
   layernorm_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps, vec != 0);
-}
-
-// LayerNorm, the team forms (large calls, 16-byte accesses, hidden % 8 == 0, hidden <= 8192; norm.py's
-// NormSpec.layernorm_geometry): a row is served by a team of threads_per_row = 32 * G threads (G = 1 warp up to
-// hidden 4096, 2 up to 8192: a thread holds up to LN_WARP_GROUPS 16-byte groups, 64 registers of raw bits). A
-// block's R = blockDim.x / threads_per_row teams (norm.py: ceil(rows / SMs) up to the form's limit) serve rows
-// blockIdx.x * R + team, += gridDim.x * R (a grid of one wave). No block-wide barrier past the start: the mean
-// and the variance are warp shuffles (G = 2: plus a named barrier of the pair each), so each team runs at its
-// own pace. gamma and beta are copied once per block into shared memory (cp.async, while the first rows load) as
-// four float4 arrays (gamma's elements 0-3 of every group of 8, then 4-7, then beta's): a warp's 16-byte reads
-// of them are consecutive, free of bank conflicts. The next row:
-//   cuattn_layernorm_warp:       loaded into the registers once the current row is written (no shared memory
-//                                for rows; blocks of up to 512 threads, 16 warps an SM: the other teams' loads
-//                                fill the gap). Loading group g as soon as it is written spilled (ptxas hoists
-//                                those loads: 165 registers wanted).
-//   cuattn_layernorm_warp_slots: copied (cp.async) into this thread's slots of shared memory as soon as the current
-//                                row's values are consumed (its first sum), so a row's loads are in flight through
-//                                the whole previous row; the slots limit the teams a block (norm.py).
-namespace cuattn {
-constexpr int LN_WARP_GROUPS = 16;
-constexpr int LN_WARP_THREADS = 512;
-
-// -- sum of x over the team of G warps (warps first .. first + G - 1): a shuffle, then (G > 1) the warps'
-//    partials through red and named barrier `bar` (red's slots are rewritten only after the team's next barrier)
-__device__ __forceinline__ float team_sum(float x, float* red, int G, int first, int bar) {
-  x = warp_sum(x);
-  if (G == 1) return x;
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-  asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(32 * G) : "memory");
-  x = 0.f;
-  for (int w = 0; w < G; ++w) x += red[first + w];
-  return x;
-}
-
-// -- f(x) for each value of the row a thread t of T holds in xb (its groups j = g * T + t < n8)
-template <class F>
-__device__ __forceinline__ void each_value(const uint32_t (&xb)[LN_WARP_GROUPS][4], int T, int t, int n8, F&& f) {
-#pragma unroll
-  for (int g = 0; g < LN_WARP_GROUPS; ++g) {
-    if (g * T + t < n8) {
-      float x[GROUP];
-      unpack_group<elem_t>(xb[g], x);
-#pragma unroll
-      for (int k = 0; k < GROUP; ++k) f(x[k]);
-    }
-  }
-}
-
-template <bool SLOTS>
-__device__ __forceinline__ void layernorm_team_rows(const elem_t* input, const float* __restrict__ gamma,
-                                                    const float* __restrict__ beta, elem_t* out, int rows,
-                                                    int hidden, int T, int64_t in_s, int64_t out_s, float eps) {
-  extern __shared__ float4 params[];                 // [4][hidden / 8], then (SLOTS) [LN_WARP_GROUPS][blockDim.x]
-  __shared__ float red[2][LN_WARP_THREADS / 32];     // the warps' partial sums: the mean's, the variance's
-  const int t = threadIdx.x % T, team = threadIdx.x / T, R = blockDim.x / T, G = T >> 5;
-  const int n8 = hidden / GROUP;                     // groups of the row; thread t holds j = g * T + t < n8
-  uint4* const slots = reinterpret_cast<uint4*>(params + 4 * n8);
-  const int64_t step = int64_t(gridDim.x) * R;
-  int64_t row = int64_t(blockIdx.x) * R + team;
-  uint32_t xb[LN_WARP_GROUPS][4];
-  auto load_row = [&](int64_t r) {                   // r < rows
-#pragma unroll
-    for (int g = 0; g < LN_WARP_GROUPS; ++g) {
-      const int j = g * T + t;
-      if (j < n8) {
-        const uint4 q = *reinterpret_cast<const uint4*>(input + r * in_s + GROUP * j);
-        xb[g][0] = q.x, xb[g][1] = q.y, xb[g][2] = q.z, xb[g][3] = q.w;
-      }
-    }
-  };
-  auto prefetch_row = [&](int64_t r) {               // SLOTS: row r into this thread's slots; a group either way
-    if (r < rows) {
-#pragma unroll
-      for (int g = 0; g < LN_WARP_GROUPS; ++g) {
-        const int j = g * T + t;
-        if (j < n8) cp_async_16(smem_u32(slots + g * blockDim.x + threadIdx.x), input + r * in_s + GROUP * j, 16);
-      }
-    }
-    cp_async_commit();
-  };
-  wait_prior_grids();
-  // -- gamma and beta into shared memory (16-byte chunk c: elements 4c..4c+3, half c & 1 of group c >> 1)
-  for (int c = threadIdx.x; c < 2 * n8; c += blockDim.x) {
-    cp_async_16(smem_u32(params + (c & 1) * n8 + (c >> 1)), gamma + 4 * c, 16);
-    cp_async_16(smem_u32(params + (2 + (c & 1)) * n8 + (c >> 1)), beta + 4 * c, 16);
-  }
-  cp_async_commit();
-  // -- the first row into registers, (SLOTS) the second into the slots
-  if (row < rows) load_row(row);
-  if (SLOTS) prefetch_row(row + step);
-  cp_async_wait<SLOTS ? 1 : 0>();
-  __syncthreads();                                   // gamma and beta visible to every team
-  for (bool from_slots = false; row < rows; row += step, from_slots = true) {
-    // -- mean
-    float sum = 0.f;
-    each_value(xb, T, t, n8, [&](float x) { sum += x; });
-    if (SLOTS && from_slots) {
-      asm volatile("" ::"f"(sum) : "memory");       // sum consumed every slot's value: their reads are complete
-      prefetch_row(row + step);
-    }
-    const float mean = team_sum(sum, red[0], G, team * G, 1 + team) / float(hidden);
-    // -- variance about the mean
-    float sum_sq = 0.f;
-    each_value(xb, T, t, n8, [&](float x) { sum_sq += (x - mean) * (x - mean); });
-    const float inv_std = rsqrtf(team_sum(sum_sq, red[1], G, team * G, 1 + team) / float(hidden) + eps);
-    const int64_t next = row + step;
-    if (next >= rows) allow_next_grid();
-    // -- normalize, scale, shift, write
-    elem_t* const o_row = out + row * out_s;
-#pragma unroll
-    for (int g = 0; g < LN_WARP_GROUPS; ++g) {
-      const int j = g * T + t;
-      if (j < n8) {
-        float x[GROUP];
-        unpack_group<elem_t>(xb[g], x);
-        const float4 g0 = params[j], g1 = params[n8 + j], b0 = params[2 * n8 + j], b1 = params[3 * n8 + j];
-        const float gm[GROUP] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-        const float bt[GROUP] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-        for (int k = 0; k < GROUP; ++k) x[k] = (x[k] - mean) * inv_std * gm[k] + bt[k];
-        uint4 w;
-        w.x = pack2<elem_t>(x[0], x[1]), w.y = pack2<elem_t>(x[2], x[3]);
-        w.z = pack2<elem_t>(x[4], x[5]), w.w = pack2<elem_t>(x[6], x[7]);
-        *reinterpret_cast<uint4*>(o_row + GROUP * j) = w;
-      }
-    }
-    // -- the next row into the registers: from global memory, or (SLOTS) out of the slots
-    if (!SLOTS && next < rows) load_row(next);
-    if (SLOTS && next < rows) {
-      cp_async_wait<0>();
-#pragma unroll
-      for (int g = 0; g < LN_WARP_GROUPS; ++g) {
-        if (g * T + t < n8) {
-          const uint4 v = slots[g * blockDim.x + threadIdx.x];
-          xb[g][0] = v.x, xb[g][1] = v.y, xb[g][2] = v.z, xb[g][3] = v.w;
-        }
-      }
-    }
-  }
-}
-}  // namespace cuattn
-
-// (vec is 1: norm.py routes only 16-byte accesses here; the argument keeps the signature of the forms above)
-extern "C" __global__ void __launch_bounds__(LN_WARP_THREADS, 1) cuattn_layernorm_warp(
-    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
-    int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
-  layernorm_team_rows<false>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps);
-}
-
-extern "C" __global__ void __launch_bounds__(LN_WARP_THREADS, 1) cuattn_layernorm_warp_slots(
-    const elem_t* input, const float* __restrict__ gamma, const float* __restrict__ beta, elem_t* out,
-    int rows, int hidden, int threads_per_row, int64_t in_s, int64_t out_s, float eps, int vec) {
-  layernorm_team_rows<true>(input, gamma, beta, out, rows, hidden, threads_per_row, in_s, out_s, eps);
 }
 
 // Compiled in the MAX_GROUPS 1 spec only (more groups spill under the 64-register cap).

@@ -154,29 +154,13 @@ def test_fused_add_entry_picks_the_register_pipelined_form_for_large_aligned_cal
 
 def test_layernorm_geometry_picks_the_entry_from_the_call_size():
     spec = norm.NormSpec("bf16")
-    assert spec.layernorm_geometry(4096, 4, 1, 132) == ("cuattn_layernorm", 512, 1, 0)     # small: a row a block
-    assert spec.layernorm_geometry(16384, 4096, 1, 132)[0::2] == ("cuattn_layernorm", 1)  # hidden > 8192
+    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 0)        # small: a row a block
+    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1)     # hidden > 8192
     for hidden in (4096, 4099, 8192):
         rows = norm._LATENCY_ELEMENTS // hidden + 1
-        for vec in (0, 1):
-            entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows, vec, 132, "pipe")
-            assert entry == "cuattn_layernorm_pipe" and smem == norm._pipe_smem(spec)
-            assert threads * 8 * spec.max_groups >= hidden and threads * per_block <= norm._LAYERNORM_BLOCK
-    # the team forms: 16-byte accesses and hidden % 8 == 0 only (else the pipe form), a warp a row up to 4096
-    assert norm._LAYERNORM_FORMS[norm._LAYERNORM_FORM] == "cuattn_layernorm_warp"
-    assert spec.layernorm_geometry(4096, 4096, 1, 132) == ("cuattn_layernorm_warp", 32, 16, 8 * 8192)
-    assert spec.layernorm_geometry(8192, 4096, 1, 132) == ("cuattn_layernorm_warp", 64, 8, 8 * 8192)
-    assert spec.layernorm_geometry(4104, 1000, 1, 132) == ("cuattn_layernorm_warp", 64, 8, 8 * 8192)
-    assert spec.layernorm_geometry(8192, 300, 1, 132)[:3] == ("cuattn_layernorm_warp", 64, 3)  # spread: 100 blocks
-    assert spec.layernorm_geometry(4096, 4096, 0, 132)[0] == "cuattn_layernorm_pipe"
-    assert spec.layernorm_geometry(4092, 4096, 1, 132)[0] == "cuattn_layernorm_pipe"
-    assert spec.layernorm_geometry(4096, 4096, 1, 132, "warp_slots") == ("cuattn_layernorm_warp_slots", 32, 8,
-                                                                        norm._TEAM_SMEM)
-    for hidden in range(264, 8193, 8):              # gamma, beta and the slots fit the block's shared memory
-        entry, team, teams, smem = spec.layernorm_geometry(hidden, 4096, 1, 132, "warp_slots")
-        groups = -(-hidden // (8 * team))
-        assert team == 32 * (1 + (hidden > 4096)) and groups <= 16 and teams >= 2
-        assert 8 * hidden + 16 * groups * team * teams <= smem == norm._TEAM_SMEM
+        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        assert entry == "cuattn_layernorm_pipe" and smem == norm._pipe_smem(spec)
+        assert threads * 8 * spec.max_groups >= hidden and threads * per_block <= norm._LAYERNORM_BLOCK
 
 
 def test_norms_reject_bad_inputs_naming_the_argument():
@@ -251,8 +235,8 @@ def test_shipped_norm_kernels_compile_without_spills(arch):
     for spec in norm.shipped_specs():
         resources = jit.compile_kernel(spec, arch).resources
         assert set(resources) == {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
-                                  "cuattn_layernorm_pipe", "cuattn_layernorm_warp", "cuattn_layernorm_warp_slots"} | (
-            {"cuattn_fused_add_rmsnorm_regs"} if spec.max_groups == 1 else set()) or not resources
+                                  "cuattn_layernorm_pipe"} | ({"cuattn_fused_add_rmsnorm_regs"} if spec.max_groups == 1
+                                                              else set()) or not resources
         if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # keeps 2048 threads an SM
             assert resources["cuattn_fused_add_rmsnorm"]["registers"] <= 32, resources
         for entry, r in resources.items():
@@ -341,16 +325,12 @@ def test_layernorm_gpu_matches_float64_formula(dtype, hidden, mode):
     assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
 
 
-# (rows, hidden, row stride): layernorm's large calls with hidden <= 8192 (gamma and beta in shared memory, blocks
-# looping over rows), each form of _LAYERNORM_FORMS: hidden 8192, 7000 and 6144 (gamma and beta of 64, 56 and 48 KB;
-# the team forms: 2 warps a row, the last of 14 groups a thread partly past the row), a last tile part empty (odd
-# rows), rows of a stride that is no multiple of 8 (2-byte accesses: the pipe form whatever the form asked), and
-# hidden 16384 (a row a block, gamma and beta from L2)
+# (rows, hidden, row stride): the staged, pipelined layernorm (cuattn_layernorm_pipe: gamma and beta in shared
+# memory, several rows a block, blocks looping over row tiles, the next tile's rows prefetched) at hidden 8192,
+# 7000 and 6144 (gamma and beta of 64, 56 and 48 KB), a last tile part empty (odd rows), rows of a stride that is no multiple of 8
+# (2-byte accesses), and hidden 16384 (a row a block, gamma and beta from L2)
 STAGED = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024, 1024), (301, 4100, 4103),
           (131, 16384, 16384)]
-# + the serving size (teams looping over 2 rows on an H100), hidden 4104 (2 warps a row, 9 groups a thread), 1000
-# (a warp a row, its last group on 29 lanes), 4000 at a row stride of 4096 (16-byte accesses into a wider array)
-TEAM = [(4096, 4096, 4096), (300, 8192, 8192), (1000, 4104, 4104), (2000, 1000, 1000), (1500, 4000, 4096)]
 
 
 def poison_pool(nbytes):
@@ -363,22 +343,21 @@ def poison_pool(nbytes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", list(norm._LAYERNORM_FORMS))
 @pytest.mark.parametrize("dtype", [pytest.param(DTYPES[0], marks=pytest.mark.slow), DTYPES[1]], ids=DTYPE_IDS)
-def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form):
+def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
     import cupy
     # + blocks that loop over several tiles at the serving sizes (an H100 holds 1056 rows of 4096 a wave)
-    for rows, hidden, stride in STAGED + TEAM + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
+    for rows, hidden, stride in STAGED + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
         assert (rows * hidden > norm._LATENCY_ELEMENTS) and (stride >= hidden)
         rng = np.random.default_rng(rows + hidden)
         x = randn(rng, (rows, hidden), dtype, scale=2.0, shift=3.0)
         gamma, beta = randn(rng, (hidden,), np.float32), randn(rng, (hidden,), np.float32)
         raw = to_gpu(np.zeros((rows, stride), dtype))
-        view = raw[:, stride - hidden:]      # contiguous, or starting 6 (192) bytes into a row of stride 4103 (4096)
+        view = raw[:, stride - hidden:]          # contiguous, or starting 6 bytes into a row of odd stride
         view[...] = to_gpu(x)
         g_dev, b_dev = cupy.asarray(gamma), cupy.asarray(beta)
         poison_pool(2 * rows * hidden)
-        y = norm._layernorm(view, g_dev, b_dev, 1e-5, None, form)
+        y = norm.layernorm(view, g_dev, b_dev, 1e-5)
         assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
     # 16-byte path with a tail group: rows of 4092 (no multiple of 8) at an aligned stride of 4096
     rng = np.random.default_rng(17)
@@ -387,7 +366,7 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype, form):
     gamma, beta = randn(rng, (4092,), np.float32), randn(rng, (4092,), np.float32)
     g_dev, b_dev = cupy.asarray(gamma), cupy.asarray(beta)
     poison_pool(2 * 1500 * 4092)
-    y = norm._layernorm(view, g_dev, b_dev, 1e-5, None, form)
+    y = norm.layernorm(view, g_dev, b_dev, 1e-5)
     assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
 
 
