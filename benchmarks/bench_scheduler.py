@@ -129,7 +129,8 @@ class FakeCupy:
     getDevice / setDevice; an Event: create, record, query (``done``), synchronize; the async copy; a pinned or
     device allocation). The current-stream lookup (no CUDA call in CuPy) is counted as ``stream``. Device
     arrays get distinct fake addresses, in allocation order; ``uploads`` (when a list) receives every
-    host-to-device copy as (dst, nbytes, bytes)."""
+    host-to-device copy as (dst, nbytes, bytes), and the copied staging words are then zeroed (so the never-read
+    alignment words of an upload are 0 whichever staging buffer, or part of one, a plan takes)."""
 
     def __init__(self):
         import collections
@@ -209,6 +210,8 @@ class FakeCupy:
                 if fake.uploads is not None and kind == 1:
                     import ctypes
                     fake.uploads.append((dst, nbytes, ctypes.string_at(src, nbytes)))
+                    ctypes.memset(src, 0, nbytes)   # words a plan leaves unwritten (alignment) upload as 0, whichever
+                                                    # staging buffer or part of one it takes
 
         def current_stream(device=None):
             calls["stream"] += 1
