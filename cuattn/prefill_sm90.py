@@ -42,9 +42,6 @@ PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_i
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
-# of every 8 softmax exp2, how many go to the FMA pipe (softmax.cuh exp2_poly) in a spec whose variant's
-# transform keeps the special-function unit busy too (variants.Composite.sfu_transform: soft-cap's tanh)
-EXP2_POLY = 4
 
 
 def tile_n(head_dim_vo: int) -> int:
@@ -66,7 +63,6 @@ class Sm90PrefillSpec:
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
     gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
-    exp2_poly: int = 0         # of every 8 softmax exp2, how many on the FMA pipe (EXP2_POLY; 0 in plain specs)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -79,7 +75,7 @@ class Sm90PrefillSpec:
         return (f"prefill_sm90_hd{self.head_dim_qk}{vo}_q{self.dtype}_{'causal' if self.causal else 'full'}"
                 f"{'_gather' if self.gather else '_paged' if self.paged else ''}"
                 f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}{f'_ep{self.exp2_poly}' if self.exp2_poly else ''}"
+                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
                 + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
 
     @property
@@ -90,8 +86,7 @@ class Sm90PrefillSpec:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
                 f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
-                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + \
-            ((f"-DEXP2_POLY={self.exp2_poly}",) if self.exp2_poly else ()) + tuple(f"-D{v}" for v in self.tuning)
+                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
@@ -130,8 +125,7 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
     if gather is None:
         gather = bool(paged) and use_gather(page_size, tile_n(dv), variant.has_rope and head_dim_qk == 256)
     spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
-                           paged=bool(paged), gather=bool(gather), dtype_kv=kv,
-                           exp2_poly=EXP2_POLY if variant.sfu_transform else 0)
+                           paged=bool(paged), gather=bool(gather), dtype_kv=kv)
     deeper = dataclasses.replace(spec, stages=3)
     return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
 
