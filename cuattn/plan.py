@@ -412,7 +412,7 @@ class Plan:
     mask: np.ndarray | None = None      # packed custom mask, uint8 (prefill)
     mask_indptr: np.ndarray | None = None
     head_dim_vo: int | None = None      # v / output columns (prefill; head_dim when they are equal)
-    rope_prepass: bool = False          # ragged prefill: run() rotates K before a query-only RoPE kernel (prefill_rope)
+    rope_prepass: bool = False          # ragged prefill: run() rotates q and K ahead of a kernel without the RoPE (prefill_rope)
     # -- the GPU half (defaults on a NumPy plan)
     device: int | None = None
     backend: str = ""                   # prefill: "fa2" | "fa3"

@@ -313,16 +313,16 @@ class _BatchPrefillBase:
         meta = plan["meta"] or {}
         dev = {} if not on_gpu or plan["mask"] is None else {
             "custom_mask": variants.Pointer(meta.get("mask", 0)), "mask_indptr": variants.Pointer(meta.get("mask_indptr", 0))}
-        kernel = prefill_rope.kernel_bound(bound) if on_gpu and plan.rope_prepass else bound   # the kernel's variant
         if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
             if plan.fixed_vargs is None:
-                plan.fixed_vargs = kernel.kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
+                plan.fixed_vargs = prefill_rope.kernel_bound(plan).kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
             return plan["sm_scale"], plan["fixed_vargs"]
         values = {**bound.values(tuple(args), fn), **dev}
         bound.check_sinks(values, plan["num_qo_heads"], fn)
         bound.check_custom_mask(values, plan["qo_lens"], plan["kv_lens"], fn)
         scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
-        return scale, (kernel.kernel_args(scale, values, fn) if on_gpu else bound.host_values(values, fn))
+        return scale, (prefill_rope.kernel_bound(plan).kernel_args(scale, values, fn) if on_gpu
+                       else bound.host_values(values, fn))
 
     def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values, out_arg, lse_arg):
         qa = arrays.host_array(q, "q", fn)

@@ -45,9 +45,11 @@ def kernel_composite(composite: variants.Composite) -> variants.Composite:
     return variants.Composite(tuple(v for v in composite.pieces if v != variants.ROPE_LLAMA))
 
 
-def kernel_bound(bound: variants.Bound) -> variants.Bound:
-    """The plan's variant values for that kernel (the RoPE's parameters are all fixed: none move)."""
-    return variants.Bound(kernel_composite(bound.composite), bound.fixed, bound.runtime)
+def kernel_bound(plan) -> variants.Bound:
+    """The variant whose arguments a GPU run of ``plan`` passes: the plan's, or under the rotation ahead its
+    kernel spec's (the plan's without the RoPE, whose parameters are all fixed: the runtime ones stay)."""
+    b = plan.bound
+    return variants.Bound(plan.spec.variant, b.fixed, b.runtime) if plan.rope_prepass else b
 
 
 def offsets(qo_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:

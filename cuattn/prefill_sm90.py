@@ -71,12 +71,8 @@ class Sm90PrefillSpec:
 
     @property
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2", "prefill_sm90_hd192v128_..."
-        vo = f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else ""
-        return (f"prefill_sm90_hd{self.head_dim_qk}{vo}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"{'_gather' if self.gather else '_paged' if self.paged else ''}"
-                f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}"
-                f"_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
+        return spec_name("prefill_sm90", self.head_dim_qk, self.head_dim_vo, self.dtype, self.causal,
+                         "_gather" if self.gather else "_paged" if self.paged else "", self)
 
     @property
     def prelude(self) -> str:
@@ -111,6 +107,16 @@ class Sm90PrefillSpec:
         elif self.k_xform:
             bars += self.stages
         return total + 8 * bars
+
+
+def spec_name(family: str, head_dim_qk: int, head_dim_vo: int, dtype: str, causal: bool, layout: str, spec) -> str:
+    """The prefill kernels' one naming scheme (fa2's PrefillSpec and this module's): family, head dims (the
+    V one when it differs), q dtype, mask, K/V layout, KV dtype, tiles and stages, tuning defines, variant;
+    ``spec`` gives dtype_kv, block_m, block_n, stages, tuning and variant."""
+    vo = f"v{head_dim_vo}" if head_dim_vo and head_dim_vo != head_dim_qk else ""
+    return (f"{family}_hd{head_dim_qk}{vo}_q{dtype}_{'causal' if causal else 'full'}{layout}"
+            f"{'_kv' + spec.dtype_kv if spec.dtype_kv else ''}_bm{spec.block_m}_bn{spec.block_n}_s{spec.stages}"
+            + "".join("_" + v.replace("=", "").lower() for v in spec.tuning) + spec.variant.name)
 
 
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,

@@ -74,10 +74,8 @@ class PrefillSpec:
 
     @property
     def name(self) -> str:   # "prefill_hd128_qf16_causal_paged_bm128_bn32"
-        return (f"prefill_hd{self.head_dim}{f'v{self.head_dim_vo}' if self.head_dim_vo else ''}_q{self.dtype}_{'causal' if self.causal else 'full'}"
-                f"{'_paged' if self.paged else ''}"
-                f"{'_kv' + self.dtype_kv if self.dtype_kv else ''}_bm{self.block_m}_bn{self.block_n}_s{self.stages}"
-                + "".join("_" + v.replace("=", "").lower() for v in self.tuning) + self.variant.name)
+        return prefill_sm90.spec_name("prefill", self.head_dim, self.head_dim_vo, self.dtype, self.causal,
+                                      "_paged" if self.paged else "", self)
 
     @property
     def prelude(self) -> str:

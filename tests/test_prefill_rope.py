@@ -49,10 +49,13 @@ def test_plan_rotates_keys_ahead_only_where_query_tiles_share_them():
 
 
 def test_kernel_arguments_without_the_rope_are_the_other_pieces():
-    full = variants.resolve("f", num_qo_heads=16, head_dim=128, logits_soft_cap=30.0, **ROPE)
-    kb = prefill_rope.kernel_bound(full)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()
+    w.plan(_indptr([1000]), _indptr([1500]), 16, 4, 128, causal=True, logits_soft_cap=30.0, **ROPE)
+    full, kb = w._plan.bound, prefill_rope.kernel_bound(w._plan)
     assert kb.composite.pieces == (variants.SOFT_CAP,) and kb.runtime == full.runtime
     assert kb.kernel_args(0.1, full.fixed, "f") == (0.1, 30.0, 1 / 30.0)
+    w.plan(_indptr([8]), _indptr([1500]), 16, 4, 128, causal=True, logits_soft_cap=30.0, **ROPE)   # in-kernel
+    assert prefill_rope.kernel_bound(w._plan) is w._plan.bound
     # q at kv_len - qo_len (bottom-right), then the keys at 0, per request
     assert prefill_rope.offsets(np.array([3, 0, 5]), np.array([10, 4, 5])).tolist() == [7, 4, 0, 0, 0, 0]
 
