@@ -27,8 +27,15 @@ Each hook is a CUDA function body that returns a value. It sees ``params`` (a st
 ``batch_idx``; ``qo_idx`` (the query's index among its request's queries, as in FlashInfer; 0 in
 decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
 qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
-``kv_len``. ``logits_transform`` also sees ``logits`` and ``row``, ``logits_mask`` ``row`` (0.f
-without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0. ``sink`` sees ``params``, ``batch_idx``,
+``kv_len``. ``logits_transform`` also sees ``logits``, ``row`` and ``kv_base``, ``logits_mask`` ``row``
+(0.f without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0. ``kv_base`` is a
+key index the kernel holds fixed over the logits of one row it transforms together (a thread's first
+key of a key tile): ``kv_idx - kv_base`` is then a compile-time constant in the kernels' unrolled loops,
+and a term computed from ``kv_base``, ``row`` and the query alone is computed once per row and tile, so
+a transform that splits its position arithmetic that way does its per-logit work with immediates (the
+built-in ALiBi: ``row * (kv_idx - qo_pos)`` as ``row * (kv_base - qo_pos) + row * (kv_idx - kv_base)``,
+an FFMA by an immediate per logit instead of an integer add and a conversion). Its result must not
+depend on ``kv_base`` beyond rounding. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
@@ -73,14 +80,15 @@ PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const f
                "int*": ("const int* __restrict__", "p"), "uint8*": ("const unsigned char* __restrict__", "p")}
 _ARRAY_DTYPES = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "uint8*": np.dtype(np.uint8)}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SFU_CALL = re.compile(r"(tanh|exp|sigmoid|log|sin|cos|sqrt|pow)\w*\s*\(")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
-             "kv_head_idx", "qo_len", "kv_len", "x", "pair"}
+             "kv_head_idx", "qo_len", "kv_len", "x", "pair", "kv_base"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
 # ROW: the piece's row-state type (what its row_state returns; float without one)
 _SIGNATURES = {
-    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}"),
+    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}, int kv_base"),
     "row_state": ("auto", f"const Params& params, {_POS_ARGS}"),
     "logits_mask": ("bool", f"const Params& params, ROW row, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
@@ -203,11 +211,17 @@ SLIDING_WINDOW = Variant(
 
 # slope of head h: 2^(alibi_a * (h + 1)) below the largest power of two p <= num heads, else
 # 2^(alibi_b * (2 (h - p) + 1)); resolve() sets p, a = -8 / p, b = -4 / p (no division per logit);
-# key - query distances of up to 2^22 tokens (small_int_to_float)
+# key - query distances of up to 2^24 tokens (exact in float). The bias split at kv_base (module
+# docstring): float(kv_base - qo_pos) once per row and tile, then per logit two FFMAs (the second by the
+# immediate kv_idx - kv_base) after the kernel's scale multiply: 3 instructions a logit, was 4 (an IADD,
+# small_int_to_float's FADD, an FFMA, the scale FMUL), and 5 with the key scale's own multiply. Of the
+# equivalent forms tried this one leaves fa3's paged (gather) kernel spill-free: the 2-instruction form
+# (logits + fmaf(row, kv_idx - kv_base, row * d), the add contracted) spilled 68 bytes in contiguous fa3
+# and 136 with the gather; (d + (kv_idx - kv_base)) * row, 24 with the gather.
 ALIBI = Variant(
     "alibi", params=(("alibi_p", "int"), ("alibi_a", "float"), ("alibi_b", "float")),
     row_state="return alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b);",
-    logits_transform="return fmaf(row, small_int_to_float(kv_idx - qo_pos), logits);",
+    logits_transform="return fmaf(row, float(kv_idx - kv_base), fmaf(row, float(kv_base - qo_pos), logits));",
     numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_heads"])[pos.qo_head_idx]
            * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
 
@@ -315,6 +329,15 @@ class Composite:
         return any(v == CUSTOM_MASK for v in self.pieces)
 
     @property
+    def sfu_transform(self) -> bool:
+        """A softmax variant whose logits transform calls a special-function-unit op per logit (tanh,
+        exp, sigmoid, log, sin, cos, sqrt, pow by name: the built-in soft-cap, a user's): the exp2 of
+        its softmax shares that unit, so the prefill kernels may move part of it to the FMA pipe
+        (their specs' ``exp2_poly``). A heuristic on the source: it picks a speed knob, not the result."""
+        return self.use_softmax and any(v.logits_transform is not None and _SFU_CALL.search(v.logits_transform)
+                                        for v in self.pieces)
+
+    @property
     def has_qk_transform(self) -> bool:
         """The kernels rewrite q and K rows in shared memory: the built-in RoPE or a user query / key
         transform (no fp8 KV kernel)."""
@@ -385,8 +408,8 @@ class Composite:
         lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES});" if f else f"  rs.r{i} = 0.f;" for i, f in rows.items()]
         lines += ["  return rs;", "}"]
         lines += ["__device__ __forceinline__ float logits_transform(const Params& params, const RowState& rs, "
-                  f"float logits, {_POS_ARGS}) {{"]
-        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES});"
+                  f"float logits, {_POS_ARGS}, int kv_base) {{"]
+        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES}, kv_base);"
                   for i, f in zip([i for i, v in enumerate(self.pieces) if v.logits_transform is not None], t)]
         lines += ["  return logits;", "}"]
         lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, const RowState& rs, {_POS_ARGS}) {{",

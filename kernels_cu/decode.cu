@@ -535,8 +535,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
         const int tok = tok0 + nt * 8 + (lane % 4) * 2 + (i & 1);
         float x = s[nt][i] * qk_fac;
         if (variant::NEEDS_POSITION)   // padding rows (past the group) ask about the group's last head
-          x = variant_score(vp, rs[i >> 1], x, req, 0, kv_len - 1, tok, head0 + min(lane / 4 + 8 * (i >> 1), rows - 1),
-                            kv_head, 1, kv_len, row_lo);
+          x = variant_score(vp, rs[i >> 1], x, vp.sm_scale, req, 0, kv_len - 1, tok, tok0 + (lane % 4) * 2,
+                            head0 + min(lane / 4 + 8 * (i >> 1), rows - 1), kv_head, 1, kv_len, row_lo);
         if (!variant::USE_SOFTMAX) {
           s[nt][i] = tok < kv_end && x != neg_inf() ? x : 0.f;
           continue;

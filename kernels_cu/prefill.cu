@@ -33,8 +33,8 @@
 //   byte trick on sm_80 (or FP8_HW_CVT 0: e4m3 exact times 2^-8); FP8_FACTOR (2^8 there) joins the scales.
 //   Rows past kv_len are zero-filled bytes: 0 in both.
 // Scales (every KV dtype): k = k_scale * (k_scales ? k_scales[kv_head or 0] : 1), likewise v; the key
-//   factor multiplies the logits (folded into the softmax scale; before a logits transform, which sees
-//   the raw dot product), the value factor each output row (partial rows of split items too: the merge
+//   factor multiplies the logits (folded into the softmax scale; before a logits transform, into its
+//   logit_scale with sm_scale), the value factor each output row (partial rows of split items too: the merge
 //   is linear). FlashInfer's meaning: stored value x scale = real value.
 // HEAD_DIM_VO != HEAD_DIM (SPLIT_DIMS): Q and K tiles have HEAD_DIM columns, V tiles, the accumulator and
 //   the output HEAD_DIM_VO; rows of 192 columns are not a multiple of the block's threads, so Q, K and V
@@ -468,10 +468,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   }
 
   // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
-  //    softmax scale, or (a logits transform, no softmax) multiplied into the raw dot products
-  constexpr bool K_FIRST = variant::HAS_TRANSFORM || !variant::USE_SOFTMAX;
+  //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
+  //    transform's logit_scale (the raw dot products times sm_scale and the key scale: one multiply)
+  constexpr bool K_FIRST = variant::HAS_TRANSFORM;
+  static_assert(variant::USE_SOFTMAX || K_FIRST, "use_softmax=False needs a logits transform");
   float k_fac = k_scale * FP8_FACTOR;
   if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
+  const float logit_scale = k_fac * vp.sm_scale;
 #ifndef SCALE_SMEM     // the softmax scale (times the key scale) reread from smem in the loop: hd128 128 x 64
                         // full spilled 24-32 bytes on sm_80 holding it in a register, 8 on sm_90a rereading it
 #define SCALE_SMEM (CUATTN_ARCH < 90)
@@ -629,14 +632,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
       }
     }
 
-    if (K_FIRST) {                              // -- the key scale before a transform (raw dot products)
-#pragma unroll
-      for (int i = 0; i < NUM_MMA_Q; ++i)
-#pragma unroll
-        for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[i][n][e] *= k_fac;
-    }
     // -- the variant's logits transform (every tile) and masks: causal on diagonal tiles, the
     //    window below kv_full, variant masks (a custom mask too) on every tile
     const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
@@ -651,9 +646,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
           for (int n = 0; n < BLOCK_N / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              s[i][n][2 * h + e] = variant_transform(vp, rs[i][h], s[i][n][2 * h + e], req, qpos, qpos + causal_shift,
-                                                     kv0 + n * 8 + 2 * t4 + e, kvh * group + pr % group, kvh, qo_len,
-                                                     kv_len);
+              s[i][n][2 * h + e] = variant_transform(vp, rs[i][h], s[i][n][2 * h + e], logit_scale, req, qpos,
+                                                     qpos + causal_shift, kv0 + n * 8 + 2 * t4 + e, kv0 + 2 * t4,
+                                                     kvh * group + pr % group, kvh, qo_len, kv_len);
         }
     } else if (variant::HAS_TRANSFORM || edge) {
 #pragma unroll
@@ -673,8 +668,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
               if (!keep)
                 s[i][n][2 * h + e] = NEG_INF;
               else if (variant::NEEDS_POSITION)
-                s[i][n][2 * h + e] = variant_score(vp, rs[i][h], s[i][n][2 * h + e], req, qpos, qpos + causal_shift, kpos,
-                                                   kvh * group + pr % group, kvh, qo_len, kv_len, row_lo);
+                s[i][n][2 * h + e] = variant_score(vp, rs[i][h], s[i][n][2 * h + e], logit_scale, req, qpos,
+                                                   qpos + causal_shift, kpos, kv0 + 2 * t4, kvh * group + pr % group,
+                                                   kvh, qo_len, kv_len, row_lo);
             }
         }
     }
@@ -695,9 +691,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
           corr[i][h] = 1.f;
           continue;
         }
-        corr[i][h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[i][k >> 1][2 * h + (k & 1)]; },
-                                                     [&](int k, float p) { s[i][k >> 1][2 * h + (k & 1)] = p; },
-                                                     m_i[i][h], l_i[i][h], s_sl2);
+        corr[i][h] = online_softmax_row<BLOCK_N / 4, EXP2_POLY>(
+            [&](int k) { return s[i][k >> 1][2 * h + (k & 1)]; },
+            [&](int k, float p) { s[i][k >> 1][2 * h + (k & 1)] = p; }, m_i[i][h], l_i[i][h], s_sl2);
         changed |= corr[i][h] != 1.f;
       }
     if (__any_sync(0xffffffffu, changed)) {     // -- rescale only when some row max moved (warp-uniform)

@@ -61,8 +61,8 @@
 // from the consumers to the producer warpgroup (PRODUCER_REGS).
 // Scales (every KV dtype; prefill.cu's meaning: stored value x scale = real value): k = k_scale *
 // (k_scales ? k_scales[kv head or 0] : 1), likewise v (a CTA has one kv head: scalars here). The key
-// factor joins the softmax scale (or, before a logits transform / without softmax, multiplies the raw
-// dot products), the value factor each output row at the store (partial rows too: the merge is linear).
+// factor joins the softmax scale (or, before a logits transform, the transform's logit_scale with
+// sm_scale), the value factor each output row at the store (partial rows too: the merge is linear).
 // KV_FP8: paged (PAGED = 2), the gather producer loads fp8 rows into registers, converts them (the hardware's
 // cvt) and stores the 16-bit swizzled tiles (prefill_sm90_gather.cuh); contiguous, the TMA loads fp8 K / V tiles
 // into fp8 staging buffers and warps 1..3 of the producer warpgroup convert each into the 16-bit tile and arrive
@@ -280,11 +280,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   }
 
   // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
-  //    softmax scale, or (a logits transform, no softmax) multiplied into the raw dot products
-  constexpr bool K_FIRST = variant::HAS_TRANSFORM || !variant::USE_SOFTMAX;
+  //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
+  //    transform's logit_scale (the raw dot products times sm_scale and the key scale: one multiply)
+  constexpr bool K_FIRST = variant::HAS_TRANSFORM;
+  static_assert(variant::USE_SOFTMAX || K_FIRST, "use_softmax=False needs a logits transform");
   float k_fac = k_scale * FP8_FACTOR;
   if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
   const float qk_scale_log2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
+  const float logit_scale = k_fac * vp.sm_scale;
 
   // -- per-thread rows: local row wg * 64 + warp * 16 + g + 8 h
   const int my_row0 = row0 + wg * WG_ROWS + warp * 16 + g;
@@ -331,10 +334,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   // -- tile t of S: the variant's logits transform (every tile) and the masks (causal on diagonal
   //    tiles, the window below kv_full, a variant mask on every tile)
   auto mask_tile = [&](float (&s)[S_REGS], int t) {
-    if (K_FIRST) {                         // -- the key scale before a transform (raw dot products)
-#pragma unroll
-      for (int i = 0; i < S_REGS; ++i) s[i] *= k_fac;
-    }
     const int kv0 = kv_lo + t * BLOCK_N;
     const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
     if (!variant::HAS_TRANSFORM && !edge) return;
@@ -347,9 +346,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
         for (int n = 0; n < BLOCK_N / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            s[4 * n + 2 * h + e] = variant_transform(vp, rs[h], s[4 * n + 2 * h + e], req, qpos, qpos + causal_shift,
-                                                     kv0 + n * 8 + 2 * t4 + e, kvh * group + pr % group, kvh, qo_len,
-                                                     kv_len);
+            s[4 * n + 2 * h + e] = variant_transform(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
+                                                     qpos + causal_shift, kv0 + n * 8 + 2 * t4 + e, kv0 + 2 * t4,
+                                                     kvh * group + pr % group, kvh, qo_len, kv_len);
       }
       return;
     }
@@ -368,8 +367,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
           if (!keep)
             s[4 * n + 2 * h + e] = NEG_INF;
           else if (variant::NEEDS_POSITION)
-            s[4 * n + 2 * h + e] = variant_score(vp, rs[h], s[4 * n + 2 * h + e], req, qpos, qpos + causal_shift, kpos,
-                                                 kvh * group + pr % group, kvh, qo_len, kv_len, row_lo);
+            s[4 * n + 2 * h + e] = variant_score(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
+                                                 qpos + causal_shift, kpos, kv0 + 2 * t4, kvh * group + pr % group,
+                                                 kvh, qo_len, kv_len, row_lo);
         }
     }
   };
@@ -384,9 +384,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)            // row h: s[4 n + 2 h + e]
-      corr[h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
-                                                [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; },
-                                                m_i[h], l_i[h], qk_scale_log2);
+      corr[h] = online_softmax_row<BLOCK_N / 4, EXP2_POLY>(
+          [&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
+          [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; }, m_i[h], l_i[h], qk_scale_log2);
   };
   auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll

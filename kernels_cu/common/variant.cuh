@@ -4,7 +4,10 @@
 // prelude before the kernel file. A kernel calls, at one site each:
 //   row_state()  once per query row, before the key loop (what a transform or mask needs per row only);
 //   score()      on every logit of a tile: the logits transform (natural units in and out: the raw
-//                dot product times sm_scale) and the masks, before its online softmax;
+//                dot product times the kernel's logit_scale, sm_scale with the key scale where it folds
+//                that in) and the masks, before its online softmax; kv_base (the transform's, see
+//                variants.py) a key the kernel holds fixed over a tile, kv_idx - kv_base a compile-time
+//                constant in its unrolled loops;
 //   (a kernel skips the per-element pass on a tile only when the variant has no logits transform
 //   and no logits_mask (!HAS_TRANSFORM && !HAS_MASK) and the tile lies inside the causal / kv_begin
 //   bounds: a mask variant, the built-in custom mask included, sees every tile);
@@ -60,14 +63,17 @@ constexpr float VARIANT_LN2 = 0.69314718055994531f;
 
 // A logit: the raw dot product s of (query at qo_idx / qo_pos, key kv_idx) -> the value the kernel's
 // softmax multiplies by its scale_log2 (variants.Composite.scale_log2: log2 e when there is a
-// transform, sm_scale * log2 e otherwise), or -inf when the variant drops the key. rs: the row's
-// variant::row_state(), computed once per query row by the kernel (before its key loop).
+// transform, sm_scale * log2 e otherwise), or -inf when the variant drops the key. With a transform,
+// s * logit_scale is the logit in natural units (logit_scale: sm_scale, times the key scale where the
+// kernel folds it in: one multiply per logit). rs: the row's variant::row_state(), computed once per
+// query row by the kernel (before its key loop); kv_base: the transform's (variants.py).
 __device__ __forceinline__ float variant_score(const variant::Params& vp, const variant::RowState& rs, float s,
-                                               int batch, int qo_idx, int qo_pos, int kv_idx, int qo_head,
-                                               int kv_head, int qo_len, int kv_len, int kv_lo) {
+                                               float logit_scale, int batch, int qo_idx, int qo_pos, int kv_idx,
+                                               int kv_base, int qo_head, int kv_head, int qo_len, int kv_len,
+                                               int kv_lo) {
   if (variant::HAS_TRANSFORM)
-    s = variant::logits_transform(vp, rs, s * vp.sm_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
-                                  kv_len);
+    s = variant::logits_transform(vp, rs, s * logit_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                  kv_len, kv_base);
   bool keep = true;
   if (variant::HAS_KV_BEGIN) keep = kv_idx >= kv_lo;
   if (variant::HAS_MASK)
@@ -79,10 +85,10 @@ __device__ __forceinline__ float variant_score(const variant::Params& vp, const 
 // causal and kv_begin bounds, below kv_len, no logits_mask): what variant_score gives there, without the
 // per-logit bound checks.
 __device__ __forceinline__ float variant_transform(const variant::Params& vp, const variant::RowState& rs, float s,
-                                                   int batch, int qo_idx, int qo_pos, int kv_idx, int qo_head,
-                                                   int kv_head, int qo_len, int kv_len) {
-  return variant::logits_transform(vp, rs, s * vp.sm_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
-                                   kv_len);
+                                                   float logit_scale, int batch, int qo_idx, int qo_pos, int kv_idx,
+                                                   int kv_base, int qo_head, int kv_head, int qo_len, int kv_len) {
+  return variant::logits_transform(vp, rs, s * logit_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                   kv_len, kv_base);
 }
 
 // The output scale (multiplies the accumulated P V) and natural-log LSE of a finished row, from its
