@@ -73,6 +73,7 @@ class Sm90PrefillSpec:
     source = _SOURCE
 
     block_m = BLOCK_M
+    dim_vo = property(lambda self: self.head_dim_vo)     # as fa2's PrefillSpec.dim_vo
 
     @property
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2", "prefill_sm90_hd192v128_..."

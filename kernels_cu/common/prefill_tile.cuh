@@ -107,9 +107,12 @@ __device__ __forceinline__ void store_partial_row(float* part_o, float* part_lse
   if (t4 == 0) part_lse[row] = end.lse;
 }
 
-// -- merge the pieces of split items (one CTA of 128 threads per merge row and kv head; grid
-//    (merge rows, num_kv_heads)): with piece LSEs s_i (natural log), lse = log(sum_i exp(s_i)) and
-//    o = sum_i exp(s_i - lse) o_i; pieces with s_i = -inf add nothing, all -inf give 0 and -inf
+// -- merge the pieces of split items (CTAs of 128 threads; grid (merge rows, num_kv_heads, row
+//    chunks): the z CTAs of a (merge row, kv head) take its BLOCK_M rows in turn, D / 4 threads a row,
+//    so the merge has as many rows in flight as the grid has CTAs; launched with BLOCK_M * D / 512
+//    chunks, one row per thread group, any count is correct): with piece LSEs s_i (natural log),
+//    lse = log(sum_i exp(s_i)) and o = sum_i exp(s_i - lse) o_i; pieces with s_i = -inf add nothing, all
+//    -inf give 0 and -inf
 template <int D, int BLOCK_M, class T>
 __device__ __forceinline__ void merge_pieces(const int32_t* __restrict__ merge, const int32_t* __restrict__ qo_indptr,
                                              const float* __restrict__ part_o, const float* __restrict__ part_lse,
@@ -126,7 +129,8 @@ __device__ __forceinline__ void merge_pieces(const int32_t* __restrict__ merge, 
   constexpr int ROWS_PER_PASS = 128 / TPR;
   const int c = int(threadIdx.x) % TPR;
   const float neg_inf = __int_as_float(0xff800000);
-  for (int r = int(threadIdx.x) / TPR; r < BLOCK_M; r += ROWS_PER_PASS) {
+  for (int r = int(blockIdx.z) * ROWS_PER_PASS + int(threadIdx.x) / TPR; r < BLOCK_M;
+       r += ROWS_PER_PASS * int(gridDim.z)) {
     const int pr = tile * BLOCK_M + r;
     if (pr >= packed_rows) break;
     float m = neg_inf;
@@ -134,6 +138,7 @@ __device__ __forceinline__ void merge_pieces(const int32_t* __restrict__ merge, 
     const float m_use = m == neg_inf ? 0.f : m;
     float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int i = 0; i < pieces; ++i) {
       const int64_t row = (int64_t(first + i) * num_kv_heads + kvh) * BLOCK_M + r;
       const float w = __expf(part_lse[row] - m_use);
