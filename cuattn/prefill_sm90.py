@@ -42,10 +42,6 @@ PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_i
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
-# of every 8 softmax exp2, how many go to the FMA pipe (softmax.cuh exp2_poly) in a spec whose variant's
-# transform keeps the special-function unit busy too (variants.Composite.sfu_transform: soft-cap's tanh).
-# H100, 1 x 16384 causal soft-cap: 0 1.267x plain, 2 1.179x, 4 1.21x (variants_notes.md)
-EXP2_POLY = 2
 
 
 def tile_n(head_dim_vo: int) -> int:
@@ -67,7 +63,6 @@ class Sm90PrefillSpec:
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
     gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
-    exp2_poly: int = 0         # of every 8 softmax exp2, how many on the FMA pipe (EXP2_POLY; 0 in plain specs)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -88,8 +83,7 @@ class Sm90PrefillSpec:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
                 f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
-                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + \
-            ((f"-DEXP2_POLY={self.exp2_poly}",) if self.exp2_poly else ()) + tuple(f"-D{v}" for v in self.tuning)
+                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
@@ -118,12 +112,11 @@ class Sm90PrefillSpec:
 
 def spec_name(family: str, head_dim_qk: int, head_dim_vo: int, dtype: str, causal: bool, layout: str, spec) -> str:
     """The prefill kernels' one naming scheme (fa2's PrefillSpec and this module's): family, head dims (the
-    V one when it differs), q dtype, mask, K/V layout, KV dtype, tiles and stages, exp2 polynomial share,
-    tuning defines, variant; ``spec`` gives dtype_kv, block_m, block_n, stages, exp2_poly, tuning and variant."""
+    V one when it differs), q dtype, mask, K/V layout, KV dtype, tiles and stages, tuning defines, variant;
+    ``spec`` gives dtype_kv, block_m, block_n, stages, tuning and variant."""
     vo = f"v{head_dim_vo}" if head_dim_vo and head_dim_vo != head_dim_qk else ""
     return (f"{family}_hd{head_dim_qk}{vo}_q{dtype}_{'causal' if causal else 'full'}{layout}"
             f"{'_kv' + spec.dtype_kv if spec.dtype_kv else ''}_bm{spec.block_m}_bn{spec.block_n}_s{spec.stages}"
-            f"{f'_ep{spec.exp2_poly}' if spec.exp2_poly else ''}"
             + "".join("_" + v.replace("=", "").lower() for v in spec.tuning) + spec.variant.name)
 
 
@@ -139,8 +132,7 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
     if gather is None:
         gather = bool(paged) and use_gather(page_size, tile_n(dv), variant.has_rope and head_dim_qk == 256)
     spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
-                           paged=bool(paged), gather=bool(gather), dtype_kv=kv,
-                           exp2_poly=EXP2_POLY if variant.sfu_transform else 0)
+                           paged=bool(paged), gather=bool(gather), dtype_kv=kv)
     deeper = dataclasses.replace(spec, stages=3)
     return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
 

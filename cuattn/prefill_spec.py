@@ -17,10 +17,6 @@ from .prefill_checks import DTYPES
 _SOURCE = "prefill.cu"
 HEAD_DIMS = support.TABLE["prefill"]["head_dims"]
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # spec dtype_kv -> the kernel's KV_FP8 (K/V converted to f16 in smem)
-# of every 8 softmax exp2, how many go to the FMA pipe in a spec whose variant's transform keeps the
-# special-function unit busy too (as prefill_sm90.EXP2_POLY). 0: on the H100 fa2's soft-cap gained nothing
-# from 2 or 4 (variants_notes.md); the field stays for tuning A/Bs
-EXP2_POLY = 0
 SPLIT_TILES = (1, 64, 2)  # (num_mma_q, block_n, stages) for head_dim_vo != head_dim_qk: 128 x 32 spilled 8-16 bytes
 BACKENDS = ("auto", "fa2", "fa3")
 
@@ -58,7 +54,6 @@ class PrefillSpec:
     variant: variants.Composite = variants.DEFAULT
     dtype_kv: str = ""     # "" (K/V of ``dtype``) | "e4m3" | "e5m2" | "f32"
     head_dim_vo: int = 0   # V / out columns when not head_dim (192 / 128: HEAD_DIM_PAIRS)
-    exp2_poly: int = 0     # of every 8 softmax exp2, how many on the FMA pipe (EXP2_POLY; 0 in plain specs)
     source = _SOURCE
 
     @property
@@ -92,7 +87,7 @@ class PrefillSpec:
                 f"-DBLOCK_N={self.block_n}", f"-DSTAGES={self.stages}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
                 f"-DKV_F32={int(self.dtype_kv == 'f32')}",
                 f"-DHEAD_DIM_VO={self.dim_vo}") + \
-            ((f"-DEXP2_POLY={self.exp2_poly}",) if self.exp2_poly else ()) + tuple(f"-D{v}" for v in self.tuning)
+            tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def smem_bytes(self) -> int:     # Q tile (2-byte elements) + STAGES K tiles + STAGES V tiles
@@ -125,8 +120,7 @@ def make_spec(head_dim: int, dtype: str, causal: bool, custom_mask: bool, paged:
         block_n, stages = 32, 3
     return PrefillSpec(head_dim, dtype, bool(causal), bool(paged), num_mma_q, block_n, stages,
                        variant=variant, dtype_kv="" if dtype_kv == dtype else dtype_kv,
-                       head_dim_vo=0 if head_dim_vo in (None, head_dim) else int(head_dim_vo),
-                       exp2_poly=EXP2_POLY if variant.sfu_transform else 0)
+                       head_dim_vo=0 if head_dim_vo in (None, head_dim) else int(head_dim_vo))
 
 
 def shipped_specs() -> list[PrefillSpec]:

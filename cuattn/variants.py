@@ -80,7 +80,6 @@ PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const f
                "int*": ("const int* __restrict__", "p"), "uint8*": ("const unsigned char* __restrict__", "p")}
 _ARRAY_DTYPES = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "uint8*": np.dtype(np.uint8)}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SFU_CALL = re.compile(r"(tanh|exp|sigmoid|log|sin|cos|sqrt|pow)\w*\s*\(")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
              "kv_head_idx", "qo_len", "kv_len", "x", "pair", "kv_base"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
@@ -327,15 +326,6 @@ class Composite:
     @property
     def has_custom_mask(self) -> bool:
         return any(v == CUSTOM_MASK for v in self.pieces)
-
-    @property
-    def sfu_transform(self) -> bool:
-        """A softmax variant whose logits transform calls a special-function-unit op per logit (tanh,
-        exp, sigmoid, log, sin, cos, sqrt, pow by name: the built-in soft-cap, a user's): the exp2 of
-        its softmax shares that unit, so the prefill kernels may move part of it to the FMA pipe
-        (their specs' ``exp2_poly``). A heuristic on the source: it picks a speed knob, not the result."""
-        return self.use_softmax and any(v.logits_transform is not None and _SFU_CALL.search(v.logits_transform)
-                                        for v in self.pieces)
 
     @property
     def has_qk_transform(self) -> bool:

@@ -691,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
           corr[i][h] = 1.f;
           continue;
         }
-        corr[i][h] = online_softmax_row<BLOCK_N / 4, EXP2_POLY>(
+        corr[i][h] = online_softmax_row<BLOCK_N / 4>(
             [&](int k) { return s[i][k >> 1][2 * h + (k & 1)]; },
             [&](int k, float p) { s[i][k >> 1][2 * h + (k & 1)] = p; }, m_i[i][h], l_i[i][h], s_sl2);
         changed |= corr[i][h] != 1.f;

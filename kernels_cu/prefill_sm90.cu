@@ -384,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)            // row h: s[4 n + 2 h + e]
-      corr[h] = online_softmax_row<BLOCK_N / 4, EXP2_POLY>(
+      corr[h] = online_softmax_row<BLOCK_N / 4>(
           [&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
           [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; }, m_i[h], l_i[h], qk_scale_log2);
   };

@@ -124,11 +124,9 @@ def test_builtin_variants_compile_for_every_family(arch, tmp_cache_dir):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_prefill_transform_variants_compile_without_spills(arch):
-    """fa2 (and fa3 on sm_90a) at head_dim 64 / 128 / 256 with the built-in transforms: soft-cap with
-    its default exp2_poly and with every exp2 on the FMA pipe (8; degree 5 at head_dim 128), ALiBi, and
+    """fa2 (and fa3 on sm_90a) at head_dim 64 / 128 / 256 with the built-in transforms: soft-cap, ALiBi, and
     (fa2) all of them with a window (fa3 spills 80 bytes there at head_dim 128, 84 before kv_base). Known:
     fa2 ALiBi at head_dim 256 (contiguous, sm_90a) spills 4 bytes, as it did before kv_base."""
-    import dataclasses
     from cuattn import prefill_sm90
     jobs = []
     for opts in (dict(logits_soft_cap=30.0), dict(pos_encoding_mode="ALIBI"),
@@ -139,12 +137,7 @@ def test_prefill_transform_variants_compile_without_spills(arch):
             if arch == "sm_90a" and len(opts) == 1:
                 specs.append(prefill_sm90.make_spec("bf16", True, comp, head_dim_qk=d))
                 specs.append(prefill_sm90.make_spec("f16", True, comp, True, head_dim_qk=d, page_size=16))   # gather
-            for spec in specs:
-                jobs.append(spec)
-                if comp.sfu_transform and len(opts) == 1:
-                    jobs.append(dataclasses.replace(spec, exp2_poly=8))
-                    if d == 128:
-                        jobs.append(dataclasses.replace(spec, exp2_poly=8, tuning=("EXP2_POLY_DEGREE=5",)))
+            jobs += specs
     jit.precompile([(spec, arch) for spec in jobs])
     known = "prefill_hd256_qf16_causal_bm64_bn32_s2_valibi-" if arch == "sm_90a" else None
     for spec in jobs:
@@ -384,20 +377,14 @@ def test_user_variant_equals_builtin_bitwise_on_gpu(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exp2_poly", [0, 2, 8])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-def test_softcap_exp2_poly_matches_oracle_on_gpu(backend, exp2_poly, monkeypatch):
-    """The soft-cap with exp2_poly of every 8 softmax exp2 on the FMA pipe (softmax.cuh exp2_poly), the
-    built-in and a user soft-cap alike (bitwise equal): causal with more queries than keys, so the first
-    rows see no key (p exactly 0 there: out 0, LSE -inf), GQA group 4, both tile paths (tiles no mask
-    reaches and the diagonal). Planned on fresh ragged wrappers: single_prefill_with_kv_cache caches its
-    planned wrappers per shape, so a second exp2_poly would run the first one's kernel."""
-    from cuattn import prefill_sm90, prefill_spec
+def test_softcap_builtin_and_user_match_oracle_on_gpu(backend):
+    """The built-in soft-cap and a user soft-cap alike (bitwise equal): causal with more queries than
+    keys, so the first rows see no key (p exactly 0 there: out 0, LSE -inf), GQA group 4, both tile paths
+    (tiles no mask reaches and the diagonal)."""
     cp = _cp()
     if backend == "fa3" and jit.device_arch(0) != "sm_90a":
         pytest.skip("fa3 needs sm_90")
-    monkeypatch.setattr(prefill_sm90, "EXP2_POLY", exp2_poly)
-    monkeypatch.setattr(prefill_spec, "EXP2_POLY", exp2_poly)
     rng = np.random.default_rng(29)
     q, k, v = _rand(rng, (400, 16, 128), scale=3), _rand(rng, (330, 4, 128), scale=3), _rand(rng, (330, 4, 128))
     runs = []
@@ -406,9 +393,6 @@ def test_softcap_exp2_poly_matches_oracle_on_gpu(backend, exp2_poly, monkeypatch
         w.plan(np.array([0, 400], np.int32), np.array([0, 330], np.int32), 16, 4, 128, causal=True,
                q_data_type="float16", **opts)
         runs.append(w.run(cp.asarray(q), cp.asarray(k), cp.asarray(v), *args, return_lse=True))
-        spec = w._plan["run_spec" if backend == "fa3" else "spec"]     # the kernel under test took this exp2_poly
-        assert isinstance(spec, prefill_sm90.Sm90PrefillSpec if backend == "fa3" else prefill_spec.PrefillSpec)
-        assert spec.exp2_poly == exp2_poly
     (out, lse), (user, _) = runs
     assert cp.array_equal(out, user)
     want, want_lse = variant_attention(q, k, v, causal=True, soft_cap=5.0)

@@ -9,9 +9,6 @@
 #ifndef MASK_SPLIT
 #define MASK_SPLIT 1        // tiles no mask reaches run a variant's logits transform without bound checks (0: the A/B)
 #endif
-#ifndef EXP2_POLY
-#define EXP2_POLY 0         // of every 8 softmax exp2, how many on the FMA pipe (softmax.cuh exp2_poly; the spec's exp2_poly)
-#endif
 #ifndef KV_FP8
 #define KV_FP8 0            // K/V of the kernel's 16-bit type; 1: e4m3, 2: e5m2
 #endif
