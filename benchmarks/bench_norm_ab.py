@@ -1,8 +1,14 @@
-"""A/B of the launch forms of the serving norms in one process (issue #13): every form of an op, a device copy of
-the same bytes and FlashInfer (when importable) timed in the same rounds on the same arrays.
+"""Serving-op launch forms A/B (issue #13): layernorm, fused_add_rmsnorm, in-place cos_sin_cache RoPE.
+
+In one process, every form of an op, a device copy of the same bytes and FlashInfer (when importable) are timed
+in the same rounds on the same arrays.
 
 Ops and their forms (the shipped form first):
-- layernorm: cuattn.norm.LAYERNORM_FORMS (NormSpec.ln), for large calls with 16-byte accesses, hidden <= 8192.
+- layernorm: cuattn.norm.LAYERNORM_FORMS (NormSpec.ln), for large calls with 16-byte accesses, hidden <= 8192;
+- fused_add_rmsnorm: the shipped form only (its ratio to FlashInfer in the same run);
+- rope_cache_inplace: apply_rope_with_cos_sin_cache_inplace, q (rows, 32 x 128) and k (rows, 8 x 128), NeoX,
+  rotary_dim 128, positions as bench_rope's (512-token chunks): cuattn.rope.GRID_FORMS (RopeSpec.grid_form);
+  --hidden does not apply.
 
 Timing: per case, --rounds rounds (default 5); in each round every candidate (forms, copy, FlashInfer) in turn:
 10 warm-up calls, then --reps timed calls (default 30), each after an L2 flush (--flush read: bench_decode's
@@ -10,7 +16,8 @@ Timing: per case, --rounds rounds (default 5); in each round every candidate (fo
 back, as session 16's probe), CUDA events around the one call; a round keeps the median of its reps, the report
 the median of the rounds'. Columns:
 - % copy: copy µs / form µs; the copy (cudaMemcpyAsync, device to device) moves the bytes the op reads and writes
-  (rows x hidden x itemsize, each way; layernorm's gamma and beta, 2 x hidden x 4 bytes, left out);
+  (rows x hidden x itemsize each way, twice that for fused_add_rmsnorm, q and k for RoPE; weights, gamma and beta,
+  positions and cos/sin rows left out);
 - % 1GiB: the op's bytes per second over the 1 GiB copy ceiling (bench_norm_act.copy_gbps: what bench_ops'
   "% of copy" and the issue's 85% target are measured against);
 - x FI: FlashInfer µs / form µs (> 1: the form is faster).
@@ -19,7 +26,8 @@ tests' tolerance, tests/test_norm.py); a form that fails is reported and not tim
 (entry, threads a row, rows a block, block, grid, blocks an SM, registers, local memory bytes) is printed.
 Runs only where CuPy sees a GPU.
 
-    python benchmarks/bench_norm_ab.py [--ops layernorm] [--forms pipe rows ...] [--dtypes bfloat16 float16]
+    python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms pipe rows ...]
+        [--dtypes bfloat16 float16]
         [--rows 4096] [--hidden 4096 8192] [--rounds 5] [--reps 30] [--flush read|write] [--no-flashinfer]
         [--out ab.json]
 """
@@ -41,9 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
 
+import bench_rope  # noqa: E402
 from bench_decode import l2_flush  # noqa: E402
 from bench_norm_act import copy_gbps, print_env, random_array  # noqa: E402
-from cuattn import arrays, jit, norm  # noqa: E402
+from cuattn import arrays, jit, norm, rope  # noqa: E402
 
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}      # tests/test_norm.py's TOL
 WARMUP = 10
@@ -59,8 +68,8 @@ class Case:
     op_bytes: int                                 # every input read once, every output written once
     copy_bytes: int                               # what the same-bytes copy moves each way
     forms: dict[str, Callable] = field(default_factory=dict)
-    geometry: dict[str, dict] = field(default_factory=dict)
     check: Callable[[str], float] | None = None   # form -> worst error over its tolerance (<= 1: passes)
+    geometry: Callable[[str], dict] | None = None   # form -> its launch (after a call)
     flashinfer: Callable | None = None
     flashinfer_error: str | None = None
 
@@ -103,18 +112,45 @@ def function_resources(spec, entry: str, device: int) -> dict:
             "local_bytes": drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f.ptr)}
 
 
+def short(dtype: str) -> str:
+    return arrays.SHORT_NAME[arrays.as_dtype(dtype, "dtype", "bench_norm_ab")]
+
+
+def launch_info(spec, entry: str, device: int, grid, block: int, resident: int, **more) -> dict:
+    sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+    return {"spec": spec.name, "entry": entry, "grid": grid, "block": block, "blocks_per_sm": resident // sms,
+            **more, **function_resources(spec, entry, device)}
+
+
 def layernorm_geometry(dtype: str, rows: int, hidden: int, form: str, device: int) -> dict:
     """The launch norm.layernorm makes for an aligned call in ``form`` (after one call: the launcher's
     attributes, such as the raised shared-memory limit, are set)."""
-    spec = norm.NormSpec(arrays.SHORT_NAME[arrays.as_dtype(dtype, "dtype", "bench_norm_ab")], ln=form)
+    spec = norm.NormSpec(short(dtype), ln=form)
     entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows, True)
     resident = norm._resident_blocks(spec, entry, device, block, smem)
     tiles = -(-rows // per_block)
-    grid = min(tiles, resident) if smem else tiles
-    sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
-    return {"spec": spec.name, "entry": entry, "threads_per_row": threads, "rows_per_block": per_block,
-            "block": block, "smem": smem, "grid": grid, "blocks_per_sm": resident // sms,
-            **function_resources(spec, entry, device)}
+    return launch_info(spec, entry, device, min(tiles, resident) if smem else tiles, block, resident,
+                       threads_per_row=threads, rows_per_block=per_block, smem=smem)
+
+
+def fused_add_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
+    spec = norm.fused_add_spec(short(dtype), hidden, rows)
+    entry, threads = norm.fused_add_entry(spec.dtype, hidden, rows, 1), spec.threads(hidden, rows)
+    resident = norm._resident_blocks(spec, entry, device, threads, 0)
+    grid = min(rows, resident) if entry == "cuattn_fused_add_rmsnorm_regs" else rows
+    return launch_info(spec, entry, device, grid, threads, resident, threads_per_row=threads, rows_per_block=1,
+                       smem=0)
+
+
+def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
+    spec = rope.RopeSpec(short(dtype), form)
+    strides = [2 * bench_rope.HQ * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM,
+               2 * bench_rope.HK * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM] * 2      # in place: out = in
+    layout = rope._vector_layout(ROPE_DIM, bench_rope.HEAD_DIM, False, False, strides)
+    entry = rope._ENTRIES[layout.pairs]
+    resident = rope._resident_blocks(spec, entry, device)
+    grid = spec.grid(nnz, bench_rope.HQ + bench_rope.HK, resident)
+    return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row, smem=0)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -135,6 +171,7 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
     def check(form: str) -> float:
         return worst_over_tolerance(host_values(case.forms[form](), dtype), ref, dtype)
     case.check = check
+    case.geometry = lambda form: layernorm_geometry(dtype, rows, hidden, form, cp.cuda.Device().id)
     if use_fi:
         try:
             import flashinfer
@@ -150,9 +187,104 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
     return case
 
 
-CASES = {"layernorm": layernorm_case}
-FORMS = {"layernorm": list(norm.LAYERNORM_FORMS)}
-SPEC_OF_FORM = {"layernorm": lambda dtype, form: norm.NormSpec(dtype, ln=form)}
+def fused_add_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
+    """fused_add_rmsnorm in place on the same arrays every call (values drift, bytes and timing do not); the
+    check runs on copies."""
+    itemsize, eps = 2, 1e-6
+    x, r, w = random_array((rows, hidden), dtype, 1), random_array((rows, hidden), dtype, 3), \
+        random_array((hidden,), dtype, 2)
+    case = Case("fused_add_rmsnorm", dtype, rows, hidden, op_bytes=4 * rows * hidden * itemsize + hidden * itemsize,
+                copy_bytes=2 * rows * hidden * itemsize)
+    case.forms["shipped"] = lambda: norm.fused_add_rmsnorm(x, r, w, eps)
+    total = host_values(x, dtype).astype(np.float64) + host_values(r, dtype).astype(np.float64)
+    w64 = host_values(w, dtype).astype(np.float64)
+    ref_x = total / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + eps) * w64
+
+    def check(form: str) -> float:
+        xs, rs = x.copy(), r.copy()
+        norm.fused_add_rmsnorm(xs, rs, w, eps)
+        return max(worst_over_tolerance(host_values(rs, dtype), total, dtype),
+                   worst_over_tolerance(host_values(xs, dtype), ref_x, dtype))
+    case.check = check
+    case.geometry = lambda form: fused_add_geometry(dtype, rows, hidden, cp.cuda.Device().id)
+    if use_fi:
+        try:
+            import flashinfer
+            import torch
+
+            def t(a):
+                v = torch.from_dlpack(a)
+                return v.view(torch.bfloat16) if dtype == "bfloat16" else v
+            tx, tr, tw = t(x), t(r), t(w)
+            case.flashinfer = lambda: flashinfer.norm.fused_add_rmsnorm(tx, tr, tw, eps)
+            case.flashinfer()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (record, go on)
+            case.flashinfer, case.flashinfer_error = None, f"{type(e).__name__}: {e}"[:160]
+    return case
+
+
+ROPE_OP, ROPE_DIM = "apply_rope_with_cos_sin_cache_inplace", 128
+
+
+def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
+    """The in-place cos_sin_cache RoPE on the same q / k every call; the check runs on copies."""
+    torch = None
+    if use_fi:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+    c = bench_rope.Case(rows, ROPE_DIM, dtype, ROPE_OP, torch)
+    qk_bytes = rows * (bench_rope.HQ + bench_rope.HK) * bench_rope.HEAD_DIM * 2
+    case = Case("rope_cache_inplace", dtype, rows, bench_rope.HEAD_DIM,
+                op_bytes=bench_rope.rope_bytes(ROPE_OP, rows, ROPE_DIM, 2, c.batch), copy_bytes=qk_bytes)
+
+    def in_form(form: str, arrs: dict):
+        run = bench_rope.call(rope, ROPE_OP, c, arrs)
+
+        def call():
+            rope._GRID_FORM = form
+            try:
+                run()
+            finally:
+                rope._GRID_FORM = "wave"
+        return call
+    live = {"q": c.q, "k": c.k, "pos64": c.pos64, "cache": c.cache}
+    for form in forms:
+        case.forms[form] = in_form(form, live)
+    pos = cp.asnumpy(c.pos64)
+    cache = cp.asnumpy(c.cache).astype(np.float64)
+    cos, sin, h = cache[pos, None, :ROPE_DIM // 2], cache[pos, None, ROPE_DIM // 2:], ROPE_DIM // 2
+
+    def rotated(x):                  # NeoX pairs (j, j + 64) of every head row, float64
+        x = x.astype(np.float64)
+        return np.concatenate([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], axis=-1)
+    ref_q, ref_k = rotated(host_values(c.q, dtype)), rotated(host_values(c.k, dtype))
+
+    def check(form: str) -> float:
+        qs, ks = c.q.copy(), c.k.copy()
+        in_form(form, {"q": qs, "k": ks, "pos64": c.pos64, "cache": c.cache})()
+        return max(worst_over_tolerance(host_values(qs, dtype), ref_q, dtype),
+                   worst_over_tolerance(host_values(ks, dtype), ref_k, dtype))
+    case.check = check
+    case.geometry = lambda form: rope_geometry(dtype, rows, form, cp.cuda.Device().id)
+    if torch is not None:
+        try:
+            import flashinfer
+            case.flashinfer = bench_rope.call(flashinfer.rope, ROPE_OP, c, c.t)
+            case.flashinfer()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (record, go on)
+            case.flashinfer, case.flashinfer_error = None, f"{type(e).__name__}: {e}"[:160]
+    return case
+
+
+CASES = {"layernorm": layernorm_case, "fused_add_rmsnorm": fused_add_case, "rope_cache_inplace": rope_case}
+FORMS = {"layernorm": list(norm.LAYERNORM_FORMS), "fused_add_rmsnorm": ["shipped"],
+         "rope_cache_inplace": list(rope.GRID_FORMS)}
+SPEC_OF_FORM = {"layernorm": lambda dtype, form: norm.NormSpec(dtype, ln=form),
+                "rope_cache_inplace": lambda dtype, form: rope.RopeSpec(dtype, form)}
 
 
 # ---------------------------------------------------------------------------- timing
@@ -174,7 +306,7 @@ def time_round(fn, reps: int, flush) -> float:
     return statistics.median(times)
 
 
-def run_case(case: Case, rounds: int, reps: int, flush, ceiling_gbps: float, device: int) -> dict:
+def run_case(case: Case, rounds: int, reps: int, flush, ceiling_gbps: float) -> dict:
     src = cp.empty(case.copy_bytes, cp.uint8)
     dst = cp.empty_like(src)
     stream = cp.cuda.get_current_stream()
@@ -185,7 +317,7 @@ def run_case(case: Case, rounds: int, reps: int, flush, ceiling_gbps: float, dev
         entry = result["forms"].setdefault(form, {})
         try:
             entry["worst_over_tol"] = case.check(form)
-            entry["geometry"] = layernorm_geometry(case.dtype, case.rows, case.hidden, form, device)
+            entry["geometry"] = case.geometry(form)
         except Exception as e:  # noqa: BLE001  (a compile or launch failure of one form: report, time the others)
             entry["error"] = f"{type(e).__name__}: {e}"[:300]
             traceback.print_exc()
@@ -227,10 +359,12 @@ def print_case(r: dict, shipped: str) -> None:
         g = e["geometry"]
         xfi = f"{e['x_flashinfer']:5.2f}" if e["x_flashinfer"] else "  -  "
         vs = f"{us[shipped] / e['us']:6.3f}" if shipped in us else "   -  "
+        shape = (f"{g['threads_per_row']} thr/row x {g['rows_per_block']} rows, " if "threads_per_row" in g
+                 else f"{g['lanes_per_row']} lanes/row, ")
         print(f"  {form:<12}{e['us']:8.2f} µs {e['pct_copy']:6.1f}% copy {e['pct_1gib']:6.1f}% 1GiB  x FI {xfi}"
-              f"  x {shipped} {vs}  err/tol {e['worst_over_tol']:.2f}   {g['entry']} {g['threads_per_row']} thr/row x "
-              f"{g['rows_per_block']} rows, block {g['block']}, grid {g['grid']}, {g['blocks_per_sm']}/SM, "
-              f"{g['registers']} regs, {g['local_bytes']} B local, smem {g['smem'] // 1024} KB")
+              f"  x {shipped} {vs}  err/tol {e['worst_over_tol']:.2f}   {g['entry']} {shape}block {g['block']}, "
+              f"grid {g['grid']}, {g['blocks_per_sm']}/SM, {g['registers']} regs, {g['local_bytes']} B local, "
+              f"smem {g['smem'] // 1024} KB")
 
 
 def main(argv=None):
@@ -259,9 +393,10 @@ def main(argv=None):
     env = print_env(use_fi)
     device = cp.cuda.Device().id
     arch = jit.device_arch(device)
-    forms = {op: [f for f in FORMS[op] if not args.forms or f in args.forms] for op in args.ops}
-    jobs = [(SPEC_OF_FORM[op](arrays.SHORT_NAME[arrays.as_dtype(d, "dtype", "bench")], f), arch)
-            for op in args.ops for d in args.dtypes for f in forms[op]]
+    forms = {op: [f for i, f in enumerate(FORMS[op]) if i == 0 or not args.forms or f in args.forms]
+             for op in args.ops}                      # the shipped form (first) always: the ratios' base
+    jobs = [(SPEC_OF_FORM[op](short(d), f), arch) for op in args.ops if op in SPEC_OF_FORM
+            for d in args.dtypes for f in forms[op]]
     print(f"compiled {jit.precompile(jobs)} of {len(jobs)} specs (the rest from the disk cache)")
     ceiling = copy_gbps(20)
     print(f"copy ceiling {ceiling:.0f} GB/s (1 GiB device-to-device, read + written); L2 flush: {args.flush}; "
@@ -270,10 +405,10 @@ def main(argv=None):
     results = []
     for op in args.ops:
         for dtype in args.dtypes:
-            for hidden in args.hidden:
+            for hidden in ([bench_rope.HEAD_DIM] if op == "rope_cache_inplace" else args.hidden):
                 for rows in args.rows:
                     case = CASES[op](dtype, rows, hidden, forms[op], use_fi)
-                    r = run_case(case, args.rounds, args.reps, flush, ceiling, device)
+                    r = run_case(case, args.rounds, args.reps, flush, ceiling)
                     print_case(r, FORMS[op][0])
                     results.append(r)
                     del case
