@@ -43,6 +43,18 @@ _LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's 
 _REGS_BF16_HIDDEN = 4096
 
 
+# layernorm's forms for large calls with 16-byte accesses and hidden <= _STAGED_HIDDEN (NormSpec.ln; the others
+# run as in "pipe"): name -> (rows a thread of cuattn_layernorm_rows, 0: cuattn_layernorm_pipe; one block
+# reduction (Moments) instead of two; pipe's staged gamma / beta conflict-free). Candidates of an H100 A/B
+# (benchmarks/bench_norm_ab.py); _LAYERNORM_FORM is the one layernorm() runs.
+LAYERNORM_FORMS = {
+    "pipe": (0, False, False), "pipe_1p": (0, True, False), "pipe_cf": (0, False, True), "pipe_cf_1p": (0, True, True),
+    "rows": (1, False, False), "rows_1p": (1, True, False), "rows2": (2, False, False), "rows2_1p": (2, True, False),
+}
+_LAYERNORM_FORM = "pipe"
+_ROWS_BLOCK = 128           # cuattn_layernorm_rows: rows of fewer threads share blocks of this many
+
+
 def _pipe_smem(spec) -> int:
     """cuattn_layernorm_pipe's dynamic shared memory: gamma and beta of up to _STAGED_HIDDEN floats, then
     a 16-byte slot per group of each of up to _LAYERNORM_BLOCK threads (one size per spec: the function's
@@ -56,14 +68,21 @@ class NormSpec:
     storage dtype. Sizes (hidden, rows, strides) are run-time arguments."""
     dtype: str               # "f16" | "bf16": input, residual, weight and output storage
     max_groups: int = 4      # groups of 8 elements one thread holds in registers
+    ln: str = "pipe"         # layernorm's form for large calls (LAYERNORM_FORMS)
     source = _SOURCE
 
+    def __post_init__(self):
+        if self.ln not in LAYERNORM_FORMS:
+            raise ValueError(f"NormSpec: ln must be one of {sorted(LAYERNORM_FORMS)}, got {self.ln!r}")
+
     @property
-    def name(self) -> str:   # "norm_bf16_g4"
-        return f"norm_{self.dtype}_g{self.max_groups}"
+    def name(self) -> str:   # "norm_bf16_g4", "norm_bf16_g4_lnrows_1p"
+        return f"norm_{self.dtype}_g{self.max_groups}" + ("" if self.ln == "pipe" else f"_ln{self.ln}")
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DDTYPE={_DTYPES[self.dtype]}", f"-DMAX_GROUPS={self.max_groups}", f"-DMAX_THREADS={_MAX_THREADS}")
+        rows, onepass, split = LAYERNORM_FORMS[self.ln]
+        return ((f"-DDTYPE={_DTYPES[self.dtype]}", f"-DMAX_GROUPS={self.max_groups}", f"-DMAX_THREADS={_MAX_THREADS}")
+                + (f"-DLN_ROWS={rows}",) * bool(rows) + ("-DLN_ONEPASS=1",) * onepass + ("-DLN_SPLIT=1",) * split)
 
     @property
     def max_hidden(self) -> int:
@@ -79,17 +98,23 @@ class NormSpec:
         threads = vectors if latency else -(-vectors // self.max_groups)
         return min(_MAX_THREADS, max(32, -(-threads // 32) * 32))
 
-    def layernorm_geometry(self, hidden: int, rows: int) -> tuple[str, int, int, int]:
-        """(entry, threads a row, rows a block, dynamic shared memory bytes) of norm.cu's layernorm. Large
+    def layernorm_geometry(self, hidden: int, rows: int, vec: bool = True) -> tuple[str, int, int, int, int]:
+        """(entry, threads a row, rows a block, block, dynamic shared memory bytes) of norm.cu's layernorm. Large
         calls with hidden <= _STAGED_HIDDEN run cuattn_layernorm_pipe: gamma and beta in shared memory once per
         block, several rows a block (up to _LAYERNORM_BLOCK threads), the next tile's rows prefetched into
         shared memory (always _pipe_smem bytes, so that the function's raised limit never shrinks); the
-        others run cuattn_layernorm, a row a block with gamma and beta from L2."""
+        others run cuattn_layernorm, a row a block with gamma and beta from L2. With a "rows" form (``ln``),
+        those large calls with 16-byte accesses (``vec``) run cuattn_layernorm_rows instead: blocks of at
+        least _ROWS_BLOCK threads, each thread the same columns of several rows, a grid over every row."""
         threads = self.threads(hidden, rows)
         if rows * hidden <= _LATENCY_ELEMENTS or hidden > _STAGED_HIDDEN:
-            return "cuattn_layernorm", threads, 1, 0
+            return "cuattn_layernorm", threads, 1, threads, 0
+        rows_a_thread = LAYERNORM_FORMS[self.ln][0]
+        if rows_a_thread and vec:
+            subs = max(1, _ROWS_BLOCK // threads)                          # sub-blocks of a row's threads
+            return "cuattn_layernorm_rows", threads, subs * rows_a_thread, subs * threads, 0
         per_block = max(1, min(_LAYERNORM_BLOCK // threads, rows))       # blocks of up to 512 threads
-        return "cuattn_layernorm_pipe", threads, per_block, _pipe_smem(self)
+        return "cuattn_layernorm_pipe", threads, per_block, per_block * threads, _pipe_smem(self)
 
 
 def fused_add_spec(dtype: str, hidden: int, rows: int) -> NormSpec:
@@ -218,6 +243,11 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     ValueError
         If shapes disagree.
     """
+    return _layernorm(input, gemma, beta, eps, stream, _LAYERNORM_FORM)
+
+
+def _layernorm(input, gemma, beta, eps, stream, form: str):
+    """layernorm with the large calls' form ``form`` (LAYERNORM_FORMS; the A/B and the tests pick it)."""
     fn = "layernorm"
     ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
     if not ctx.on_gpu:
@@ -235,13 +265,13 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     to = arrays.device_tensor(out, "out", fn)
     rows, hidden = tx.shape
     if rows:
-        spec = NormSpec(arrays.SHORT_NAME[dtype])
-        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        spec, vec = NormSpec(arrays.SHORT_NAME[dtype], ln=form), _aligned((tx, to, tg, tb))
+        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows, bool(vec))
         launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
         tiles = -(-rows // per_block)
-        grid = min(tiles, _resident_blocks(spec, entry, ctx.device, threads * per_block, smem)) if smem else tiles
-        launch((grid,), threads * per_block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
-               tx.strides[0], to.strides[0], float(eps), _aligned((tx, to, tg, tb)))
+        grid = min(tiles, _resident_blocks(spec, entry, ctx.device, block, smem)) if smem else tiles
+        launch((grid,), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
+               tx.strides[0], to.strides[0], float(eps), vec)
     return arrays.export(ctx, out, dtype)
 
 

@@ -154,13 +154,43 @@ def test_fused_add_entry_picks_the_register_pipelined_form_for_large_aligned_cal
 
 def test_layernorm_geometry_picks_the_entry_from_the_call_size():
     spec = norm.NormSpec("bf16")
-    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 0)        # small: a row a block
-    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1)     # hidden > 8192
+    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 512, 0)   # small: a row a block
+    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1, 0)  # hidden > 8192
     for hidden in (4096, 4099, 8192):
         rows = norm._LATENCY_ELEMENTS // hidden + 1
-        entry, threads, per_block, smem = spec.layernorm_geometry(hidden, rows)
+        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows)
         assert entry == "cuattn_layernorm_pipe" and smem == norm._pipe_smem(spec)
-        assert threads * 8 * spec.max_groups >= hidden and threads * per_block <= norm._LAYERNORM_BLOCK
+        assert threads * 8 * spec.max_groups >= hidden and block == threads * per_block <= norm._LAYERNORM_BLOCK
+
+
+def test_layernorm_is_shipped_in_the_pipe_form_and_candidate_forms_name_their_specs():
+    assert norm._LAYERNORM_FORM == "pipe" and norm.NormSpec("bf16").ln == "pipe"
+    assert norm.NormSpec("bf16").name == "norm_bf16_g4"                       # shipped names unchanged
+    assert norm.NormSpec("f16", 4, "rows2_1p").name == "norm_f16_g4_lnrows2_1p"
+    names = {norm.NormSpec("bf16", 4, f).name for f in norm.LAYERNORM_FORMS}
+    assert len(names) == len(norm.LAYERNORM_FORMS)                            # the module cache tells them apart
+    assert norm.NormSpec("bf16").defines() == ("-DDTYPE=1", "-DMAX_GROUPS=4", "-DMAX_THREADS=1024")
+    assert set(norm.NormSpec("bf16", 4, "pipe_cf_1p").defines()) >= {"-DLN_ONEPASS=1", "-DLN_SPLIT=1"}
+    assert "-DLN_ROWS=2" in norm.NormSpec("bf16", 4, "rows2").defines()
+    with pytest.raises(ValueError, match="ln must be one of"):
+        norm.NormSpec("bf16", 4, "warp")
+
+
+@pytest.mark.parametrize("form", [f for f in norm.LAYERNORM_FORMS if norm.LAYERNORM_FORMS[f][0]])
+def test_layernorm_rows_forms_take_large_16_byte_calls_up_to_8192(form):
+    spec, rows_a_thread = norm.NormSpec("bf16", 4, form), norm.LAYERNORM_FORMS[form][0]
+    for hidden in (64, 1000, 4090, 4096, 7000, 8192):
+        rows = norm._LATENCY_ELEMENTS // hidden + 1
+        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows)
+        assert entry == "cuattn_layernorm_rows" and smem == 0
+        assert threads * 4 * 2 * spec.max_groups >= hidden                     # QUADS quads a thread cover a row
+        assert block == max(1, norm._ROWS_BLOCK // threads) * threads <= 256
+        assert per_block == block // threads * rows_a_thread
+    assert spec.layernorm_geometry(4096, 4096, vec=False)[0] == "cuattn_layernorm_pipe"   # 2-byte accesses
+    assert spec.layernorm_geometry(4096, 4)[0] == "cuattn_layernorm"                     # small call
+    assert spec.layernorm_geometry(16384, 4096)[0] == "cuattn_layernorm"                 # hidden > 8192
+    assert spec.layernorm_geometry(4096, 4096)[1:4] == (128, rows_a_thread, 128)        # serving size
+    assert spec.layernorm_geometry(8192, 4096)[1:4] == (256, rows_a_thread, 256)
 
 
 def test_norms_reject_bad_inputs_naming_the_argument():
@@ -228,6 +258,20 @@ def test_layernorm_rejects_bad_inputs_naming_the_argument():
         norm.layernorm(x, g, np.zeros(65, np.float32))
     with pytest.raises(TypeError, match="layernorm: input must be float16 or bfloat16"):
         norm.layernorm(x.astype(np.float32), g, b)
+
+
+@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_layernorm_candidate_forms_compile_without_spills(dtype, arch):
+    for form in norm.LAYERNORM_FORMS:
+        resources = jit.compile_kernel(norm.NormSpec(dtype, 4, form), arch).resources
+        entries = {"cuattn_layernorm", "cuattn_layernorm_pipe"} | ({"cuattn_layernorm_rows"}
+                                                                   if norm.LAYERNORM_FORMS[form][0] else set())
+        assert entries <= set(resources) or not resources, (form, resources)
+        for entry in entries & set(resources):
+            r = resources[entry]
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (form, entry, r)
+            assert r["registers"] <= (80 if entry == "cuattn_layernorm_rows" else 64), (form, entry, r)
 
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
@@ -368,6 +412,49 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
     poison_pool(2 * 1500 * 4092)
     y = norm.layernorm(view, g_dev, b_dev, 1e-5)
     assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
+
+
+# every layernorm form (norm.LAYERNORM_FORMS) on the large calls where forms differ, and the calls they route to
+# the shipped kernels: (rows, hidden, row stride); hidden 4096 / 8192 at 1100 rows: the rows forms' branch-free
+# blocks and a last block part empty (1100 = 8 x 137 + 4); 4090 at a stride of 4096: a quad / group past the
+# row's end; 1000: rows of 32 threads sharing blocks; 7000: threads with fewer quads; 4099: 2-byte accesses
+FORM_SHAPES = [(1100, 4096, 4096), (1100, 8192, 8192), (1501, 4090, 4096), (2001, 1000, 1000), (777, 7000, 7000),
+               (301, 4099, 4099)]
+
+
+def layernorm_rows_mix(rng, rows, hidden, dtype):
+    """Rows that stress the statistics, by row % 5: normal; a mean far from 0 with a small spread (f16: 300 +- 1;
+    bf16: 1000 +- 16, spaced 4-8 there); the first element an outlier (2e4) among normal values; all equal
+    (variance 0: out = beta); a large spread (5e3)."""
+    x = rng.standard_normal((rows, hidden))
+    kind = np.arange(rows) % 5
+    big_mean, spread = (300.0, 1.0) if dtype == np.float16 else (1000.0, 16.0)
+    x[kind == 1] = big_mean + spread * x[kind == 1]
+    x[kind == 2, 0] = 2e4
+    x[kind == 3] = 0.75
+    x[kind == 4] *= 5e3
+    return x.astype(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("form", list(norm.LAYERNORM_FORMS))
+def test_layernorm_gpu_every_form_matches_float64_formula(form, dtype):
+    import cupy
+    for rows, hidden, stride in FORM_SHAPES:
+        assert rows * hidden > norm._LATENCY_ELEMENTS
+        rng = np.random.default_rng(rows + hidden + len(form))
+        x = layernorm_rows_mix(rng, rows, hidden, dtype)
+        gamma, beta = randn(rng, (hidden,), np.float32), randn(rng, (hidden,), np.float32)
+        raw = to_gpu(np.zeros((rows, stride), dtype))
+        view = raw[:, :hidden]
+        view[...] = to_gpu(x)
+        poison_pool(2 * rows * hidden)
+        y = norm._layernorm(view, cupy.asarray(gamma), cupy.asarray(beta), 1e-5, None, form)
+        ref = layernorm64(x, gamma, beta, 1e-5)
+        got = from_gpu(y, dtype)
+        for kind in range(5):                    # each kind of row against its own scale
+            assert_close(got[kind::5], ref[kind::5], dtype)
 
 
 # fused_add_rmsnorm at large calls: the serving sizes and a non-multiple of 8 (max_groups 1, a thread per 8

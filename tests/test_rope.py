@@ -85,6 +85,20 @@ def vllm_cache(max_len, rotary_dim, rope_theta=1e4):
     return np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(np.float32)
 
 
+def cache_rope64(x, cache, positions, rotary_dim, is_neox):
+    """float64 RoPE of (nnz, heads, head_size) x with a float32 cos_sin_cache: the formula with its
+    float32-rounded cos and sin, written out."""
+    half = rotary_dim // 2
+    c, s = (cache[positions, None, :half].astype(np.float64), cache[positions, None, half:].astype(np.float64))
+    j = np.arange(half)
+    ia, ib = (j, j + half) if is_neox else (2 * j, 2 * j + 1)
+    x = np.asarray(x, np.float64)
+    out = x.copy()
+    out[..., ia] = x[..., ia] * c - x[..., ib] * s
+    out[..., ib] = x[..., ib] * c + x[..., ia] * s
+    return out
+
+
 # ---------------------------------------------------------------------------- NumPy path
 
 
@@ -157,15 +171,7 @@ def test_cos_sin_cache_form_matches_formula(dtype, is_neox):
     query, key = q.reshape(21, hq * hs), k.reshape(21, hk * hs)       # vLLM passes (nnz, heads * head_size)
     q_out, k_out = rope.apply_rope_with_cos_sin_cache(positions, query, key, hs, cache, is_neox=is_neox)
     assert q_out.shape == query.shape and k_out.shape == key.shape
-    # the cache is float32: the formula with its float32-rounded cos and sin, written out
-    half = rot // 2
-    c, s = (cache[positions, None, :half].astype(np.float64), cache[positions, None, half:].astype(np.float64))
-    j = np.arange(half)
-    ia, ib = (j, j + half) if is_neox else (2 * j, 2 * j + 1)
-    x = q.astype(np.float64)
-    ref_q = x.copy()
-    ref_q[..., ia] = x[..., ia] * c - x[..., ib] * s
-    ref_q[..., ib] = x[..., ib] * c + x[..., ia] * s
+    ref_q = cache_rope64(q, cache, positions, rot, is_neox)
     assert_rounded_from(q_out.reshape(q.shape), ref_q, dtype)
     # ... and the computed-frequency form agrees with it (same formula, exact cos/sin)
     q_pos, k_pos = rope.apply_rope_pos_ids(q, k, positions, rotary_dim=rot, interleave=not is_neox)
@@ -322,6 +328,20 @@ def test_rope_specs_are_few_and_named_by_dtype():
     assert specs[0].grid(nnz=4096, heads=40, resident_blocks=one_wave) == (512, 1)
     blocks, splits = specs[0].grid(nnz=10 ** 6, heads=40, resident_blocks=one_wave)   # warps loop over tokens
     assert splits == 1 and blocks <= one_wave and blocks * 4 * -(-10 ** 6 // (4 * blocks)) >= 10 ** 6
+
+
+@pytest.mark.parametrize("grid_form", rope.GRID_FORMS)
+def test_rope_grid_forms_cover_every_token_and_head(grid_form):
+    assert rope._GRID_FORM == "wave" and rope.RopeSpec("bf16").name == "rope_bf16"        # shipped unchanged
+    spec = rope.RopeSpec("bf16", grid_form)
+    assert spec.name == "rope_bf16" + ("" if grid_form == "wave" else "_" + grid_form)
+    for nnz in (1, 3, 64, 4096, 9000, 10 ** 6):
+        for heads in (2, 5, 40):
+            blocks, splits = spec.grid(nnz=nnz, heads=heads, resident_blocks=4 * 132)
+            assert blocks >= 1 and 1 <= splits <= max(1, -(-heads // 2))
+            assert blocks * 4 * -(-nnz // (4 * blocks)) >= nnz                 # warps loop over the rest
+    assert rope.RopeSpec("bf16", "split2").grid(nnz=4096, heads=40, resident_blocks=4 * 132) == (256, 2)
+    assert rope.RopeSpec("bf16", "tok1").grid(nnz=4096, heads=40, resident_blocks=4 * 132) == (1024, 1)
 
 
 @pytest.mark.parametrize("freq", [rope._plain_freq("t", 1, 1e4), rope._plain_freq("t", 4.0, 5e5),
@@ -489,10 +509,12 @@ def test_gpu_ragged_search_over_many_requests_and_single_tokens(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid_form", rope.GRID_FORMS)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("nnz", [33, 9000])      # 9000: every warp loops over tokens (positions read ahead)
-def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz):
+def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz, grid_form, monkeypatch):
     import cupy as cp
+    monkeypatch.setattr(rope, "_GRID_FORM", grid_form)      # the launch grid of the A/B's candidates
     hq, hk, hs, rot = 8, 2, 128, 64
     q, k = qk(nnz, hq, hk, hs, np.float16, seed=15)
     cache = vllm_cache(2048, rot)
@@ -501,9 +523,11 @@ def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz):
     ref = rope.apply_rope_with_cos_sin_cache(positions, query, key, hs, cache, is_neox=is_neox)
     dq, dk = cp.asarray(query), cp.asarray(key)
     out = rope.apply_rope_with_cos_sin_cache(cp.asarray(positions), dq, dk, hs, cp.asarray(cache), is_neox=is_neox)
-    for got, want in zip(out, ref):
+    for got, want, x in zip(out, ref, (q, k)):
         assert got.shape == want.shape
         assert_close_gpu(cp.asnumpy(got), want.astype(np.float64), np.dtype(np.float16))
+        assert_close_gpu(cp.asnumpy(got).reshape(x.shape), cache_rope64(x, cache, positions, rot, is_neox),
+                         np.dtype(np.float16))
     rope.apply_rope_with_cos_sin_cache_inplace(cp.asarray(positions), dq, dk, hs, cp.asarray(cache), is_neox=is_neox)
     assert cp.array_equal(dq, out[0]) and cp.array_equal(dk, out[1])
     # positions outside the cache (not checked on the GPU) give NaN for those tokens, and nothing else
