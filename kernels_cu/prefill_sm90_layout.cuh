@@ -17,9 +17,9 @@
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
 
-#ifndef FP8_GATHER          // PAGED == 2 with fp8 K/V (prefill_sm90_gather.cuh): 0 (shipped) the Fp8Rows loop; 1 the
-#define FP8_GATHER 0        // reworked loop (Fp8Gather: 32-bit row offsets, shared addresses by immediates, no shift per
-#endif                      // cvt, rows past the end read row 0 and zeroed by the consumers), 8-byte loads; 2: 16-byte loads
+#ifndef FP8_GATHER          // PAGED == 2 with fp8 K/V: 0 (shipped) the Fp8Rows loop (prefill_sm90_gather.cuh); 1 the
+#define FP8_GATHER 0        // reworked loop (prefill_sm90_gather_fp8.cuh: 32-bit row offsets, shared addresses by
+#endif                      // immediates, no shift a cvt, rows past the end read row 0), 8-byte loads; 2: 16-byte loads
 #ifndef FP8_GATHER_DEPTH    // FP8_GATHER: 0 a (K or V) tile's loads issued after the previous tile's stores; 1 each row
 #define FP8_GATHER_DEPTH 1  // reloaded with the next tile's as soon as it is stored; 2 as 1, and tile 0's V rows copied
 #endif                      // (cp.async, fp8) with its K rows into the last stage's K buffer, converted from there

@@ -47,8 +47,9 @@ def test_fp8_gather_variants_compile_without_spills():
         assert res["spill_stores"] == res["spill_loads"] == res["stack_frame"] == 0, (spec.name, res)
 
 
-def test_fp8_gather_shipped_specs_keep_the_shipped_loop():
-    """The shipped fp8 specs carry no tuning (FP8_GATHER 0: the Fp8Rows loop) until an H100 A/B picks a variant."""
+def test_fp8_gather_tunings_stay_out_of_shipped_specs():
+    """The shipped fp8 specs carry no tuning: their loop is prefill_sm90_layout.cuh's FP8_GATHER default (0, the
+    Fp8Rows loop, until an H100 A/B picks a variant)."""
     fp8 = [s for s in prefill_sm90.shipped_specs() if s.dtype_kv]
     assert fp8 and all(s.gather and not s.tuning and "-DFP8_GATHER" not in " ".join(s.defines()) for s in fp8)
 
