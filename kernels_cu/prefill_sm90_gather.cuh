@@ -15,10 +15,12 @@
 // zeros: their row id is -1 and their loads are skipped (the row offset stays an int64 multiply-add here: the
 // 32-bit form with the per-tile row bound spilled 16 bytes at 88 producer registers). The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
 // staging tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
+// FP8_GATHER 1 / 2 (tuning defines; prefill_sm90_gather_fp8.cuh): a reworked fp8 loop over the same page-id machinery.
 #pragma once
 #include "common/mma.cuh"
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
+#include "prefill_sm90_gather_fp8.cuh"
 
 #if PAGED == 2
 #if KV_FP8
@@ -53,6 +55,7 @@ struct Fp8Rows {
     mbar_arrive(full);
   }
 };
+
 #endif
 
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh into the 16-bit K / V buffers, by
@@ -69,7 +72,11 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
   constexpr int TPR = 8, ROW_STEP = 128 / TPR, ROWS = BLOCK_N / ROW_STEP;
   static_assert(4 * ROWS <= 32, "a warp's rows: one per lane");
   const int lane = tid % 32, q8 = tid % TPR, r0 = tid / TPR, a = lane / TPR;
+#if KV_FP8 && FP8_GATHER
+  const int my_r = Fp8Gather::lookup_row(tid);                                      // the row this lane looks up
+#else
   const int my_r = (tid / 32) * 4 + lane % 4 + ROW_STEP * ((lane / 4) % ROWS);   // the row this lane looks up
+#endif
   const uint8_t* kb = k_cache + kvh * k_s_head;
   const uint8_t* vb = v_cache + kvh * v_s_head;
   // row offsets as one 32 x 32 -> 64-bit multiply-add (a row stride is < 4 GiB: prefill_sm90.py checks it)
@@ -95,6 +102,16 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     }
   };
   if (num_tiles > 0) load_page(0);
+#if KV_FP8 && FP8_GATHER
+  // -- FP8_GATHER (prefill_sm90_gather_fp8.cuh): tile t's row ids from pg (the page of row my_r, loaded half a tile or
+  //    a tile ahead; rows past the end: row 0)
+  const auto row_of = [&](int t) {
+    const int key = kv_lo + t * BLOCK_N + my_r;
+    return key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0;
+  };
+  fp8_gather_tiles(sm, tid, kb, vb, ks_row, vs_row, num_tiles, load_page, row_of, on_k_tile);
+  (void)copy_rows;
+#else
   for (int t = 0; t < num_tiles; ++t) {
     const int s = t % STAGES;
     const uint32_t ph = (t / STAGES) & 1;
@@ -125,5 +142,6 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
 #endif
     on_k_tile(t);                        // (warps 1..3 with a key transform: after their copies of tile t)
   }
+#endif
 }
 #endif

@@ -162,6 +162,28 @@ template <int FMT>
 __device__ __forceinline__ uint4 fp8_chunk(uint32_t a, uint32_t b) {
   return FP8_HW_CVT ? fp8x8_to_f16x8_hw<FMT>(a, b) : fp8x8_to_f16x8<FMT>(a, b);
 }
+// -- fp8_chunk with the hardware cvt reading each word's two fp8 pairs as the register's 16-bit halves (mov.b32
+//    {lo, hi}: ptxas selects the high half in the cvt itself, where fp8_chunk's `x >> 16` costs a shift a pair);
+//    one cvt a pair, one asm each (one asm block of 4 cvts spilled the fa3 fp8 gather: prefill_sm90_notes.md).
+//    Same values as fp8_chunk; e5m2 and the byte trick (FP8_HW_CVT 0, sm_80) are fp8_chunk's.
+template <int HI>
+__device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
+  uint32_t r;
+  if (HI)
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(x));
+  else
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
+  return r;
+}
+template <int FMT>
+__device__ __forceinline__ uint4 fp8_chunk_halves(uint32_t a, uint32_t b) {
+#if CUATTN_FP8_HW_CVT
+  if (FP8_HW_CVT && FMT == 1)
+    return make_uint4(e4m3x2_half_to_f16x2<0>(a), e4m3x2_half_to_f16x2<1>(a), e4m3x2_half_to_f16x2<0>(b),
+                      e4m3x2_half_to_f16x2<1>(b));
+#endif
+  return fp8_chunk<FMT>(a, b);
+}
 __host__ __device__ constexpr float fp8_factor(int fmt) {
   return fmt == 1 && !(FP8_HW_CVT && CUATTN_FP8_HW_CVT) ? 256.f : 1.f;
 }
