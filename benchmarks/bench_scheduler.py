@@ -3,7 +3,8 @@
 1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; MLA decode (128 heads, page 64)
    over the same lengths; paged and ragged prefill of 256 requests x 64 new tokens over 2048 keys; a
    2-level cascade of 256 requests over a 32k prefix; each again with request lengths drawn from
-   1024-4096 keys): median over 40 plans after 10 warm-up
+   1024-4096 keys; and a 3-level cascade: the 32k prefix, 16 groups of 16 requests x 1024 keys, the requests' own):
+   median over 40 plans after 10 warm-up
    plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
@@ -96,6 +97,11 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
     c_tables = ([np.array([0, batch], np.int32), np.arange(batch + 1, dtype=np.int32)],
                 [np.array([0, 2048], np.int32), indptr], [prefix, indices + 2048],
                 [np.array([16], np.int32), lpl])
+    c3 = cuattn.MultiLevelCascadeAttentionWrapper(3)   # + a middle level: 16 groups of batch / 16 requests x 1024 keys
+    g = np.arange(0, batch + 1, batch // 16, dtype=np.int32)
+    c3_tables = ([c_tables[0][0], g, c_tables[0][1]], [c_tables[1][0], np.arange(17, dtype=np.int32) * 64, indptr],
+                 [prefix, np.arange(1024, dtype=np.int32) + 2048 + len(indices), indices + 2048],
+                 [c_tables[3][0], np.full(16, 16, np.int32), lpl])
     m = cuattn.BatchMLAPagedAttentionWrapper()
     m_lens = np.diff(kv_indptr)           # MLA (DeepSeek: 128 heads, page 64), one query per request (decode)
     m_indptr = np.concatenate([[0], np.cumsum(-(-m_lens // 64))]).astype(np.int32)
@@ -109,6 +115,7 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
                                                                     causal=True),
         f"ragged prefill {batch} x (64 / {tag})": lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True),
         f"cascade 2-level 32k + {batch} x {tag}": lambda: c.plan(*c_tables, HQ, HKV, D, PS),
+        f"cascade 3-level 32k + 16 x 1k + {batch} x {tag}": lambda: c3.plan(*c3_tables, HQ, HKV, D, PS),
     }
 
 
