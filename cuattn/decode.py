@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, fp8, jit, plan as _plan, qcast, reference, support, variants
+from . import arrays, fp8, jit, plan as _plan, plan_buffers as _buffers, qcast, reference, support, variants
 from .errors import UnsupportedError
 from .page import check_kv_layout, paged_kv_host, paged_kv_tensors, validate_page_table
 from .decode_kernel import (  # noqa: F401  (re-exported: decode.DecodeSpec, decode.shipped_specs, decode.PARAMS, ...)
@@ -54,8 +54,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fn = "BatchDecodeWithPagedKVCacheWrapper"
         self._kv_layout = check_kv_layout(kv_layout, fn)
         self._use_cuda_graph = bool(use_cuda_graph)
-        self._workspace, self._device = _plan.workspace_of(workspace_buffer, "workspace_buffer", fn)
-        self._bufs: _plan.DeviceBuffers | None = None
+        self._workspace, self._device = _buffers.workspace_of(workspace_buffer, "workspace_buffer", fn)
+        self._bufs: _buffers.DeviceBuffers | None = None
+        self._stage = _buffers.Staging()         # pinned staging of the uploads (a cascade's levels share one)
         self._plan: _plan.Plan | None = None     # the last plan()'s
         self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)
         # Benchmark/test overrides, not API (benchmarks/bench_decode.py --variants, tests/test_decode.py):
@@ -257,7 +258,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _upload(self, p: _plan.Plan, wl, indices_h, indices_dev, idx_t, fn):
         cp = arrays.cupy_module()
         if self._bufs is None:
-            self._bufs = _plan.DeviceBuffers(self._device, self._use_cuda_graph)
+            self._bufs = _buffers.DeviceBuffers(self._device, self._use_cuda_graph, stage=self._stage)
         bufs = self._bufs
         n_work, n_merge = len(wl.work), len(wl.merge)
         if self._use_cuda_graph:
@@ -294,7 +295,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             idx_cap = n_idx if upload_idx else 0
         n_host = head + (n_idx if not indices_dev else 0)
-        host = bufs.staging(n_host)
+        host = bufs.stage.take(n_host)
         # -- every word written once: the rows, then -1 only past them (graph mode's padding)
         w_end, m_off = n_work * 8, n_work_c * 8
         host[:w_end] = wl.work.reshape(-1)
@@ -322,7 +323,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # plan queued there and before the runs of this one
         stream = arrays.resolve_stream(arrays.framework_of(p.kv_indices_src), self._device)
         base = plan_dev.data.ptr
-        bufs.upload(base, host, n_host, stream)
+        bufs.stage.upload(self._device, base, host, n_host, stream, bufs.owner)
         p.grid_work, p.grid_merge = n_work_c, n_merge_c
         merge_ptr = base + n_work_c * 8 * 4
         meta = {"work": base, "merge": merge_ptr, "counters": merge_ptr + n_merge_c * 4 * 4,
@@ -490,7 +491,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"{fn}: indices must be in 0..{num_pages - 1} (num_pages of the cache), "
                              f"got max {p.max_page}")
         ctx = arrays.Context(framework, self._device, arrays.resolve_stream(framework, self._device, stream))
-        _plan.refuse_capture(fn, self._use_cuda_graph, ctx.stream)
+        _buffers.refuse_capture(fn, self._use_cuda_graph, ctx.stream)
         if out is None:
             out = arrays.empty(ctx, (p.batch, p.num_qo_heads, p.head_dim), p.q_dtype)
         out_ptr, out_strides, _ = self._operand(out, "out", fn)

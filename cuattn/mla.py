@@ -14,7 +14,7 @@ the fp32 out around the launch, as in decode and prefill: ``qcast.py``) or, on s
 ``kernels_cu/mla_sm90.cu`` (backend "fa3", ``mla_sm90.py``: wgmma, warp-specialised; 16-bit caches): plan() builds
 plan.py's prefill work list over (request, tile of 64 packed query rows = token x head, kv piece),
 splitting long kv when the items alone leave SMs idle (plan.choose_prefill_chunk), and uploads it
-with the page table into ``plan.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
+with the page table into ``plan_buffers.PlanBuffers`` (fixed addresses with ``use_cuda_graph=True``); run()
 launches the attention kernel and, for split items, its merge kernel. Appending to the latent cache
 on the GPU goes through the paged-cache append kernel, a (ckv, kpe) pair as one-head caches.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, fp8, jit, mla_sm90, plan as _plan, qcast
+from . import arrays, fp8, jit, mla_sm90, plan as _plan, plan_buffers as _buffers, qcast
 from .errors import UnsupportedError
 from .page import append_paged_kv_cache
 from .params import Params
@@ -183,7 +183,7 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"{self._fn}: backend must be 'auto', 'fa2' or 'fa3', got {backend!r}")
         self._plan = None
         self._backend = backend
-        self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._bufs = _buffers.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._device_memo: dict[tuple, tuple] = {}    # (backend, spec, run spec) by device and dtypes (_plan_device)
 
@@ -435,7 +435,7 @@ class BatchMLAPagedAttentionWrapper:
         if p.device != ctx.device:
             raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {p.device}), "
                              f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
-        _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
+        _buffers.refuse_capture(fn, self._bufs.graph, ctx.stream)
         rows, h = int(p.qo_indptr[-1]), p.num_qo_heads
         ts = {}
         for x, name, want, dt in ((q_nope, "q_nope", (rows, h, HEAD_DIM_CKV), p.q_dtype),

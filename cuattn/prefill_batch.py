@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from . import arrays, fp8, jit, plan as _plan, prefill_rope, prefill_sm90, qcast, reference, support, variants
+from . import (arrays, fp8, jit, plan as _plan, plan_buffers as _buffers, prefill_rope, prefill_sm90, qcast, reference,
+               support, variants)
 from .params import Params
 from .errors import UnsupportedError
 from .mask import segment_packbits_host
@@ -93,7 +94,7 @@ class _BatchPrefillBase:
         self.backend = select_backend(backend, self._fn)     # the backend the last run used (or will use)
         self._backend_req = backend
         self._plan = None
-        self._bufs = _plan.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
+        self._bufs = _buffers.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
@@ -243,7 +244,8 @@ class _BatchPrefillBase:
         segments = [("kv_chunk", (wl.chunk,), 0),
                     ("qo_indptr", plan.qo_indptr, 0), ("kv_indptr", plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
-                    ("mask_indptr", plan.mask_indptr, 0), ("mask", None if mask is None else _plan.as_words(mask), 0),
+                    ("mask_indptr", plan.mask_indptr, 0),
+                    ("mask", None if mask is None else _buffers.as_words(mask), 0),
                     ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1),
                     ("rope_offsets", prefill_rope.offsets(plan.qo_lens, plan.kv_lens) if plan.rope_prepass else None, 0)]
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
@@ -289,7 +291,7 @@ class _BatchPrefillBase:
         if plan.device != ctx.device or plan.meta is None:
             raise ValueError(f"{fn}: the arrays must be on the GPU the plan was made for (GPU {plan.device}), "
                              f"got GPU {ctx.device}; plan() on that GPU (cupy.cuda.Device(i) current)")
-        _plan.refuse_capture(fn, self._bufs.graph, ctx.stream)
+        _buffers.refuse_capture(fn, self._bufs.graph, ctx.stream)
 
     def _run_checks(self, fn, q, plan):
         qt = arrays.device_tensor(q, "q", fn)
