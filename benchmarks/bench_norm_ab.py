@@ -22,9 +22,12 @@ the median of the rounds'. Columns:
   "% of copy" and the issue's 85% target are measured against);
 - x FI: FlashInfer µs / form µs (> 1: the form is faster).
 Before timing, every form's output is checked against a float64 reference over the whole array (the GPU
-tests' tolerance, tests/test_norm.py); a form that fails is reported and not timed. Each form's geometry
-(entry, threads a row, rows a block, block, grid, blocks an SM, registers, local memory bytes) is printed.
-Runs only where CuPy sees a GPU.
+tests' tolerance, tests/test_norm.py); a form that fails is reported and not timed. The in-place ops
+(fused_add_rmsnorm, the RoPE) are checked on fresh copies of their inputs as they were before any call, against a
+reference computed from those, and timed on live buffers that drift from call to call (values, not bytes or
+work); the live buffers are restored before each candidate's round, so that every candidate starts from the
+same values. Each form's geometry (entry, threads a row, rows a block, block, grid, blocks an SM, registers,
+local memory bytes) is printed. Runs only where CuPy sees a GPU.
 
     python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms pipe rows ...]
         [--dtypes bfloat16 float16]
@@ -70,6 +73,7 @@ class Case:
     forms: dict[str, Callable] = field(default_factory=dict)
     check: Callable[[str], float] | None = None   # form -> worst error over its tolerance (<= 1: passes)
     geometry: Callable[[str], dict] | None = None   # form -> its launch (after a call)
+    reset: Callable[[], None] | None = None       # in-place ops: the live buffers back to their first values
     flashinfer: Callable | None = None
     flashinfer_error: str | None = None
 
@@ -188,24 +192,29 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
 
 
 def fused_add_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
-    """fused_add_rmsnorm in place on the same arrays every call (values drift, bytes and timing do not); the
-    check runs on copies."""
+    """fused_add_rmsnorm in place on the same live arrays every call (values drift, bytes and work do not); checked
+    on fresh copies of the first values (x0, r0), against float64 from those."""
     itemsize, eps = 2, 1e-6
     x, r, w = random_array((rows, hidden), dtype, 1), random_array((rows, hidden), dtype, 3), \
         random_array((hidden,), dtype, 2)
+    x0, r0 = x.copy(), r.copy()                  # before any call (FlashInfer's first one below included)
     case = Case("fused_add_rmsnorm", dtype, rows, hidden, op_bytes=4 * rows * hidden * itemsize + hidden * itemsize,
                 copy_bytes=2 * rows * hidden * itemsize)
     case.forms["shipped"] = lambda: norm.fused_add_rmsnorm(x, r, w, eps)
-    total = host_values(x, dtype).astype(np.float64) + host_values(r, dtype).astype(np.float64)
+    total = host_values(x0, dtype).astype(np.float64) + host_values(r0, dtype).astype(np.float64)
     w64 = host_values(w, dtype).astype(np.float64)
     ref_x = total / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + eps) * w64
 
     def check(form: str) -> float:
-        xs, rs = x.copy(), r.copy()
-        norm.fused_add_rmsnorm(xs, rs, w, eps)
+        xs, rs = x0.copy(), r0.copy()
+        norm.fused_add_rmsnorm(xs, rs, w, eps)     # the one form, "shipped"
         return max(worst_over_tolerance(host_values(rs, dtype), total, dtype),
                    worst_over_tolerance(host_values(xs, dtype), ref_x, dtype))
-    case.check = check
+
+    def reset() -> None:
+        cp.copyto(x, x0)
+        cp.copyto(r, r0)
+    case.check, case.reset = check, reset
     case.geometry = lambda form: fused_add_geometry(dtype, rows, hidden, cp.cuda.Device().id)
     if use_fi:
         try:
@@ -228,7 +237,8 @@ ROPE_OP, ROPE_DIM = "apply_rope_with_cos_sin_cache_inplace", 128
 
 
 def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
-    """The in-place cos_sin_cache RoPE on the same q / k every call; the check runs on copies."""
+    """The in-place cos_sin_cache RoPE on the same live q / k every call; checked on fresh copies of their first
+    values (q0, k0), against float64 from those."""
     torch = None
     if use_fi:
         try:
@@ -236,6 +246,7 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
         except ImportError:
             torch = None
     c = bench_rope.Case(rows, ROPE_DIM, dtype, ROPE_OP, torch)
+    q0, k0 = c.q.copy(), c.k.copy()               # before any call (FlashInfer's first one below included)
     qk_bytes = rows * (bench_rope.HQ + bench_rope.HK) * bench_rope.HEAD_DIM * 2
     case = Case("rope_cache_inplace", dtype, rows, bench_rope.HEAD_DIM,
                 op_bytes=bench_rope.rope_bytes(ROPE_OP, rows, ROPE_DIM, 2, c.batch), copy_bytes=qk_bytes)
@@ -260,14 +271,18 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
     def rotated(x):                  # NeoX pairs (j, j + 64) of every head row, float64
         x = x.astype(np.float64)
         return np.concatenate([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], axis=-1)
-    ref_q, ref_k = rotated(host_values(c.q, dtype)), rotated(host_values(c.k, dtype))
+    ref_q, ref_k = rotated(host_values(q0, dtype)), rotated(host_values(k0, dtype))
 
     def check(form: str) -> float:
-        qs, ks = c.q.copy(), c.k.copy()
+        qs, ks = q0.copy(), k0.copy()
         in_form(form, {"q": qs, "k": ks, "pos64": c.pos64, "cache": c.cache})()
         return max(worst_over_tolerance(host_values(qs, dtype), ref_q, dtype),
                    worst_over_tolerance(host_values(ks, dtype), ref_k, dtype))
-    case.check = check
+
+    def reset() -> None:                          # in place: FlashInfer's torch views of c.q / c.k stay valid
+        cp.copyto(c.q, q0)
+        cp.copyto(c.k, k0)
+    case.check, case.reset = check, reset
     case.geometry = lambda form: rope_geometry(dtype, rows, form, cp.cuda.Device().id)
     if torch is not None:
         try:
@@ -333,6 +348,8 @@ def run_case(case: Case, rounds: int, reps: int, flush, ceiling_gbps: float) -> 
     medians = {k: [] for k in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
+            if case.reset is not None:
+                case.reset()                  # in-place ops: each candidate's round from the same values
             medians[name].append(time_round(fn, reps, flush))
     us = {k: statistics.median(v) for k, v in medians.items()}
     result["round_medians"], result["us"] = medians, us
