@@ -4,7 +4,8 @@ In one process, every form of an op, a device copy of the same bytes and FlashIn
 in the same rounds on the same arrays.
 
 Ops and their forms (the shipped form first):
-- layernorm: cuattn.norm.LAYERNORM_FORMS (NormSpec.ln), for large calls with 16-byte accesses, hidden <= 8192;
+- layernorm: the shipped form only (large calls with 16-byte accesses and hidden <= 8192: cuattn_layernorm_rows;
+  session 17's A/B of its candidates: benchmarks/results/ops_notes_session17.md);
 - fused_add_rmsnorm: the shipped form only (its ratio to FlashInfer in the same run);
 - rope_cache_inplace: apply_rope_with_cos_sin_cache_inplace, q (rows, 32 x 128) and k (rows, 8 x 128), NeoX,
   rotary_dim 128, positions as bench_rope's (512-token chunks): cuattn.rope.GRID_FORMS (RopeSpec.grid_form);
@@ -29,7 +30,7 @@ work); the live buffers are restored before each candidate's round, so that ever
 same values. Each form's geometry (entry, threads a row, rows a block, block, grid, blocks an SM, registers,
 local memory bytes) is printed. Runs only where CuPy sees a GPU.
 
-    python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms pipe rows ...]
+    python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms wave tok1 ...]
         [--dtypes bfloat16 float16]
         [--rows 4096] [--hidden 4096 8192] [--rounds 5] [--reps 30] [--flush read|write] [--no-flashinfer]
         [--out ab.json]
@@ -126,24 +127,22 @@ def launch_info(spec, entry: str, device: int, grid, block: int, resident: int, 
             **more, **function_resources(spec, entry, device)}
 
 
-def layernorm_geometry(dtype: str, rows: int, hidden: int, form: str, device: int) -> dict:
-    """The launch norm.layernorm makes for an aligned call in ``form`` (after one call: the launcher's
-    attributes, such as the raised shared-memory limit, are set)."""
-    spec = norm.NormSpec(short(dtype), ln=form)
-    entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows, True)
-    resident = norm._resident_blocks(spec, entry, device, block, smem)
-    tiles = -(-rows // per_block)
-    return launch_info(spec, entry, device, min(tiles, resident) if smem else tiles, block, resident,
-                       threads_per_row=threads, rows_per_block=per_block, smem=smem)
+def layernorm_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
+    """The launch norm.layernorm makes for a call on fresh contiguous arrays (16-byte accesses where hidden % 8
+    == 0)."""
+    spec = norm.NormSpec(short(dtype))
+    entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows, hidden % 8 == 0)
+    resident = norm._resident_blocks(spec, entry, device, block)
+    return launch_info(spec, entry, device, -(-rows // per_block), block, resident, threads_per_row=threads,
+                       rows_per_block=per_block)
 
 
 def fused_add_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
     spec = norm.fused_add_spec(short(dtype), hidden, rows)
     entry, threads = norm.fused_add_entry(spec.dtype, hidden, rows, 1), spec.threads(hidden, rows)
-    resident = norm._resident_blocks(spec, entry, device, threads, 0)
+    resident = norm._resident_blocks(spec, entry, device, threads)
     grid = min(rows, resident) if entry == "cuattn_fused_add_rmsnorm_regs" else rows
-    return launch_info(spec, entry, device, grid, threads, resident, threads_per_row=threads, rows_per_block=1,
-                       smem=0)
+    return launch_info(spec, entry, device, grid, threads, resident, threads_per_row=threads, rows_per_block=1)
 
 
 def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
@@ -154,7 +153,7 @@ def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
     entry = rope._ENTRIES[layout.pairs]
     resident = rope._resident_blocks(spec, entry, device)
     grid = spec.grid(nnz, bench_rope.HQ + bench_rope.HK, resident)
-    return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row, smem=0)
+    return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -168,14 +167,13 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
     eps = 1e-6
     case = Case("layernorm", dtype, rows, hidden, op_bytes=2 * rows * hidden * itemsize + 2 * hidden * 4,
                 copy_bytes=rows * hidden * itemsize)
-    for form in forms:
-        case.forms[form] = (lambda f=form: norm._layernorm(x, g, b, eps, None, f))
+    case.forms["shipped"] = lambda: norm.layernorm(x, g, b, eps)
     ref = layernorm64(host_values(x, dtype), cp.asnumpy(g), cp.asnumpy(b), eps)
 
     def check(form: str) -> float:
         return worst_over_tolerance(host_values(case.forms[form](), dtype), ref, dtype)
     case.check = check
-    case.geometry = lambda form: layernorm_geometry(dtype, rows, hidden, form, cp.cuda.Device().id)
+    case.geometry = lambda form: layernorm_geometry(dtype, rows, hidden, cp.cuda.Device().id)
     if use_fi:
         try:
             import flashinfer
@@ -296,10 +294,14 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
 
 
 CASES = {"layernorm": layernorm_case, "fused_add_rmsnorm": fused_add_case, "rope_cache_inplace": rope_case}
-FORMS = {"layernorm": list(norm.LAYERNORM_FORMS), "fused_add_rmsnorm": ["shipped"],
-         "rope_cache_inplace": list(rope.GRID_FORMS)}
-SPEC_OF_FORM = {"layernorm": lambda dtype, form: norm.NormSpec(dtype, ln=form),
-                "rope_cache_inplace": lambda dtype, form: rope.RopeSpec(dtype, form)}
+FORMS = {"layernorm": ["shipped"], "fused_add_rmsnorm": ["shipped"], "rope_cache_inplace": list(rope.GRID_FORMS)}
+
+
+def specs_of(op: str, dtype: str, form: str) -> list:
+    """The specs a form of an op launches (compiled before the timing starts)."""
+    if op == "rope_cache_inplace":
+        return [rope.RopeSpec(dtype, form)]
+    return [s for s in norm.shipped_specs() if s.dtype == dtype]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -380,8 +382,7 @@ def print_case(r: dict, shipped: str) -> None:
                  else f"{g['lanes_per_row']} lanes/row, ")
         print(f"  {form:<12}{e['us']:8.2f} µs {e['pct_copy']:6.1f}% copy {e['pct_1gib']:6.1f}% 1GiB  x FI {xfi}"
               f"  x {shipped} {vs}  err/tol {e['worst_over_tol']:.2f}   {g['entry']} {shape}block {g['block']}, "
-              f"grid {g['grid']}, {g['blocks_per_sm']}/SM, {g['registers']} regs, {g['local_bytes']} B local, "
-              f"smem {g['smem'] // 1024} KB")
+              f"grid {g['grid']}, {g['blocks_per_sm']}/SM, {g['registers']} regs, {g['local_bytes']} B local")
 
 
 def prebuild_flashinfer(ops: list[str]) -> list:
@@ -435,8 +436,8 @@ def main(argv=None):
     arch = jit.device_arch(device)
     forms = {op: [f for i, f in enumerate(FORMS[op]) if i == 0 or not args.forms or f in args.forms]
              for op in args.ops}                      # the shipped form (first) always: the ratios' base
-    jobs = [(SPEC_OF_FORM[op](short(d), f), arch) for op in args.ops if op in SPEC_OF_FORM
-            for d in args.dtypes for f in forms[op]]
+    jobs = list({s.name: (s, arch) for op in args.ops for d in args.dtypes for f in forms[op]
+                 for s in specs_of(op, short(d), f)}.values())
     print(f"compiled {jit.precompile(jobs)} of {len(jobs)} specs (the rest from the disk cache)")
     ceiling = copy_gbps(20)
     print(f"copy ceiling {ceiling:.0f} GB/s (1 GiB device-to-device, read + written); L2 flush: {args.flush}; "
