@@ -4,7 +4,8 @@ In one process, every form of an op, a device copy of the same bytes and FlashIn
 in the same rounds on the same arrays.
 
 Ops and their forms (the shipped form first):
-- layernorm: cuattn.norm.LAYERNORM_FORMS (NormSpec.ln), for large calls with 16-byte accesses, hidden <= 8192;
+- layernorm: the shipped form only (large calls with 16-byte accesses and hidden <= 8192: cuattn_layernorm_rows;
+  session 17's A/B of its candidates: benchmarks/results/ops_notes_session17.md);
 - fused_add_rmsnorm: the shipped form only (its ratio to FlashInfer in the same run);
 - rope_cache_inplace: apply_rope_with_cos_sin_cache_inplace, q (rows, 32 x 128) and k (rows, 8 x 128), NeoX,
   rotary_dim 128, positions as bench_rope's (512-token chunks): cuattn.rope.GRID_FORMS (RopeSpec.grid_form);
@@ -22,11 +23,14 @@ the median of the rounds'. Columns:
   "% of copy" and the issue's 85% target are measured against);
 - x FI: FlashInfer µs / form µs (> 1: the form is faster).
 Before timing, every form's output is checked against a float64 reference over the whole array (the GPU
-tests' tolerance, tests/test_norm.py); a form that fails is reported and not timed. Each form's geometry
-(entry, threads a row, rows a block, block, grid, blocks an SM, registers, local memory bytes) is printed.
-Runs only where CuPy sees a GPU.
+tests' tolerance, tests/test_norm.py); a form that fails is reported and not timed. The in-place ops
+(fused_add_rmsnorm, the RoPE) are checked on fresh copies of their inputs as they were before any call, against a
+reference computed from those, and timed on live buffers that drift from call to call (values, not bytes or
+work); the live buffers are restored before each candidate's round, so that every candidate starts from the
+same values. Each form's geometry (entry, threads a row, rows a block, block, grid, blocks an SM, registers,
+local memory bytes) is printed. Runs only where CuPy sees a GPU.
 
-    python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms pipe rows ...]
+    python benchmarks/bench_norm_ab.py [--ops layernorm fused_add_rmsnorm rope_cache_inplace] [--forms wave tok1 ...]
         [--dtypes bfloat16 float16]
         [--rows 4096] [--hidden 4096 8192] [--rounds 5] [--reps 30] [--flush read|write] [--no-flashinfer]
         [--out ab.json]
@@ -70,6 +74,7 @@ class Case:
     forms: dict[str, Callable] = field(default_factory=dict)
     check: Callable[[str], float] | None = None   # form -> worst error over its tolerance (<= 1: passes)
     geometry: Callable[[str], dict] | None = None   # form -> its launch (after a call)
+    reset: Callable[[], None] | None = None       # in-place ops: the live buffers back to their first values
     flashinfer: Callable | None = None
     flashinfer_error: str | None = None
 
@@ -122,24 +127,22 @@ def launch_info(spec, entry: str, device: int, grid, block: int, resident: int, 
             **more, **function_resources(spec, entry, device)}
 
 
-def layernorm_geometry(dtype: str, rows: int, hidden: int, form: str, device: int) -> dict:
-    """The launch norm.layernorm makes for an aligned call in ``form`` (after one call: the launcher's
-    attributes, such as the raised shared-memory limit, are set)."""
-    spec = norm.NormSpec(short(dtype), ln=form)
-    entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows, True)
-    resident = norm._resident_blocks(spec, entry, device, block, smem)
-    tiles = -(-rows // per_block)
-    return launch_info(spec, entry, device, min(tiles, resident) if smem else tiles, block, resident,
-                       threads_per_row=threads, rows_per_block=per_block, smem=smem)
+def layernorm_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
+    """The launch norm.layernorm makes for a call on fresh contiguous arrays (16-byte accesses where hidden % 8
+    == 0)."""
+    spec = norm.NormSpec(short(dtype))
+    entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows, hidden % 8 == 0)
+    resident = norm._resident_blocks(spec, entry, device, block)
+    return launch_info(spec, entry, device, -(-rows // per_block), block, resident, threads_per_row=threads,
+                       rows_per_block=per_block)
 
 
 def fused_add_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
     spec = norm.fused_add_spec(short(dtype), hidden, rows)
     entry, threads = norm.fused_add_entry(spec.dtype, hidden, rows, 1), spec.threads(hidden, rows)
-    resident = norm._resident_blocks(spec, entry, device, threads, 0)
+    resident = norm._resident_blocks(spec, entry, device, threads)
     grid = min(rows, resident) if entry == "cuattn_fused_add_rmsnorm_regs" else rows
-    return launch_info(spec, entry, device, grid, threads, resident, threads_per_row=threads, rows_per_block=1,
-                       smem=0)
+    return launch_info(spec, entry, device, grid, threads, resident, threads_per_row=threads, rows_per_block=1)
 
 
 def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
@@ -150,7 +153,7 @@ def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
     entry = rope._ENTRIES[layout.pairs]
     resident = rope._resident_blocks(spec, entry, device)
     grid = spec.grid(nnz, bench_rope.HQ + bench_rope.HK, resident)
-    return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row, smem=0)
+    return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -164,14 +167,13 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
     eps = 1e-6
     case = Case("layernorm", dtype, rows, hidden, op_bytes=2 * rows * hidden * itemsize + 2 * hidden * 4,
                 copy_bytes=rows * hidden * itemsize)
-    for form in forms:
-        case.forms[form] = (lambda f=form: norm._layernorm(x, g, b, eps, None, f))
+    case.forms["shipped"] = lambda: norm.layernorm(x, g, b, eps)
     ref = layernorm64(host_values(x, dtype), cp.asnumpy(g), cp.asnumpy(b), eps)
 
     def check(form: str) -> float:
         return worst_over_tolerance(host_values(case.forms[form](), dtype), ref, dtype)
     case.check = check
-    case.geometry = lambda form: layernorm_geometry(dtype, rows, hidden, form, cp.cuda.Device().id)
+    case.geometry = lambda form: layernorm_geometry(dtype, rows, hidden, cp.cuda.Device().id)
     if use_fi:
         try:
             import flashinfer
@@ -188,24 +190,29 @@ def layernorm_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi:
 
 
 def fused_add_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
-    """fused_add_rmsnorm in place on the same arrays every call (values drift, bytes and timing do not); the
-    check runs on copies."""
+    """fused_add_rmsnorm in place on the same live arrays every call (values drift, bytes and work do not); checked
+    on fresh copies of the first values (x0, r0), against float64 from those."""
     itemsize, eps = 2, 1e-6
     x, r, w = random_array((rows, hidden), dtype, 1), random_array((rows, hidden), dtype, 3), \
         random_array((hidden,), dtype, 2)
+    x0, r0 = x.copy(), r.copy()                  # before any call (FlashInfer's first one below included)
     case = Case("fused_add_rmsnorm", dtype, rows, hidden, op_bytes=4 * rows * hidden * itemsize + hidden * itemsize,
                 copy_bytes=2 * rows * hidden * itemsize)
     case.forms["shipped"] = lambda: norm.fused_add_rmsnorm(x, r, w, eps)
-    total = host_values(x, dtype).astype(np.float64) + host_values(r, dtype).astype(np.float64)
+    total = host_values(x0, dtype).astype(np.float64) + host_values(r0, dtype).astype(np.float64)
     w64 = host_values(w, dtype).astype(np.float64)
     ref_x = total / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + eps) * w64
 
     def check(form: str) -> float:
-        xs, rs = x.copy(), r.copy()
-        norm.fused_add_rmsnorm(xs, rs, w, eps)
+        xs, rs = x0.copy(), r0.copy()
+        norm.fused_add_rmsnorm(xs, rs, w, eps)     # the one form, "shipped"
         return max(worst_over_tolerance(host_values(rs, dtype), total, dtype),
                    worst_over_tolerance(host_values(xs, dtype), ref_x, dtype))
-    case.check = check
+
+    def reset() -> None:
+        cp.copyto(x, x0)
+        cp.copyto(r, r0)
+    case.check, case.reset = check, reset
     case.geometry = lambda form: fused_add_geometry(dtype, rows, hidden, cp.cuda.Device().id)
     if use_fi:
         try:
@@ -228,7 +235,8 @@ ROPE_OP, ROPE_DIM = "apply_rope_with_cos_sin_cache_inplace", 128
 
 
 def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool) -> Case:
-    """The in-place cos_sin_cache RoPE on the same q / k every call; the check runs on copies."""
+    """The in-place cos_sin_cache RoPE on the same live q / k every call; checked on fresh copies of their first
+    values (q0, k0), against float64 from those."""
     torch = None
     if use_fi:
         try:
@@ -236,6 +244,7 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
         except ImportError:
             torch = None
     c = bench_rope.Case(rows, ROPE_DIM, dtype, ROPE_OP, torch)
+    q0, k0 = c.q.copy(), c.k.copy()               # before any call (FlashInfer's first one below included)
     qk_bytes = rows * (bench_rope.HQ + bench_rope.HK) * bench_rope.HEAD_DIM * 2
     case = Case("rope_cache_inplace", dtype, rows, bench_rope.HEAD_DIM,
                 op_bytes=bench_rope.rope_bytes(ROPE_OP, rows, ROPE_DIM, 2, c.batch), copy_bytes=qk_bytes)
@@ -260,14 +269,18 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
     def rotated(x):                  # NeoX pairs (j, j + 64) of every head row, float64
         x = x.astype(np.float64)
         return np.concatenate([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], axis=-1)
-    ref_q, ref_k = rotated(host_values(c.q, dtype)), rotated(host_values(c.k, dtype))
+    ref_q, ref_k = rotated(host_values(q0, dtype)), rotated(host_values(k0, dtype))
 
     def check(form: str) -> float:
-        qs, ks = c.q.copy(), c.k.copy()
+        qs, ks = q0.copy(), k0.copy()
         in_form(form, {"q": qs, "k": ks, "pos64": c.pos64, "cache": c.cache})()
         return max(worst_over_tolerance(host_values(qs, dtype), ref_q, dtype),
                    worst_over_tolerance(host_values(ks, dtype), ref_k, dtype))
-    case.check = check
+
+    def reset() -> None:                          # in place: FlashInfer's torch views of c.q / c.k stay valid
+        cp.copyto(c.q, q0)
+        cp.copyto(c.k, k0)
+    case.check, case.reset = check, reset
     case.geometry = lambda form: rope_geometry(dtype, rows, form, cp.cuda.Device().id)
     if torch is not None:
         try:
@@ -281,10 +294,14 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
 
 
 CASES = {"layernorm": layernorm_case, "fused_add_rmsnorm": fused_add_case, "rope_cache_inplace": rope_case}
-FORMS = {"layernorm": list(norm.LAYERNORM_FORMS), "fused_add_rmsnorm": ["shipped"],
-         "rope_cache_inplace": list(rope.GRID_FORMS)}
-SPEC_OF_FORM = {"layernorm": lambda dtype, form: norm.NormSpec(dtype, ln=form),
-                "rope_cache_inplace": lambda dtype, form: rope.RopeSpec(dtype, form)}
+FORMS = {"layernorm": ["shipped"], "fused_add_rmsnorm": ["shipped"], "rope_cache_inplace": list(rope.GRID_FORMS)}
+
+
+def specs_of(op: str, dtype: str, form: str) -> list:
+    """The specs a form of an op launches (compiled before the timing starts)."""
+    if op == "rope_cache_inplace":
+        return [rope.RopeSpec(dtype, form)]
+    return [s for s in norm.shipped_specs() if s.dtype == dtype]
 
 
 # ---------------------------------------------------------------------------- timing
@@ -333,6 +350,8 @@ def run_case(case: Case, rounds: int, reps: int, flush, ceiling_gbps: float) -> 
     medians = {k: [] for k in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
+            if case.reset is not None:
+                case.reset()                  # in-place ops: each candidate's round from the same values
             medians[name].append(time_round(fn, reps, flush))
     us = {k: statistics.median(v) for k, v in medians.items()}
     result["round_medians"], result["us"] = medians, us
@@ -363,8 +382,7 @@ def print_case(r: dict, shipped: str) -> None:
                  else f"{g['lanes_per_row']} lanes/row, ")
         print(f"  {form:<12}{e['us']:8.2f} µs {e['pct_copy']:6.1f}% copy {e['pct_1gib']:6.1f}% 1GiB  x FI {xfi}"
               f"  x {shipped} {vs}  err/tol {e['worst_over_tol']:.2f}   {g['entry']} {shape}block {g['block']}, "
-              f"grid {g['grid']}, {g['blocks_per_sm']}/SM, {g['registers']} regs, {g['local_bytes']} B local, "
-              f"smem {g['smem'] // 1024} KB")
+              f"grid {g['grid']}, {g['blocks_per_sm']}/SM, {g['registers']} regs, {g['local_bytes']} B local")
 
 
 def prebuild_flashinfer(ops: list[str]) -> list:
@@ -418,8 +436,8 @@ def main(argv=None):
     arch = jit.device_arch(device)
     forms = {op: [f for i, f in enumerate(FORMS[op]) if i == 0 or not args.forms or f in args.forms]
              for op in args.ops}                      # the shipped form (first) always: the ratios' base
-    jobs = [(SPEC_OF_FORM[op](short(d), f), arch) for op in args.ops if op in SPEC_OF_FORM
-            for d in args.dtypes for f in forms[op]]
+    jobs = list({s.name: (s, arch) for op in args.ops for d in args.dtypes for f in forms[op]
+                 for s in specs_of(op, short(d), f)}.values())
     print(f"compiled {jit.precompile(jobs)} of {len(jobs)} specs (the rest from the disk cache)")
     ceiling = copy_gbps(20)
     print(f"copy ceiling {ceiling:.0f} GB/s (1 GiB device-to-device, read + written); L2 flush: {args.flush}; "

@@ -26,12 +26,14 @@ _MAX_THREADS = 1024
 # is as fast or up to 20% faster (fused add 64 x 4096: 5.3 against 6.4 µs), above it the second up to 2x
 # (rmsnorm 4096 x 8192: 43 against 81 µs); layernorm 512-1024 x 4096 would still gain ~15% from the first.
 _LATENCY_ELEMENTS = 1 << 20
-# layernorm's gamma and beta (float32) are 4x a bf16 row's bytes: read from L2 for every row they bound the
-# kernel by L2 bandwidth (H100: 63% / 75% of the copy ceiling at hidden 4096 / 8192). Large calls up to
-# this hidden run cuattn_layernorm_pipe: gamma and beta staged in shared memory once per block, several rows a
-# block, the next tile's rows copied (cp.async) into shared memory while the current one is reduced and written.
-_STAGED_HIDDEN = 8192
-_LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's largest block
+# Large layernorm calls (rows * hidden above _LATENCY_ELEMENTS) with 16-byte accesses and hidden <= _ROWS_HIDDEN
+# run cuattn_layernorm_rows (two rows a thread, gamma / beta through L1), the others cuattn_layernorm (a row a
+# block). H100, session 17, 4096 x 4096 / 8192: 92-94% of a same-bytes copy, against 72-81% for the persistent
+# pipelined form it replaced (benchmarks/results/ops_notes_session17.md; the rejected forms' code: git history,
+# d07b337).
+_ROWS_HIDDEN = 8192
+_ROWS_BLOCK = 128           # cuattn_layernorm_rows: rows of fewer threads share blocks of this many
+_LN_ROWS = 2                # norm.cu's LN_ROWS: rows a thread of cuattn_layernorm_rows
 # fused_add_rmsnorm's large calls (rows * hidden above _LATENCY_ELEMENTS) with hidden <= 8192 run NormSpec
 # max_groups 1 (32 registers, a thread per 8 elements: FlashInfer's geometry, 512 threads and 4 rows an SM at
 # hidden 4096); the others max_groups 4. Session 12's H100 A/B of these launch forms (and layernorm's, and the
@@ -43,46 +45,20 @@ _LAYERNORM_BLOCK = 512      # norm.cu's STAGED_THREADS: cuattn_layernorm_pipe's 
 _REGS_BF16_HIDDEN = 4096
 
 
-# layernorm's forms for large calls with 16-byte accesses and hidden <= _STAGED_HIDDEN (NormSpec.ln; the others
-# run as in "pipe"): name -> (rows a thread of cuattn_layernorm_rows, 0: cuattn_layernorm_pipe; one block
-# reduction (Moments) instead of two; pipe's staged gamma / beta conflict-free). Candidates of an H100 A/B
-# (benchmarks/bench_norm_ab.py); _LAYERNORM_FORM is the one layernorm() runs.
-LAYERNORM_FORMS = {
-    "pipe": (0, False, False), "pipe_1p": (0, True, False), "pipe_cf": (0, False, True), "pipe_cf_1p": (0, True, True),
-    "rows": (1, False, False), "rows_1p": (1, True, False), "rows2": (2, False, False), "rows2_1p": (2, True, False),
-}
-_LAYERNORM_FORM = "pipe"
-_ROWS_BLOCK = 128           # cuattn_layernorm_rows: rows of fewer threads share blocks of this many
-
-
-def _pipe_smem(spec) -> int:
-    """cuattn_layernorm_pipe's dynamic shared memory: gamma and beta of up to _STAGED_HIDDEN floats, then
-    a 16-byte slot per group of each of up to _LAYERNORM_BLOCK threads (one size per spec: the function's
-    raised limit never shrinks)."""
-    return 2 * 4 * _STAGED_HIDDEN + 16 * spec.max_groups * _LAYERNORM_BLOCK
-
-
 @dataclass(frozen=True)
 class NormSpec:
     """One compiled norm.cu: its three entry points (rmsnorm, fused add + rmsnorm, layernorm) for one
     storage dtype. Sizes (hidden, rows, strides) are run-time arguments."""
     dtype: str               # "f16" | "bf16": input, residual, weight and output storage
     max_groups: int = 4      # groups of 8 elements one thread holds in registers
-    ln: str = "pipe"         # layernorm's form for large calls (LAYERNORM_FORMS)
     source = _SOURCE
 
-    def __post_init__(self):
-        if self.ln not in LAYERNORM_FORMS:
-            raise ValueError(f"NormSpec: ln must be one of {sorted(LAYERNORM_FORMS)}, got {self.ln!r}")
-
     @property
-    def name(self) -> str:   # "norm_bf16_g4", "norm_bf16_g4_lnrows_1p"
-        return f"norm_{self.dtype}_g{self.max_groups}" + ("" if self.ln == "pipe" else f"_ln{self.ln}")
+    def name(self) -> str:   # "norm_bf16_g4"
+        return f"norm_{self.dtype}_g{self.max_groups}"
 
     def defines(self) -> tuple[str, ...]:
-        rows, onepass, split = LAYERNORM_FORMS[self.ln]
-        return ((f"-DDTYPE={_DTYPES[self.dtype]}", f"-DMAX_GROUPS={self.max_groups}", f"-DMAX_THREADS={_MAX_THREADS}")
-                + (f"-DLN_ROWS={rows}",) * bool(rows) + ("-DLN_ONEPASS=1",) * onepass + ("-DLN_SPLIT=1",) * split)
+        return (f"-DDTYPE={_DTYPES[self.dtype]}", f"-DMAX_GROUPS={self.max_groups}", f"-DMAX_THREADS={_MAX_THREADS}")
 
     @property
     def max_hidden(self) -> int:
@@ -98,23 +74,16 @@ class NormSpec:
         threads = vectors if latency else -(-vectors // self.max_groups)
         return min(_MAX_THREADS, max(32, -(-threads // 32) * 32))
 
-    def layernorm_geometry(self, hidden: int, rows: int, vec: bool = True) -> tuple[str, int, int, int, int]:
-        """(entry, threads a row, rows a block, block, dynamic shared memory bytes) of norm.cu's layernorm. Large
-        calls with hidden <= _STAGED_HIDDEN run cuattn_layernorm_pipe: gamma and beta in shared memory once per
-        block, several rows a block (up to _LAYERNORM_BLOCK threads), the next tile's rows prefetched into
-        shared memory (always _pipe_smem bytes, so that the function's raised limit never shrinks); the
-        others run cuattn_layernorm, a row a block with gamma and beta from L2. With a "rows" form (``ln``),
-        those large calls with 16-byte accesses (``vec``) run cuattn_layernorm_rows instead: blocks of at
-        least _ROWS_BLOCK threads, each thread the same columns of several rows, a grid over every row."""
+    def layernorm_geometry(self, hidden: int, rows: int, vec: bool = True) -> tuple[str, int, int, int]:
+        """(entry, threads a row, rows a block, block) of norm.cu's layernorm. Large calls with 16-byte accesses
+        (``vec``) and hidden <= _ROWS_HIDDEN run cuattn_layernorm_rows: sub-blocks of ``threads`` threads, as many
+        as make a block of at least _ROWS_BLOCK, each thread the same columns of _LN_ROWS rows, a grid over every
+        row; the others run cuattn_layernorm, a row a block with gamma and beta from L2."""
         threads = self.threads(hidden, rows)
-        if rows * hidden <= _LATENCY_ELEMENTS or hidden > _STAGED_HIDDEN:
-            return "cuattn_layernorm", threads, 1, threads, 0
-        rows_a_thread = LAYERNORM_FORMS[self.ln][0]
-        if rows_a_thread and vec:
-            subs = max(1, _ROWS_BLOCK // threads)                          # sub-blocks of a row's threads
-            return "cuattn_layernorm_rows", threads, subs * rows_a_thread, subs * threads, 0
-        per_block = max(1, min(_LAYERNORM_BLOCK // threads, rows))       # blocks of up to 512 threads
-        return "cuattn_layernorm_pipe", threads, per_block, per_block * threads, _pipe_smem(self)
+        if rows * hidden <= _LATENCY_ELEMENTS or hidden > _ROWS_HIDDEN or not vec:
+            return "cuattn_layernorm", threads, 1, threads
+        subs = max(1, _ROWS_BLOCK // threads)                              # sub-blocks of a row's threads
+        return "cuattn_layernorm_rows", threads, subs * _LN_ROWS, subs * threads
 
 
 def fused_add_spec(dtype: str, hidden: int, rows: int) -> NormSpec:
@@ -243,36 +212,7 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     ValueError
         If shapes disagree.
     """
-    return _layernorm(input, gemma, beta, eps, stream, _LAYERNORM_FORM)
-
-
-def _layernorm(input, gemma, beta, eps, stream, form: str):
-    """layernorm with the large calls' form ``form`` (LAYERNORM_FORMS; the A/B and the tests pick it)."""
-    fn = "layernorm"
-    ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
-    if not ctx.on_gpu:
-        x, g, b = (arrays.host_array(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
-        dtype = _check_layernorm(fn, x.shape, x.dtype, g.shape, g.dtype, b.shape, b.dtype)
-        xf = x.astype(np.float32)
-        mean = xf.mean(axis=-1, keepdims=True, dtype=np.float32)
-        centered = xf - mean
-        var = np.square(centered).mean(axis=-1, keepdims=True, dtype=np.float32)
-        y = centered * (1 / np.sqrt(var + np.float32(eps))) * g.astype(np.float32) + b.astype(np.float32)
-        return arrays.export(ctx, y.astype(dtype), dtype)
-    tx, tg, tb = (arrays.device_tensor(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
-    dtype = _check_layernorm(fn, tx.shape, tx.dtype, tg.shape, tg.dtype, tb.shape, tb.dtype)
-    out = arrays.empty(ctx, tx.shape, dtype)
-    to = arrays.device_tensor(out, "out", fn)
-    rows, hidden = tx.shape
-    if rows:
-        spec, vec = NormSpec(arrays.SHORT_NAME[dtype], ln=form), _aligned((tx, to, tg, tb))
-        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows, bool(vec))
-        launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i", smem)
-        tiles = -(-rows // per_block)
-        grid = min(tiles, _resident_blocks(spec, entry, ctx.device, block, smem)) if smem else tiles
-        launch((grid,), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
-               tx.strides[0], to.strides[0], float(eps), vec)
-    return arrays.export(ctx, out, dtype)
+    return _layernorm(input, gemma, beta, eps, stream)
 
 
 # ---------------------------------------------------------------------------- implementation
@@ -335,7 +275,7 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
         entry = fused_add_entry(spec.dtype, hidden, rows, vec)
         if entry == "cuattn_fused_add_rmsnorm_regs":
             launch = jit.get_launcher(spec, entry, ctx.device, "ppp" "ii" "qq" "ff")
-            grid = min(rows, _resident_blocks(spec, entry, ctx.device, threads, 0))
+            grid = min(rows, _resident_blocks(spec, entry, ctx.device, threads))
             launch((grid,), threads, ctx.stream, tx.ptr, tr.ptr, tw.ptr, rows, hidden, tx.strides[0], tr.strides[0],
                    float(weight_bias), float(eps), pdl=pdl)
             return None
@@ -345,13 +285,44 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
     return None
 
 
+def _layernorm(input, gemma, beta, eps, stream):
+    fn = "layernorm"
+    ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
+    if not ctx.on_gpu:
+        x, g, b = (arrays.host_array(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
+        dtype = _check_layernorm(fn, x.shape, x.dtype, g.shape, g.dtype, b.shape, b.dtype)
+        xf = x.astype(np.float32)
+        mean = xf.mean(axis=-1, keepdims=True, dtype=np.float32)
+        centered = xf - mean
+        var = np.square(centered).mean(axis=-1, keepdims=True, dtype=np.float32)
+        y = centered * (1 / np.sqrt(var + np.float32(eps))) * g.astype(np.float32) + b.astype(np.float32)
+        return arrays.export(ctx, y.astype(dtype), dtype)
+    tx, tg, tb = (arrays.device_tensor(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
+    dtype = _check_layernorm(fn, tx.shape, tx.dtype, tg.shape, tg.dtype, tb.shape, tb.dtype)
+    out = arrays.empty(ctx, tx.shape, dtype)
+    to = arrays.device_tensor(out, "out", fn)
+    rows, hidden = tx.shape
+    if rows:
+        spec, vec = NormSpec(arrays.SHORT_NAME[dtype]), _aligned((tx, to, tg, tb))
+        entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows, bool(vec))
+        if entry == "cuattn_layernorm_rows":
+            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i")
+            launch((-(-rows // per_block),), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
+                   tx.strides[0], to.strides[0], float(eps), vec)
+        else:
+            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "i" "qq" "f" "i")
+            launch((rows,), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, hidden, tx.strides[0], to.strides[0],
+                   float(eps), vec)
+    return arrays.export(ctx, out, dtype)
+
+
 @functools.cache
-def _resident_blocks(spec: NormSpec, entry: str, device: int, block: int, smem: int) -> int:
-    """Blocks of ``block`` threads and ``smem`` dynamic shared bytes the device holds at once (one wave)."""
+def _resident_blocks(spec: NormSpec, entry: str, device: int, block: int) -> int:
+    """Blocks of ``block`` threads the device holds at once (one wave)."""
     cp = arrays.cupy_module()
     function = jit.get_function(spec, entry, device)
     with cp.cuda.Device(device):
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, smem)
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, 0)
     return cp.cuda.Device(device).attributes["MultiProcessorCount"] * max(1, per_sm)
 
 

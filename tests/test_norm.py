@@ -152,45 +152,20 @@ def test_fused_add_entry_picks_the_register_pipelined_form_for_large_aligned_cal
     assert norm.fused_add_entry("f16", 16384, big, 1) == "cuattn_fused_add_rmsnorm"     # max_groups 4
 
 
-def test_layernorm_geometry_picks_the_entry_from_the_call_size():
+def test_layernorm_geometry_runs_large_16_byte_calls_up_to_8192_two_rows_a_thread():
     spec = norm.NormSpec("bf16")
-    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 512, 0)   # small: a row a block
-    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1, 0)  # hidden > 8192
-    for hidden in (4096, 4099, 8192):
+    assert spec.layernorm_geometry(4096, 4) == ("cuattn_layernorm", 512, 1, 512)          # small: a row a block
+    assert spec.layernorm_geometry(16384, 4096)[0::2] == ("cuattn_layernorm", 1)          # hidden > 8192
+    assert spec.layernorm_geometry(4096, 4096, vec=False) == ("cuattn_layernorm", 128, 1, 128)  # 2-byte accesses
+    for hidden in (64, 1000, 4090, 4096, 4099, 7000, 8192):
         rows = norm._LATENCY_ELEMENTS // hidden + 1
-        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows)
-        assert entry == "cuattn_layernorm_pipe" and smem == norm._pipe_smem(spec)
-        assert threads * 8 * spec.max_groups >= hidden and block == threads * per_block <= norm._LAYERNORM_BLOCK
-
-
-def test_layernorm_is_shipped_in_the_pipe_form_and_candidate_forms_name_their_specs():
-    assert norm._LAYERNORM_FORM == "pipe" and norm.NormSpec("bf16").ln == "pipe"
-    assert norm.NormSpec("bf16").name == "norm_bf16_g4"                       # shipped names unchanged
-    assert norm.NormSpec("f16", 4, "rows2_1p").name == "norm_f16_g4_lnrows2_1p"
-    names = {norm.NormSpec("bf16", 4, f).name for f in norm.LAYERNORM_FORMS}
-    assert len(names) == len(norm.LAYERNORM_FORMS)                            # the module cache tells them apart
-    assert norm.NormSpec("bf16").defines() == ("-DDTYPE=1", "-DMAX_GROUPS=4", "-DMAX_THREADS=1024")
-    assert set(norm.NormSpec("bf16", 4, "pipe_cf_1p").defines()) >= {"-DLN_ONEPASS=1", "-DLN_SPLIT=1"}
-    assert "-DLN_ROWS=2" in norm.NormSpec("bf16", 4, "rows2").defines()
-    with pytest.raises(ValueError, match="ln must be one of"):
-        norm.NormSpec("bf16", 4, "warp")
-
-
-@pytest.mark.parametrize("form", [f for f in norm.LAYERNORM_FORMS if norm.LAYERNORM_FORMS[f][0]])
-def test_layernorm_rows_forms_take_large_16_byte_calls_up_to_8192(form):
-    spec, rows_a_thread = norm.NormSpec("bf16", 4, form), norm.LAYERNORM_FORMS[form][0]
-    for hidden in (64, 1000, 4090, 4096, 7000, 8192):
-        rows = norm._LATENCY_ELEMENTS // hidden + 1
-        entry, threads, per_block, block, smem = spec.layernorm_geometry(hidden, rows)
-        assert entry == "cuattn_layernorm_rows" and smem == 0
+        entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows)
+        assert entry == "cuattn_layernorm_rows"
         assert threads * 4 * 2 * spec.max_groups >= hidden                     # QUADS quads a thread cover a row
-        assert block == max(1, norm._ROWS_BLOCK // threads) * threads <= 256
-        assert per_block == block // threads * rows_a_thread
-    assert spec.layernorm_geometry(4096, 4096, vec=False)[0] == "cuattn_layernorm_pipe"   # 2-byte accesses
-    assert spec.layernorm_geometry(4096, 4)[0] == "cuattn_layernorm"                     # small call
-    assert spec.layernorm_geometry(16384, 4096)[0] == "cuattn_layernorm"                 # hidden > 8192
-    assert spec.layernorm_geometry(4096, 4096)[1:4] == (128, rows_a_thread, 128)        # serving size
-    assert spec.layernorm_geometry(8192, 4096)[1:4] == (256, rows_a_thread, 256)
+        assert block == max(1, norm._ROWS_BLOCK // threads) * threads <= 256   # the kernel's launch bound
+        assert per_block == block // threads * 2                               # two rows a sub-block
+    assert spec.layernorm_geometry(4096, 4096) == ("cuattn_layernorm_rows", 128, 2, 128)   # serving sizes
+    assert spec.layernorm_geometry(8192, 4096) == ("cuattn_layernorm_rows", 256, 2, 256)
 
 
 def test_norms_reject_bad_inputs_naming_the_argument():
@@ -261,28 +236,16 @@ def test_layernorm_rejects_bad_inputs_naming_the_argument():
 
 
 @pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_layernorm_candidate_forms_compile_without_spills(dtype, arch):
-    for form in norm.LAYERNORM_FORMS:
-        resources = jit.compile_kernel(norm.NormSpec(dtype, 4, form), arch).resources
-        entries = {"cuattn_layernorm", "cuattn_layernorm_pipe"} | ({"cuattn_layernorm_rows"}
-                                                                   if norm.LAYERNORM_FORMS[form][0] else set())
-        assert entries <= set(resources) or not resources, (form, resources)
-        for entry in entries & set(resources):
-            r = resources[entry]
-            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (form, entry, r)
-            assert r["registers"] <= (80 if entry == "cuattn_layernorm_rows" else 64), (form, entry, r)
-
-
-@pytest.mark.parametrize("arch", jit.SHIPPED_ARCHS)
 def test_shipped_norm_kernels_compile_without_spills(arch):
     for spec in norm.shipped_specs():
         resources = jit.compile_kernel(spec, arch).resources
         assert set(resources) == {"cuattn_rmsnorm", "cuattn_fused_add_rmsnorm", "cuattn_layernorm",
-                                  "cuattn_layernorm_pipe"} | ({"cuattn_fused_add_rmsnorm_regs"} if spec.max_groups == 1
+                                  "cuattn_layernorm_rows"} | ({"cuattn_fused_add_rmsnorm_regs"} if spec.max_groups == 1
                                                               else set()) or not resources
         if spec.max_groups == 1 and spec.dtype == "bf16" and resources:  # keeps 2048 threads an SM
             assert resources["cuattn_fused_add_rmsnorm"]["registers"] <= 32, resources
+        if resources:                         # 3 blocks of 256 an SM (two rows of 8192 a thread need 80)
+            assert resources["cuattn_layernorm_rows"]["registers"] <= 80, resources
         for entry, r in resources.items():
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack_frame"] == 0, (spec.name, entry, r)
 
@@ -369,12 +332,12 @@ def test_layernorm_gpu_matches_float64_formula(dtype, hidden, mode):
     assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
 
 
-# (rows, hidden, row stride): the staged, pipelined layernorm (cuattn_layernorm_pipe: gamma and beta in shared
-# memory, several rows a block, blocks looping over row tiles, the next tile's rows prefetched) at hidden 8192,
-# 7000 and 6144 (gamma and beta of 64, 56 and 48 KB), a last tile part empty (odd rows), rows of a stride that is no multiple of 8
-# (2-byte accesses), and hidden 16384 (a row a block, gamma and beta from L2)
-STAGED = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024, 1024), (301, 4100, 4103),
-          (131, 16384, 16384)]
+# (rows, hidden, row stride): large layernorm calls; cuattn_layernorm_rows (two rows a thread, gamma and beta
+# through L1) at hidden 8192, 7000, 6144 and 1024 (4 sub-blocks of 32 threads a block), a last block part empty
+# (odd rows); cuattn_layernorm (a row a block, gamma and beta from L2) for rows of a stride that is no multiple
+# of 8 (2-byte accesses) and hidden 16384
+LARGE = [(1001, 8192, 8192), (777, 7000, 7000), (513, 6144, 6144), (4097, 1024, 1024), (301, 4100, 4103),
+         (131, 16384, 16384)]
 
 
 def poison_pool(nbytes):
@@ -388,10 +351,10 @@ def poison_pool(nbytes):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [pytest.param(DTYPES[0], marks=pytest.mark.slow), DTYPES[1]], ids=DTYPE_IDS)
-def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
+def test_layernorm_gpu_large_calls_match_float64_formula(dtype):
     import cupy
-    # + blocks that loop over several tiles at the serving sizes (an H100 holds 1056 rows of 4096 a wave)
-    for rows, hidden, stride in STAGED + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
+    # + the serving sizes over more than one wave of blocks, and 2-byte accesses at 4099
+    for rows, hidden, stride in LARGE + [(2500, 4096, 4096), (1500, 8192, 8192), (1203, 4099, 4099)]:
         assert (rows * hidden > norm._LATENCY_ELEMENTS) and (stride >= hidden)
         rng = np.random.default_rng(rows + hidden)
         x = randn(rng, (rows, hidden), dtype, scale=2.0, shift=3.0)
@@ -403,7 +366,7 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
         poison_pool(2 * rows * hidden)
         y = norm.layernorm(view, g_dev, b_dev, 1e-5)
         assert_close(from_gpu(y, dtype), layernorm64(x, gamma, beta, 1e-5), dtype)
-    # 16-byte path with a tail group: rows of 4092 (no multiple of 8) at an aligned stride of 4096
+    # rows of 4092 read at an aligned stride of 4096 (the output's, 4092 contiguous, make it 2-byte accesses)
     rng = np.random.default_rng(17)
     raw = to_gpu(randn(rng, (1500, 4096), dtype, scale=2.0, shift=-1.0))
     view = raw[:, :4092]
@@ -414,12 +377,13 @@ def test_layernorm_gpu_staged_tiles_match_float64_formula(dtype):
     assert_close(from_gpu(y, dtype), layernorm64(from_gpu(view, dtype), gamma, beta, 1e-5), dtype)
 
 
-# every layernorm form (norm.LAYERNORM_FORMS) on the large calls where forms differ, and the calls they route to
-# the shipped kernels: (rows, hidden, row stride); hidden 4096 / 8192 at 1100 rows: the rows forms' branch-free
-# blocks and a last block part empty (1100 = 8 x 137 + 4); 4090 at a stride of 4096: a quad / group past the
-# row's end; 1000: rows of 32 threads sharing blocks; 7000: threads with fewer quads; 4099: 2-byte accesses
-FORM_SHAPES = [(1100, 4096, 4096), (1100, 8192, 8192), (1501, 4090, 4096), (2001, 1000, 1000), (777, 7000, 7000),
-               (301, 4099, 4099)]
+# large layernorm calls on rows that stress the statistics (layernorm_rows_mix): (rows, hidden, row stride);
+# hidden 4096 / 8192 at 1101 rows: cuattn_layernorm_rows' branch-free blocks (2 rows a block) and a last block
+# with one row; 1000: rows of 32 threads sharing blocks (8 rows a block), 2001 rows: a last block part empty; 7000:
+# threads with fewer quads; hidden no multiple of 8 (the output's rows, contiguous, then allow no 16-byte
+# accesses): cuattn_layernorm, 4090 read at a stride of 4096, 4099 contiguous
+MIX_SHAPES = [(1101, 4096, 4096), (1101, 8192, 8192), (1501, 4090, 4096), (2001, 1000, 1000), (777, 7000, 7000),
+              (301, 4099, 4099)]
 
 
 def layernorm_rows_mix(rng, rows, hidden, dtype):
@@ -438,19 +402,19 @@ def layernorm_rows_mix(rng, rows, hidden, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("form", list(norm.LAYERNORM_FORMS))
-def test_layernorm_gpu_every_form_matches_float64_formula(form, dtype):
+def test_layernorm_gpu_large_calls_of_adversarial_rows_match_float64_formula(dtype):
     import cupy
-    for rows, hidden, stride in FORM_SHAPES:
-        assert rows * hidden > norm._LATENCY_ELEMENTS
-        rng = np.random.default_rng(rows + hidden + len(form))
+    for rows, hidden, stride in MIX_SHAPES:
+        entry = norm.NormSpec("bf16").layernorm_geometry(hidden, rows, hidden % 8 == 0)[0]
+        assert entry == ("cuattn_layernorm_rows" if hidden in (4096, 8192, 1000, 7000) else "cuattn_layernorm")
+        rng = np.random.default_rng(rows + hidden + 5)
         x = layernorm_rows_mix(rng, rows, hidden, dtype)
         gamma, beta = randn(rng, (hidden,), np.float32), randn(rng, (hidden,), np.float32)
         raw = to_gpu(np.zeros((rows, stride), dtype))
         view = raw[:, :hidden]
         view[...] = to_gpu(x)
         poison_pool(2 * rows * hidden)
-        y = norm._layernorm(view, cupy.asarray(gamma), cupy.asarray(beta), 1e-5, None, form)
+        y = norm.layernorm(view, cupy.asarray(gamma), cupy.asarray(beta), 1e-5)
         ref = layernorm64(x, gamma, beta, 1e-5)
         got = from_gpu(y, dtype)
         for kind in range(5):                    # each kind of row against its own scale
