@@ -136,33 +136,3 @@ def test_cascade_equals_attention_over_the_concatenated_kv_on_gpu(name, dtype):
     want, want_lse = oracle(q, per_q)
     assert rel_err(o.astype(np.float32), want) < TOL
     assert np.abs(cp.asnumpy(lse) - want_lse).max() < 2e-3 * np.abs(want_lse).max()
-
-
-REPLANS = [     # 3 levels, page_size 1: the first two levels' page ids pass the staging buffer's first 1024 words
-    [([6], [2500]), ([2, 4], [1500, 700]), ([1] * 6, [3, 16, 9, 1, 30, 12])],
-    [([5], [4000]), ([2, 3], [900, 3000]), ([1] * 5, [40, 1, 64, 33, 7])],
-    [([4], [10]), ([1, 3], [5, 6]), ([1] * 4, [1, 2, 3, 4])],
-]
-
-
-@pytest.mark.gpu
-def test_cascade_replans_through_one_shared_staging_buffer_on_gpu():
-    """The levels of a cascade plan are staged in one pinned buffer (grown inside a plan when a later level does
-    not fit) and uploaded with one event: re-planned with other lengths, larger and smaller, and two plans queued
-    before a run, every run() reads its last plan's metadata (poisoned outputs, the float64 oracle)."""
-    import cupy as cp
-    w = cuattn.MultiLevelCascadeAttentionWrapper(3)
-    for step, (first, then) in enumerate([(0, None), (1, None), (0, 2), (2, 1), (1, 0)]):
-        made = {i: make_cascade(20 + i, REPLANS[i], 8, 2, 64, 1) for i in {first, then} - {None}}
-        for i in (first, then):
-            if i is not None:       # (the second plan replaces the first before any run)
-                tables = made[i][0]
-                w.plan([t[0] for t in tables], [t[1] for t in tables], [t[2] for t in tables],
-                       [t[3] for t in tables], 8, 2, 64, 1)
-        _, cache, q, per_q = made[first if then is None else then]
-        out = cp.full(q.shape, np.nan, np.float16)
-        lse = cp.full(q.shape[:2], np.nan, np.float32)
-        w.run(cp.asarray(q), cp.asarray(cache), out=out, lse=lse, return_lse=True)
-        want, want_lse = oracle(q, per_q)
-        assert rel_err(cp.asnumpy(out).astype(np.float32), want) < TOL, step
-        assert np.abs(cp.asnumpy(lse) - want_lse).max() < 2e-3 * np.abs(want_lse).max(), step
