@@ -32,14 +32,28 @@ class Staging:
         """An int32 view of >= ``size`` pinned words, free to write (its last upload is done). No waiting on an
         upload where avoidable: with two buffers used in turn, every other plan() took 0.8-1 ms in one H100 run
         (FlashInfer loaded in the same process; not pinned down further). With _MAX_STAGING buffers in flight,
-        the next in turn is waited for. In a batch, after a queued upload: the words after the queued ones."""
+        the next in turn is waited for. In a batch: the words after the batch's queued ones (the buffer grows
+        when they do not fit: the queued words are copied into the larger one)."""
         batch = self._batch
-        if batch is not None and batch[1]:
-            return self._after(batch[0], size)
+        if batch is None:
+            view = self._last = self._free(size)
+            return view
+        if not batch[1]:
+            view = self._free(batch[0] + size)
+        else:
+            entry = self._bufs[self._current]
+            if entry[1].size < batch[0] + size:
+                old = entry[1]
+                self._alloc(entry, max(batch[0] + size, 2 * old.size))
+                entry[1][:old.size] = old
+            view = entry[1]
+        view = self._last = view[batch[0]:batch[0] + size]
+        return view
+
+    def _free(self, size: int) -> np.ndarray:
         for i, (_, view, copied, _) in enumerate(self._bufs):
             if view.size >= size and (copied is None or copied.done):
                 self._current = i
-                self._last = view
                 return view
         if len(self._bufs) < _MAX_STAGING:
             self._bufs.append([None, None, None, 0])
@@ -51,19 +65,7 @@ class Staging:
             entry[2].synchronize()
         if entry[1] is None or entry[1].size < size:
             self._alloc(entry, max(size, 1024) if entry[1] is None else max(size, 2 * entry[1].size))
-        self._last = entry[1]
         return entry[1]
-
-    def _after(self, start: int, size: int) -> np.ndarray:
-        """Words ``start`` to ``start + size`` of the batch's buffer (grown when they do not fit: the queued
-        words are copied into the larger one; nothing is in flight from it before ``finish()``)."""
-        entry = self._bufs[self._current]
-        if entry[1].size < start + size:
-            old = entry[1]
-            self._alloc(entry, max(start + size, 2 * old.size))
-            entry[1][:old.size] = old
-        view = self._last = entry[1][start:start + size]
-        return view
 
     @staticmethod
     def _alloc(entry: list, n: int) -> None:
@@ -78,14 +80,12 @@ class Staging:
             raise ValueError(f"{owner}: upload() takes the staging buffer take() returned last")
         batch = self._batch
         if batch is None:
-            entry = self._bufs[self._current]
-            arrays.cupy_module().cuda.runtime.memcpyAsync(dst_ptr, entry[3], count * 4, 1, stream.ptr)
-            self._record(entry, device, stream)
+            self._copy(device, ((dst_ptr, 0, count),), stream)
             return
         if batch[1] and batch[2].ptr != stream.ptr:     # another stream (levels of different frameworks):
             self.finish()                                # the queued copies go first, from their own buffer
             self.begin()
-            self.take(count)[:count] = host[:count]
+            self.take(count)[:] = host[:count]
             batch = self._batch
         batch[1].append((dst_ptr, batch[0], count))
         batch[0] += (count + 3) & ~3                     # (16-byte aligned sources)
@@ -99,17 +99,16 @@ class Staging:
         """Issue the queued copies, then one event record; uploads are immediate again."""
         batch, self._batch = self._batch, None
         if batch is not None and batch[1]:
-            entry = self._bufs[self._current]
-            copy, src, ptr = arrays.cupy_module().cuda.runtime.memcpyAsync, entry[3], batch[2].ptr
-            for dst_ptr, offset, count in batch[1]:
-                copy(dst_ptr, src + 4 * offset, count * 4, 1, ptr)
-            self._record(entry, batch[3], batch[2])
+            self._copy(batch[3], batch[1], batch[2])
 
-    @staticmethod
-    def _record(entry: list, device: int, stream) -> None:
-        """Record the event of staging buffer ``entry`` after its copies on ``stream`` (made on first use)."""
+    def _copy(self, device: int, copies, stream) -> None:
+        """``copies`` = (device pointer, word offset in the current buffer, words) each, then the event record."""
+        cp = arrays.cupy_module()
+        entry = self._bufs[self._current]
+        copy, src, ptr = cp.cuda.runtime.memcpyAsync, entry[3], stream.ptr
+        for dst_ptr, offset, count in copies:
+            copy(dst_ptr, src + 4 * offset, count * 4, 1, ptr)
         if entry[2] is None:
-            cp = arrays.cupy_module()
             with cp.cuda.Device(device):        # the event on the stream's device
                 entry[2] = cp.cuda.Event(block=False, disable_timing=True)
         entry[2].record(stream)

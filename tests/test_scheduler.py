@@ -265,14 +265,14 @@ def test_shared_staging_queues_the_levels_copies_and_records_one_event_per_strea
     st.begin()
     sizes = ((100, 5), (200, 1100), (300, 3))             # 1024 words at first: the second grows the buffer
     for dst, n in sizes:
-        h = st.take(n)                                     # (>= n words)
-        h[:n] = np.arange(n) + dst
+        h = st.take(n)
+        h[:] = np.arange(n) + dst
         st.upload(0, dst, h, n, s0, "test")
         if dst == 100:
-            st.take(40)[:40] = 99                          # not uploaded: its words are the next upload's
+            st.take(40)[:] = 99                            # not uploaded: its words are the next upload's
     assert log == [] and st._bufs[0][1].size == 2048       # queued; grown
     h = st.take(2)
-    h[:2] = [-1, -2]
+    h[:] = [-1, -2]
     st.upload(0, 400, h, 2, s1, "test")                    # another stream: the queued copies go first
     st.finish()
     want = [("copy", d, (np.arange(n) + d).tolist(), 0) for d, n in sizes]
