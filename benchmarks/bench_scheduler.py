@@ -2,12 +2,10 @@
 
 1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; MLA decode (128 heads, page 64)
    over the same lengths; paged and ragged prefill of 256 requests x 64 new tokens over 2048 keys; a
-   2-level cascade of 256 requests over a 32k prefix; a 3-level cascade: the 32k prefix, 16 groups of 16
-   requests x 1024 keys, the requests' own; each again with request lengths drawn from 1024-4096 keys), then
-   the cascades again with each level's own staging (the form before the levels shared one: its A/B in one
-   process, rows "... (own staging)"): median over 40 plans after 10 warm-up plans, time.perf_counter around
-   the call. ``--plan-only``: this part alone, median over 200 plans after 20 warm-up, ``--rounds N``: the
-   best of N such medians, the cases taken in turn N times.
+   2-level cascade of 256 requests over a 32k prefix; each again with request lengths drawn from
+   1024-4096 keys; and a 3-level cascade: the 32k prefix, 16 groups of 16 requests x 1024 keys, the requests' own):
+   median over 40 plans after 10 warm-up
+   plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
    decode step at batch 64 x 2048 (and of a paged prefill step of 8 x 512 new tokens), replayed
    after a plan(); host µs per graph.launch() / the run()s it holds (a decode run() is one kernel,
@@ -23,11 +21,10 @@
    (FakeCupy counts them); ``--profile`` adds a cProfile of each case.
 5. ``--dump-plans PATH`` (no GPU needed): every upload's bytes and address, every pointer, describe() and
    error of 1200 random plans on the stubbed device, as JSON: the same file from two versions of cuattn
-   means the same plans (decode, paged, ragged, 2- and 3-level cascade, MLA; eager and graph mode; the
+   means the same plans (decode, paged, ragged, 2-level cascade, MLA; eager and graph mode; the
    scheduler's, a fixed or no split; now and then a bad argument or array).
 
     python benchmarks/bench_scheduler.py [--reps 30] [--out results.json]
-    python benchmarks/bench_scheduler.py --plan-only [--rounds 5] [--out results.json]
     python benchmarks/bench_scheduler.py --host-only [--rounds 5] [--profile] [--out results.json]
     python benchmarks/bench_scheduler.py --dump-plans plans.json [--num-plans 300]
 """
@@ -81,10 +78,8 @@ def varied_table(batch, lo, hi, page_size, seed):
     return indptr, indices, lpl, lens
 
 
-def plan_cases(batch=256, kv=2048, varied=False, own_staging=False) -> dict:
-    """name -> a plan() call of each wrapper at ``batch`` (uniform ``kv`` keys, or 1024-4096 when ``varied``).
-    ``own_staging``: the cascades alone, each level with its own staging as before the shared one
-    (``MultiLevelCascadeAttentionWrapper._stage = None``), named "... (own staging)": its A/B in one process."""
+def plan_cases(batch=256, kv=2048, varied=False) -> dict:
+    """name -> a plan() call of each wrapper at ``batch`` (uniform ``kv`` keys, or 1024-4096 when ``varied``)."""
     if varied:
         indptr, indices, lpl, lens = varied_table(batch, 1024, 4096, PS, 1)
         kv_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -113,7 +108,7 @@ def plan_cases(batch=256, kv=2048, varied=False, own_staging=False) -> dict:
     m_ids = np.random.default_rng(2).permutation(int(m_indptr[-1])).astype(np.int32)
     m_args = (np.arange(batch + 1, dtype=np.int32), m_indptr, m_ids, m_lens.astype(np.int32), 128, 512, 64, 64, False,
               0.1, "float16", "float16")
-    cases = {
+    return {
         f"decode {batch} x {tag}": lambda: d.plan(indptr, indices, lpl, HQ, HKV, D, PS),
         f"mla decode {batch} x {tag}": lambda: m.plan(*m_args),
         f"paged prefill {batch} x (64 new / {tag})": lambda: p.plan(qo, indptr, indices, lpl, HQ, HKV, D, PS,
@@ -122,20 +117,10 @@ def plan_cases(batch=256, kv=2048, varied=False, own_staging=False) -> dict:
         f"cascade 2-level 32k + {batch} x {tag}": lambda: c.plan(*c_tables, HQ, HKV, D, PS),
         f"cascade 3-level 32k + 16 x 1k + {batch} x {tag}": lambda: c3.plan(*c3_tables, HQ, HKV, D, PS),
     }
-    if own_staging:
-        c._stage = c3._stage = None
-        return {f"{k} (own staging)": f for k, f in cases.items() if k.startswith("cascade")}
-    return cases
-
-
-def all_cases() -> dict:
-    """The plan() cases of 1.: uniform, 1-4k, then the cascades again with their levels' own staging."""
-    return {**plan_cases(), **plan_cases(varied=True), **plan_cases(own_staging=True),
-            **plan_cases(varied=True, own_staging=True)}
 
 
 def plan_costs() -> dict:
-    return {k: plan_host_us(f) for k, f in all_cases().items()}
+    return {k: plan_host_us(f) for k, f in {**plan_cases(), **plan_cases(varied=True)}.items()}
 
 
 class FakeCupy:
@@ -144,8 +129,7 @@ class FakeCupy:
     getDevice / setDevice; an Event: create, record, query (``done``), synchronize; the async copy; a pinned or
     device allocation). The current-stream lookup (no CUDA call in CuPy) is counted as ``stream``. Device
     arrays get distinct fake addresses, in allocation order; ``uploads`` (when a list) receives every
-    host-to-device copy as (dst, nbytes, bytes), and the copied staging words are then zeroed (so the never-read
-    alignment words of an upload are 0 whichever staging buffer, or part of one, a plan takes)."""
+    host-to-device copy as (dst, nbytes, bytes)."""
 
     def __init__(self):
         import collections
@@ -225,8 +209,6 @@ class FakeCupy:
                 if fake.uploads is not None and kind == 1:
                     import ctypes
                     fake.uploads.append((dst, nbytes, ctypes.string_at(src, nbytes)))
-                    ctypes.memset(src, 0, nbytes)   # words a plan leaves unwritten (alignment) upload as 0, whichever
-                                                    # staging buffer or part of one it takes
 
         def current_stream(device=None):
             calls["stream"] += 1
@@ -262,26 +244,21 @@ def stub_device() -> FakeCupy:
     return fake
 
 
-def plan_rows(args, fake=None) -> dict:
-    """plan() host µs of every case (``all_cases``): the best of ``args.rounds`` medians of 200 plans after 20 warm-up,
-    the cases in turn each round (a machine's load moves single medians); on the stubbed device (``fake``) with the
-    CUDA calls one plan makes, on a GPU synchronized after each median's plans (``--host-only`` / ``--plan-only``)."""
-    cases = all_cases()
-    best = {name: float("inf") for name in cases}
-    for _ in range(max(args.rounds, 1)):
-        for name, f in cases.items():
-            best[name] = min(best[name], plan_host_us(f, n=200, warmup=20, sync=fake is None))
+def host_only(args) -> dict:
+    fake = stub_device()
     rows = {}
+    cases = {**plan_cases(), **plan_cases(varied=True)}
+    best = {name: float("inf") for name in cases}
+    for _ in range(max(args.rounds, 1)):          # the cases in turn, each round: the best median of each
+        for name, f in cases.items():
+            best[name] = min(best[name], plan_host_us(f, n=200, warmup=20, sync=False))
     for name, f in cases.items():
-        rows[name] = row = dict(us=round(best[name], 1))
-        line = f"plan() host {name:<58} {best[name]:7.1f} us"
-        if fake is not None:
-            fake.calls.clear()
-            f()
-            calls = dict(sorted(fake.calls.items()))
-            row.update(device_calls=fake.device_calls(), calls=calls)
-            line += f"  {fake.device_calls():3d} device calls  " + " ".join(f"{k}={v}" for k, v in calls.items())
-        print(line)
+        fake.calls.clear()
+        f()
+        calls = dict(sorted(fake.calls.items()))
+        rows[name] = dict(us=round(best[name], 1), device_calls=fake.device_calls(), calls=calls)
+        print(f"plan() host {name:<45} {best[name]:7.1f} us  {fake.device_calls():3d} device calls  "
+              + " ".join(f"{k}={v}" for k, v in calls.items()))
         if args.profile:
             import cProfile
             import pstats
@@ -304,13 +281,12 @@ def _random_table(rng, batch, page_size, lo, hi):
 
 
 def random_plans(n: int, seed: int = 0):
-    """(name, wrapper, [plan() calls]) of ``n`` random wrappers (decode, paged, ragged, 2- and 3-level cascade, MLA;
+    """(name, wrapper, [plan() calls]) of ``n`` random wrappers (decode, paged, ragged, 2-level cascade, MLA;
     eager or graph mode; the scheduler's, a fixed or no split), each planned 4 times with mostly the same
     configuration (the memos' hits) and now and then another one or a bad argument (their misses and errors)."""
     rng = np.random.default_rng(seed)
     for i in range(n):
-        kind = ["decode", "paged", "ragged", "cascade", "mla", "cascade"][i % 6]
-        levels = 3 if i % 6 == 5 else 2
+        kind = ["decode", "paged", "ragged", "cascade", "mla"][i % 5]
         graph = bool(rng.integers(0, 2))
         split = rng.choice(["auto", "auto", "fixed", "disable"])
         hq, hkv = [(32, 8), (8, 8), (16, 2), (4, 1)][int(rng.integers(0, 4))]
@@ -323,7 +299,7 @@ def random_plans(n: int, seed: int = 0):
         w = {"decode": lambda: cuattn.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=graph),
              "paged": lambda: cuattn.BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=graph),
              "ragged": lambda: cuattn.BatchPrefillWithRaggedKVCacheWrapper(use_cuda_graph=graph),
-             "cascade": lambda: cuattn.MultiLevelCascadeAttentionWrapper(levels, use_cuda_graph=graph),
+             "cascade": lambda: cuattn.MultiLevelCascadeAttentionWrapper(2, use_cuda_graph=graph),
              "mla": lambda: cuattn.BatchMLAPagedAttentionWrapper(use_cuda_graph=graph)}[kind]()
         calls = []
         for j in range(4):
@@ -381,11 +357,6 @@ def random_plans(n: int, seed: int = 0):
                     uq = np.arange(b + 1, dtype=np.int32)
                     shared[0] = np.array([0, b], np.int32)
                 tables = ([shared[0], uq], [shared[1], indptr], [shared[2], indices], [shared[3], lpl])
-                if levels == 3:     # a middle level: the requests in groups (of one request each: a decode level)
-                    cuts = np.sort(rng.permutation(np.arange(1, b))[:int(rng.integers(0, b))]) if b > 1 else []
-                    g_indptr, g_indices, g_lpl, _ = _random_table(rng, len(cuts) + 1, ps, 1, hi)
-                    g_qo = np.concatenate([[0], uq[cuts], [uq[-1]]]).astype(np.int32)
-                    tables = tuple([t[0], m, t[1]] for t, m in zip(tables, (g_qo, g_indptr, g_indices + prefix, g_lpl)))
                 f = (lambda t=tables, h=(hq, hkv, d, ps), k=dict(q_data_type=cfg_dtype, causal=cfg_causal, **sk):
                      w.plan(*t, *h, **k))
                 if bad:
@@ -492,10 +463,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out")
     ap.add_argument("--host-only", action="store_true", help="plan() host time on a stubbed device (no GPU)")
-    ap.add_argument("--plan-only", action="store_true", help="plan() host time alone, on the GPU (1. with --rounds)")
-    ap.add_argument("--profile", action="store_true", help="with --host-only / --plan-only: cProfile each case")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="with --host-only / --plan-only: the best of this many medians per case")
+    ap.add_argument("--profile", action="store_true", help="with --host-only: cProfile each case")
+    ap.add_argument("--rounds", type=int, default=1, help="with --host-only: the best of this many medians per case")
     ap.add_argument("--dump-plans", metavar="PATH", help="random plans' uploads and describe() on a stubbed device, "
                                                          "as JSON (compare two versions' files)")
     ap.add_argument("--num-plans", type=int, default=300, help="with --dump-plans: random wrappers (4 plans each)")
@@ -507,20 +476,12 @@ def main():
         import platform
         print(f"# plan() host time, device stubbed; {platform.processor() or platform.machine()}, "
               f"cuattn {cuattn.__version__}, numpy {np.__version__}, {datetime.date.today()}")
-        rows = plan_rows(args, stub_device())
+        rows = host_only(args)
         if args.out:
             Path(args.out).write_text(json.dumps(dict(date=str(datetime.date.today()), method=__doc__,
                                                       plan_host_us_stubbed=rows), indent=1))
         return
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    if args.plan_only:
-        print(f"# plan() host time on {dev}, best of {args.rounds} medians; cuattn {cuattn.__version__}, "
-              f"numpy {np.__version__}, cupy {cp.__version__}, {datetime.date.today()}")
-        rows = plan_rows(args)
-        if args.out:
-            Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), method=__doc__,
-                                                      rounds=args.rounds, plan_host_us=rows), indent=1))
-        return
     read_tbs, _ = ceilings(10)
     print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, read ceiling {read_tbs:.2f} TB/s")
     plans = plan_costs()

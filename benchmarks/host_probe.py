@@ -107,7 +107,7 @@ def main():
     rows["plan(256x2048, NumPy indices)"] = per_call_us(lambda: w.plan(pi, px, pl, 32, 8, 128, 16), n=30)
     dx = cp.asarray(px)
     rows["plan(256x2048, device indices)"] = per_call_us(lambda: w.plan(pi, dx, pl, 32, 8, 128, 16), n=30)
-    host = w._bufs.stage.take(len(px) + 4096)
+    host = w._bufs.staging(len(px) + 4096)
     dst = w._bufs.plan
     rows["  cudaMemcpy 128 KB pinned"] = per_call_us(
         lambda: cp.cuda.runtime.memcpy(dst.data.ptr, host.ctypes.data, len(px) * 4, 1), n=30)

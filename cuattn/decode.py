@@ -56,7 +56,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_cuda_graph = bool(use_cuda_graph)
         self._workspace, self._device = _buffers.workspace_of(workspace_buffer, "workspace_buffer", fn)
         self._bufs: _buffers.DeviceBuffers | None = None
-        self._stage = _buffers.Staging()         # pinned staging of the uploads (a cascade's levels share one)
         self._plan: _plan.Plan | None = None     # the last plan()'s
         self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)
         # Benchmark/test overrides, not API (benchmarks/bench_decode.py --variants, tests/test_decode.py):
@@ -258,7 +257,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _upload(self, p: _plan.Plan, wl, indices_h, indices_dev, idx_t, fn):
         cp = arrays.cupy_module()
         if self._bufs is None:
-            self._bufs = _buffers.DeviceBuffers(self._device, self._use_cuda_graph, stage=self._stage)
+            self._bufs = _buffers.DeviceBuffers(self._device, self._use_cuda_graph)
         bufs = self._bufs
         n_work, n_merge = len(wl.work), len(wl.merge)
         if self._use_cuda_graph:
@@ -295,7 +294,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             idx_cap = n_idx if upload_idx else 0
         n_host = head + (n_idx if not indices_dev else 0)
-        host = bufs.stage.take(n_host)
+        host = bufs.staging(n_host)
         # -- every word written once: the rows, then -1 only past them (graph mode's padding)
         w_end, m_off = n_work * 8, n_work_c * 8
         host[:w_end] = wl.work.reshape(-1)
@@ -323,7 +322,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # plan queued there and before the runs of this one
         stream = arrays.resolve_stream(arrays.framework_of(p.kv_indices_src), self._device)
         base = plan_dev.data.ptr
-        bufs.stage.upload(self._device, base, host, n_host, stream, bufs.owner)
+        bufs.upload(base, host, n_host, stream)
         p.grid_work, p.grid_merge = n_work_c, n_merge_c
         merge_ptr = base + n_work_c * 8 * 4
         meta = {"work": base, "merge": merge_ptr, "counters": merge_ptr + n_merge_c * 4 * 4,

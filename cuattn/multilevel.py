@@ -23,7 +23,6 @@ import numpy as np
 
 from . import arrays
 from .plan import host_ints
-from .plan_buffers import Staging
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -83,15 +82,6 @@ def _merge_into(ctx, v, s, v_other, s_other, fn: str) -> bool:
     return True
 
 
-def _staged(level, stage: Staging | None):
-    """A level's wrapper whose plan() uploads go through the cascade's staging ``stage`` (None: its own)."""
-    if stage is not None and isinstance(level, BatchDecodeWithPagedKVCacheWrapper):
-        level._stage = stage
-    elif stage is not None:
-        level._bufs.stage = stage
-    return level
-
-
 def _host_mask(mask, seq_len: int, fn: str) -> np.ndarray:
     m = np.asarray(arrays.to_host(mask, "mask", fn)).astype(bool).ravel()
     if m.shape != (seq_len,):
@@ -126,11 +116,6 @@ class MultiLevelCascadeAttentionWrapper:
         self._make = {
             "decode": lambda: BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph),
             "prefill": lambda: BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph)}
-        # -- every level's plan is staged in one pinned buffer and uploaded at the end of plan(): one event query and
-        #    one event record per plan, not per level (each level keeps its device buffers: one copy per level).
-        #    Benchmark override, not API: None before the first plan gives each level its own staging, the form
-        #    before (benchmarks/bench_scheduler.py times both: the "own staging" rows)
-        self._stage: Staging | None = Staging()
         self._levels: list = [None] * self._num_levels     # each level's wrapper, of the kind its plan needs
         self._kinds: list = [None] * self._num_levels
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
@@ -162,37 +147,29 @@ class MultiLevelCascadeAttentionWrapper:
         totals = set()
         common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
                       fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
-        stage = self._stage
-        if stage is not None:
-            stage.begin()
-        try:
-            for i in range(self._num_levels):
-                qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
-                n = len(qo)
-                rows = int(qo[-1]) if n else 0
-                totals.add(rows)
-                # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
-                #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
-                #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
-                kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
-                kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
-                    qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
-                if kind != self._kinds[i]:
-                    if self._graph and self._kinds[i] is not None:
-                        raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with "
-                                         f"use_cuda_graph=True ({self._kinds[i]}), got a plan for {kind}; make a new "
-                                         f"wrapper")
-                    self._levels[i], self._kinds[i] = _staged(self._make[kind](), stage), kind
-                if kind == "decode":
-                    self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                         num_kv_heads, head_dim, page_size, **common)
-                else:
-                    self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i],
-                                         num_qo_heads, num_kv_heads, head_dim, page_size,
-                                         causal=bool(causal) and i == self._num_levels - 1, **common)
-        finally:       # (a level's error: the levels planned before it keep their uploads, as each made its own)
-            if stage is not None:
-                stage.finish()
+        for i in range(self._num_levels):
+            qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
+            n = len(qo)
+            rows = int(qo[-1]) if n else 0
+            totals.add(rows)
+            # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
+            #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
+            #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
+            kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
+            kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
+                qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
+            if kind != self._kinds[i]:
+                if self._graph and self._kinds[i] is not None:
+                    raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
+                                     f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
+                self._levels[i], self._kinds[i] = self._make[kind](), kind
+            if kind == "decode":
+                self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
+                                     num_kv_heads, head_dim, page_size, **common)
+            else:
+                self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
+                                     num_kv_heads, head_dim, page_size,
+                                     causal=bool(causal) and i == self._num_levels - 1, **common)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")

@@ -12,118 +12,58 @@ import numpy as np
 
 from . import arrays
 
-_MAX_STAGING = 8      # plan() staging buffers in flight at once (Staging)
-
-
-class Staging:
-    """Pinned int32 host buffers that plans are written into and uploaded from, asynchronously on the caller's
-    stream, each buffer with the event after its last upload; a wrapper's own (``DeviceBuffers``), or one that a
-    cascade's levels share. Between ``begin()`` and ``finish()`` (a cascade plan) the uploads of every level take
-    consecutive parts of one buffer and are queued; ``finish()`` issues their copies and records one event (one
-    event query and one record per cascade plan instead of one per level)."""
-
-    def __init__(self):
-        self._bufs: list[list] = []       # [pinned memory, int32 NumPy view, event or None, address]
-        self._current = 0
-        self._last = None                 # the view take() returned last (upload() copies from it)
-        self._batch = None                # between begin() and finish(): [next word, queued copies, stream, device]
-
-    def take(self, size: int) -> np.ndarray:
-        """An int32 view of >= ``size`` pinned words, free to write (its last upload is done). No waiting on an
-        upload where avoidable: with two buffers used in turn, every other plan() took 0.8-1 ms in one H100 run
-        (FlashInfer loaded in the same process; not pinned down further). With _MAX_STAGING buffers in flight,
-        the next in turn is waited for. In a batch: the words after the batch's queued ones (the buffer grows
-        when they do not fit: the queued words are copied into the larger one)."""
-        batch = self._batch
-        if batch is None:
-            view = self._last = self._free(size)
-            return view
-        if not batch[1]:
-            view = self._free(batch[0] + size)
-        else:
-            entry = self._bufs[self._current]
-            if entry[1].size < batch[0] + size:
-                old = entry[1]
-                self._alloc(entry, max(batch[0] + size, 2 * old.size))
-                entry[1][:old.size] = old
-            view = entry[1]
-        view = self._last = view[batch[0]:batch[0] + size]
-        return view
-
-    def _free(self, size: int) -> np.ndarray:
-        for i, (_, view, copied, _) in enumerate(self._bufs):
-            if view.size >= size and (copied is None or copied.done):
-                self._current = i
-                return view
-        if len(self._bufs) < _MAX_STAGING:
-            self._bufs.append([None, None, None, 0])
-            self._current = len(self._bufs) - 1
-        else:
-            self._current = (self._current + 1) % _MAX_STAGING
-        entry = self._bufs[self._current]
-        if entry[2] is not None:
-            entry[2].synchronize()
-        if entry[1] is None or entry[1].size < size:
-            self._alloc(entry, max(size, 1024) if entry[1] is None else max(size, 2 * entry[1].size))
-        return entry[1]
-
-    @staticmethod
-    def _alloc(entry: list, n: int) -> None:
-        entry[0] = arrays.cupy_module().cuda.alloc_pinned_memory(n * 4)
-        entry[1] = np.frombuffer(entry[0], np.int32, n)
-        entry[3] = entry[1].__array_interface__["data"][0]     # (ndarray.ctypes.data costs ~15 µs)
-
-    def upload(self, device: int, dst_ptr: int, host: np.ndarray, count: int, stream, owner: str) -> None:
-        """Copy ``count`` int32 from the view take() just returned to ``dst_ptr``, asynchronously on ``stream``
-        (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy); queued in a batch."""
-        if host is not self._last:
-            raise ValueError(f"{owner}: upload() takes the staging buffer take() returned last")
-        batch = self._batch
-        if batch is None:
-            self._copy(device, ((dst_ptr, 0, count),), stream)
-            return
-        if batch[1] and batch[2].ptr != stream.ptr:     # another stream (levels of different frameworks):
-            self.finish()                                # the queued copies go first, from their own buffer
-            self.begin()
-            self.take(count)[:] = host[:count]
-            batch = self._batch
-        batch[1].append((dst_ptr, batch[0], count))
-        batch[0] += (count + 3) & ~3                     # (16-byte aligned sources)
-        batch[2], batch[3] = stream, device
-
-    def begin(self) -> None:
-        """Queue the uploads until ``finish()`` (a cascade plan's levels)."""
-        self._batch = [0, [], None, None]
-
-    def finish(self) -> None:
-        """Issue the queued copies, then one event record; uploads are immediate again."""
-        batch, self._batch = self._batch, None
-        if batch is not None and batch[1]:
-            self._copy(batch[3], batch[1], batch[2])
-
-    def _copy(self, device: int, copies, stream) -> None:
-        """``copies`` = (device pointer, word offset in the current buffer, words) each, then the event record."""
-        cp = arrays.cupy_module()
-        entry = self._bufs[self._current]
-        copy, src, ptr = cp.cuda.runtime.memcpyAsync, entry[3], stream.ptr
-        for dst_ptr, offset, count in copies:
-            copy(dst_ptr, src + 4 * offset, count * 4, 1, ptr)
-        if entry[2] is None:
-            with cp.cuda.Device(device):        # the event on the stream's device
-                entry[2] = cp.cuda.Event(block=False, disable_timing=True)
-        entry[2].record(stream)
+_MAX_STAGING = 8      # plan() staging buffers in flight at once (DeviceBuffers.staging)
 
 
 class DeviceBuffers:
-    """Device memory owned by a wrapper: plan rows, uploaded indices, partial outputs; and the pinned staging
-    (``Staging``) its plans are uploaded from (its own, or one shared with a cascade's other levels)."""
+    """Device memory owned by a wrapper: plan rows, uploaded indices, partial outputs."""
 
-    def __init__(self, device: int, fixed: bool, owner: str = "BatchDecodeWithPagedKVCacheWrapper",
-                 stage: Staging | None = None):
+    def __init__(self, device: int, fixed: bool, owner: str = "BatchDecodeWithPagedKVCacheWrapper"):
         self.device, self.fixed, self.owner = device, fixed, owner
         self.plan = None          # int32 cupy
         self.partial = None       # float32 cupy (when no workspace buffer was given)
-        self.stage = stage if stage is not None else Staging()     # take() a buffer, write the plan, upload() it
+        # plan() staging: pinned int32 host buffers, each with the event after its last upload;
+        # plan() takes one whose upload has finished (event query, no wait), else a new one
+        self._staging: list[list] = []    # [pinned memory, int32 NumPy view, event or None, address]
+        self._current = 0
+
+    def staging(self, size: int) -> np.ndarray:
+        """Pinned int32 host buffer of >= size elements, free to write (its last upload is done).
+        No waiting on an upload where avoidable: with two buffers used in turn, every other plan()
+        took 0.8-1 ms in one H100 run (FlashInfer loaded in the same process; not pinned down
+        further). With _MAX_STAGING buffers in flight, the next in turn is waited for."""
+        for i, (_, view, copied, _) in enumerate(self._staging):
+            if view.size >= size and (copied is None or copied.done):
+                self._current = i
+                return view
+        if len(self._staging) < _MAX_STAGING:
+            self._staging.append([None, None, None, 0])
+            self._current = len(self._staging) - 1
+        else:
+            self._current = (self._current + 1) % _MAX_STAGING
+        entry = self._staging[self._current]
+        if entry[2] is not None:
+            entry[2].synchronize()
+        if entry[1] is None or entry[1].size < size:
+            cp = arrays.cupy_module()
+            n = max(size, 1024) if entry[1] is None else max(size, 2 * entry[1].size)
+            entry[0] = cp.cuda.alloc_pinned_memory(n * 4)
+            entry[1] = np.frombuffer(entry[0], np.int32, n)
+            entry[3] = entry[1].__array_interface__["data"][0]     # (ndarray.ctypes.data costs ~15 µs)
+        return entry[1]
+
+    def upload(self, dst_ptr: int, host: np.ndarray, count: int, stream) -> None:
+        """Copy ``count`` int32 from the staging buffer just returned to ``dst_ptr``, asynchronously
+        on ``stream`` (H100: 3 µs of host time for 128 KB against 12 µs for a synchronous cudaMemcpy)."""
+        cp = arrays.cupy_module()
+        entry = self._staging[self._current]
+        if entry[1] is not host:
+            raise ValueError(f"{self.owner}: upload() takes the staging buffer staging() returned last")
+        cp.cuda.runtime.memcpyAsync(dst_ptr, entry[3], count * 4, 1, stream.ptr)
+        if entry[2] is None:
+            with cp.cuda.Device(self.device):        # the event on the stream's device
+                entry[2] = cp.cuda.Event(block=False, disable_timing=True)
+        entry[2].record(stream)
 
     def _ensure(self, name: str, size: int, dtype, what: str):
         cp = arrays.cupy_module()
@@ -192,7 +132,6 @@ class PlanBuffers:
         self.caps: dict | None = None      # graph mode: capacity of every segment (int32), from the first plan
         self.kernel = None                 # graph mode: the first plan's kernel configuration
         self._slots = None                 # graph mode: partial slots of the fixed workspace
-        self.stage = Staging()             # pinned staging of the uploads (a cascade's levels share one)
 
     def device_for(self, like) -> int | None:
         """The GPU of this wrapper's plans (the workspace's, a device array ``like``'s, or the current
@@ -234,14 +173,14 @@ class PlanBuffers:
             total += (cap + 3) & ~3                        # 16-byte aligned segments (int4 loads)
         bufs = self._bufs
         if bufs is None:
-            bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner, self.stage)
+            bufs = self._bufs = DeviceBuffers(self.device, self.graph, self.owner)
         # -- no Device context unless the buffer grows (_ensure makes its own): the copy and the event
         #    record work from any current device (the event and the stream are both this device's)
         dev = bufs.plan
         if dev is None or dev.size < total:
             dev = bufs._ensure("plan", total, np.int32, "the plan")
         base = dev.data.ptr
-        host = bufs.stage.take(total)
+        host = bufs.staging(total)
         ptrs = {}
         for name, a, fill, o, n, cap in layout:
             if n:
@@ -252,8 +191,7 @@ class PlanBuffers:
             if cap > n:
                 host[o + n:o + cap] = fill
             ptrs[name] = base + 4 * o if cap else 0
-        bufs.stage.upload(self.device, base, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device),
-                          self.owner)
+        bufs.upload(base, host, total, arrays.resolve_stream(arrays.framework_of(like), self.device))
         return ptrs
 
     def rows(self, name: str, n: int, cols: int) -> int:

@@ -179,9 +179,7 @@ class _CountingCupy:
 def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
     """After the first plan (allocations, the event), a paged / ragged prefill, decode or MLA plan() makes one
     event query, one async copy and one event record: no Device context, no allocation; a 2-level cascade
-    (a prefill level and a decode level) and a 3-level one (two prefill levels) one copy per level and one
-    event query and record in all (the levels share one staging buffer); with the benchmarks' override
-    ``_stage = None`` (each level its own staging, the form before) one of each per level."""
+    (a prefill level and a decode level) twice that."""
     from cuattn import arrays, jit, plan
     fake = _CountingCupy()
     monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
@@ -200,90 +198,18 @@ def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
     shared = [np.array([0, 3], np.int32), np.array([0, 4], np.int32), np.arange(100, 104, dtype=np.int32),
               np.array([16], np.int32)]
     tables = ([shared[0], np.arange(4, dtype=np.int32)], [shared[1], indptr], [shared[2], indices], [shared[3], last])
-    c3 = cuattn.MultiLevelCascadeAttentionWrapper(3)     # + a level of 2 groups (requests 0-1, 2) over 3 pages each
-    tables3 = ([shared[0], np.array([0, 2, 3], np.int32), tables[0][1]],
-               [shared[1], np.array([0, 3, 6], np.int32), indptr],
-               [shared[2], np.arange(200, 206, dtype=np.int32), indices],
-               [shared[3], np.array([5, 16], np.int32), last])
-    c_own = cuattn.MultiLevelCascadeAttentionWrapper(2)
-    c_own._stage = None
     plans = {"paged": (lambda: p.plan(qo, indptr, indices, last, 4, 2, 64, 16, causal=True), 1),
              "ragged": (lambda: r.plan(qo, np.array([0, 40, 47, 347], np.int32), 4, 2, 64, causal=True), 1),
              "decode": (lambda: d.plan(indptr, indices, last, 4, 2, 64, 16), 1),
              "mla": (lambda: m.plan(qo, mla_indptr, np.arange(int(mla_indptr[-1]), dtype=np.int32), mla_lens, 16,
                                     512, 64, 64, True, 0.1, "float16", "float16"), 1),
-             "cascade": (lambda: c.plan(*tables, 4, 2, 64, 16), 2),
-             "cascade3": (lambda: c3.plan(*tables3, 4, 2, 64, 16), 3),
-             "cascade, own staging": (lambda: c_own.plan(*tables, 4, 2, 64, 16), 2)}
-    for name, (f, copies) in plans.items():
+             "cascade": (lambda: c.plan(*tables, 4, 2, 64, 16), 2)}
+    for name, (f, uploads) in plans.items():
         f()
         fake.calls.clear()
         f()
-        events = 1 if name in ("cascade", "cascade3") else copies
-        assert dict(fake.calls) == {"event_query": events, "memcpyAsync": copies, "event_record": events}, name
-    assert c._kinds == c_own._kinds == ["prefill", "decode"] and c3._kinds == ["prefill", "prefill", "decode"]
-
-
-def test_shared_staging_queues_the_levels_copies_and_records_one_event_per_stream(monkeypatch):
-    """plan_buffers.Staging between begin() and finish(): the uploads take consecutive 16-byte aligned parts of one
-    pinned buffer (grown, the queued words kept, when a later one does not fit), copied at finish() with their own
-    bytes, then one event record; words taken but not uploaded (a level whose plan() raised) are not copied; an
-    upload on another stream first issues the queued ones; outside a batch every upload is copied at once."""
-    import ctypes
-    import types
-    from cuattn import arrays, plan_buffers
-    log = []
-
-    class Event:
-        done = True
-
-        def __init__(self, *a, **k):
-            pass
-
-        def record(self, stream):
-            log.append(("record", stream.ptr))
-
-    class Device:
-        def __init__(self, device):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    def memcpy(dst, src, nbytes, kind, stream):
-        log.append(("copy", dst, np.frombuffer(ctypes.string_at(src, nbytes), np.int32).tolist(), stream))
-
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        runtime=types.SimpleNamespace(memcpyAsync=memcpy), Event=Event, Device=Device,
-        alloc_pinned_memory=lambda nbytes: bytearray(nbytes)))
-    monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
-    s0, s1 = types.SimpleNamespace(ptr=0), types.SimpleNamespace(ptr=7)
-    st = plan_buffers.Staging()
-    st.begin()
-    sizes = ((100, 5), (200, 1100), (300, 3))             # 1024 words at first: the second grows the buffer
-    for dst, n in sizes:
-        h = st.take(n)
-        h[:] = np.arange(n) + dst
-        st.upload(0, dst, h, n, s0, "test")
-        if dst == 100:
-            st.take(40)[:] = 99                            # not uploaded: its words are the next upload's
-    assert log == [] and st._bufs[0][1].size == 2048       # queued; grown
-    h = st.take(2)
-    h[:] = [-1, -2]
-    st.upload(0, 400, h, 2, s1, "test")                    # another stream: the queued copies go first
-    st.finish()
-    want = [("copy", d, (np.arange(n) + d).tolist(), 0) for d, n in sizes]
-    assert log == want + [("record", 0), ("copy", 400, [-1, -2], 7), ("record", 7)]
-    log.clear()
-    h = st.take(4)
-    h[:] = 9
-    st.upload(0, 500, h, 4, s0, "test")                    # no batch: at once
-    assert log == [("copy", 500, [9] * 4, 0), ("record", 0)]
-    with pytest.raises(ValueError, match=r"take\(\) returned last"):
-        st.upload(0, 500, np.zeros(4, np.int32), 4, s0, "test")
+        assert dict(fake.calls) == {"event_query": uploads, "memcpyAsync": uploads, "event_record": uploads}, name
+    assert c._kinds == ["prefill", "decode"]
 
 
 # ============================================================================ GPU
