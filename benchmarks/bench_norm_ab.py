@@ -8,8 +8,8 @@ Ops and their forms (the shipped form first):
   session 17's A/B of its candidates: benchmarks/results/ops_notes_session17.md);
 - fused_add_rmsnorm: the shipped form only (its ratio to FlashInfer in the same run);
 - rope_cache_inplace: apply_rope_with_cos_sin_cache_inplace, q (rows, 32 x 128) and k (rows, 8 x 128), NeoX,
-  rotary_dim 128, positions as bench_rope's (512-token chunks): cuattn.rope.GRID_FORMS (RopeSpec.grid_form);
-  --hidden does not apply.
+  rotary_dim 128, positions as bench_rope's (512-token chunks): the shipped form only (session 17's launch-grid
+  candidates tok1 / split2 lost to it: ops_notes_session17.md); --hidden does not apply.
 
 Timing: per case, --rounds rounds (default 5); in each round every candidate (forms, copy, FlashInfer) in turn:
 10 warm-up calls, then --reps timed calls (default 30), each after an L2 flush (--flush read: bench_decode's
@@ -146,7 +146,7 @@ def fused_add_geometry(dtype: str, rows: int, hidden: int, device: int) -> dict:
 
 
 def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
-    spec = rope.RopeSpec(short(dtype), form)
+    spec = rope.RopeSpec(short(dtype))     # (one form: the shipped grid)
     strides = [2 * bench_rope.HQ * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM,
                2 * bench_rope.HK * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM] * 2      # in place: out = in
     layout = rope._vector_layout(ROPE_DIM, bench_rope.HEAD_DIM, False, False, strides)
@@ -250,15 +250,7 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
                 op_bytes=bench_rope.rope_bytes(ROPE_OP, rows, ROPE_DIM, 2, c.batch), copy_bytes=qk_bytes)
 
     def in_form(form: str, arrs: dict):
-        run = bench_rope.call(rope, ROPE_OP, c, arrs)
-
-        def call():
-            rope._GRID_FORM = form
-            try:
-                run()
-            finally:
-                rope._GRID_FORM = "wave"
-        return call
+        return bench_rope.call(rope, ROPE_OP, c, arrs)
     live = {"q": c.q, "k": c.k, "pos64": c.pos64, "cache": c.cache}
     for form in forms:
         case.forms[form] = in_form(form, live)
@@ -294,7 +286,7 @@ def rope_case(dtype: str, rows: int, hidden: int, forms: list[str], use_fi: bool
 
 
 CASES = {"layernorm": layernorm_case, "fused_add_rmsnorm": fused_add_case, "rope_cache_inplace": rope_case}
-FORMS = {"layernorm": ["shipped"], "fused_add_rmsnorm": ["shipped"], "rope_cache_inplace": list(rope.GRID_FORMS)}
+FORMS = {"layernorm": ["shipped"], "fused_add_rmsnorm": ["shipped"], "rope_cache_inplace": ["shipped"]}
 
 
 def specs_of(op: str, dtype: str, form: str) -> list:

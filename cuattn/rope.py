@@ -59,14 +59,6 @@ _MIN_BLOCKS_PER_SM = 4             # rope.cu's __launch_bounds__(128, 4)
 _ARG_KINDS = "pppppppp" "iiiiiiiiiii" "qqqqqqqqqq" "ffffffffff"
 
 
-# launch grids of the q/k forms (RopeSpec.grid_form): "wave" (shipped, RopeSpec.grid's docstring); candidates of an
-# H100 A/B (benchmarks/bench_norm_ab.py --ops rope): "tok1", a token a warp, the blocks past one wave started by the
-# hardware as others finish; "split2", every token's heads split over two blocks (at least, heads >= 4), each warp
-# twice the tokens of "wave". _GRID_FORM is the one the q/k forms launch with (rotate_rows, prefill's, keeps "wave").
-GRID_FORMS = ("wave", "tok1", "split2")
-_GRID_FORM = "wave"
-
-
 @dataclass(frozen=True)
 class RopeSpec:
     """The RoPE kernels of one storage dtype (compile-time). The rest (head_dim, rotary_dim, style,
@@ -74,12 +66,11 @@ class RopeSpec:
     whose branches on them are uniform across a warp; the four entries of rope.cu (pairs a lane owns)
     keep registers sized to the rotary_dim. Two specs cover everything."""
     dtype: str            # "f16" | "bf16": storage of q, k and the results
-    grid_form: str = "wave"   # GRID_FORMS: the launch grid (the kernels are the same)
     source = _SOURCE
 
     @property
-    def name(self) -> str:     # "rope_f16", "rope_f16_tok1"
-        return f"rope_{self.dtype}" + ("" if self.grid_form == "wave" else f"_{self.grid_form}")
+    def name(self) -> str:     # "rope_f16"
+        return f"rope_{self.dtype}"
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DDTYPE={_DTYPES[self.dtype]}",)
@@ -90,13 +81,8 @@ class RopeSpec:
         tokens; a second, partial wave would leave most SMs idle at its end); fewer tokens than that
         split their heads over more blocks (two heads a warp at least)."""
         per_warp = -(-nnz // (_WARPS * resident_blocks))            # tokens a warp
-        if self.grid_form == "tok1":
-            per_warp = 1
-        elif self.grid_form == "split2" and heads >= 4:
-            per_warp *= 2                                            # half the blocks, each twice
         blocks = -(-nnz // (_WARPS * per_warp))
-        splits = max(1, min(-(-heads // 2), resident_blocks // blocks))
-        return blocks, max(splits, 2) if self.grid_form == "split2" and heads >= 4 else splits
+        return blocks, max(1, min(-(-heads // 2), resident_blocks // blocks))
 
 
 def shipped_specs() -> list[RopeSpec]:
@@ -270,7 +256,7 @@ def _rope(fn: str, q, k, where, rotary_dim, interleave, freq: _Freq | None, *, i
     found = [arrays.pointer_layout(x) for x in operands]
     key = None
     if None not in found:
-        key = (fn, rotary_dim, bool(interleave), freq, head_size, tuple(f[1] for f in found), _GRID_FORM)
+        key = (fn, rotary_dim, bool(interleave), freq, head_size, tuple(f[1] for f in found))
         plan = _PLANS.get(key)
         if plan is not None:
             return _run_plan(plan, [f[0] for f in found], arrays.resolve_stream(plan.framework, plan.device, stream))
@@ -520,7 +506,7 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
     else:   # results are allocated contiguous: (nnz, heads, head_dim) strides of their own shapes
         qo_str, ko_str = (q3[1] * head_dim, head_dim, 1), (k3[1] * head_dim, head_dim, 1)
     heads = q3[1] + k3[1]
-    spec = _SPECS[dtype] if _GRID_FORM == "wave" else RopeSpec(_SPECS[dtype].dtype, _GRID_FORM)
+    spec = _SPECS[dtype]
     strides = [s * 2 for shape, stride in ((q3, q_str), (k3, k_str), (q3, qo_str), (k3, ko_str))
                for n, s in zip(shape[:2], stride[:2]) if n > 1]            # bytes
     tail_unit, layout, launcher, grid = _launch_shape(spec, ctx.device, nnz, heads, head_dim, rot, interleave,

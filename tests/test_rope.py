@@ -330,20 +330,6 @@ def test_rope_specs_are_few_and_named_by_dtype():
     assert splits == 1 and blocks <= one_wave and blocks * 4 * -(-10 ** 6 // (4 * blocks)) >= 10 ** 6
 
 
-@pytest.mark.parametrize("grid_form", rope.GRID_FORMS)
-def test_rope_grid_forms_cover_every_token_and_head(grid_form):
-    assert rope._GRID_FORM == "wave" and rope.RopeSpec("bf16").name == "rope_bf16"        # shipped unchanged
-    spec = rope.RopeSpec("bf16", grid_form)
-    assert spec.name == "rope_bf16" + ("" if grid_form == "wave" else "_" + grid_form)
-    for nnz in (1, 3, 64, 4096, 9000, 10 ** 6):
-        for heads in (2, 5, 40):
-            blocks, splits = spec.grid(nnz=nnz, heads=heads, resident_blocks=4 * 132)
-            assert blocks >= 1 and 1 <= splits <= max(1, -(-heads // 2))
-            assert blocks * 4 * -(-nnz // (4 * blocks)) >= nnz                 # warps loop over the rest
-    assert rope.RopeSpec("bf16", "split2").grid(nnz=4096, heads=40, resident_blocks=4 * 132) == (256, 2)
-    assert rope.RopeSpec("bf16", "tok1").grid(nnz=4096, heads=40, resident_blocks=4 * 132) == (1024, 1)
-
-
 @pytest.mark.parametrize("freq", [rope._plain_freq("t", 1, 1e4), rope._plain_freq("t", 4.0, 5e5),
                                   rope._llama31_freq("t", 8, 5e5, 1, 4, 8192)], ids=["plain", "scaled", "llama3.1"])
 def test_kernel_frequency_parameters_give_the_numpy_frequencies(freq):
@@ -509,12 +495,10 @@ def test_gpu_ragged_search_over_many_requests_and_single_tokens(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid_form", rope.GRID_FORMS)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("nnz", [33, 9000])      # 9000: every warp loops over tokens (positions read ahead)
-def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz, grid_form, monkeypatch):
+def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz):
     import cupy as cp
-    monkeypatch.setattr(rope, "_GRID_FORM", grid_form)      # the launch grid of the A/B's candidates
     hq, hk, hs, rot = 8, 2, 128, 64
     q, k = qk(nnz, hq, hk, hs, np.float16, seed=15)
     cache = vllm_cache(2048, rot)
