@@ -10,7 +10,7 @@ fp8e5 (e5m2 pages), softcap / alibi (contiguous, with the variant); ":c" = causa
 paged case of an fp8 case's shape, a last table gives the fp8 case's speed over it (fp16 paged time / fp8 time, both
 under the first tuning for the fp16 one: issue 22's target is >= 0.95).
 
-    python benchmarks/bench_fa3_tuning.py --tunings "" FP8_GATHER=2 --cases paged:1x16384 fp8:1x16384 fp8:1x4096:c
+    python benchmarks/bench_fa3_tuning.py --tunings "" --cases paged:1x16384 fp8:1x16384 fp8:1x4096:c
 
     python benchmarks/bench_fa3_tuning.py --tunings "" PINGPONG=0 --cases contig:1x16384 paged:8x2048:c [--rounds 3]
 

@@ -462,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int lt = num_tiles - 1;
     mbar_wait(sm.full_v(lt % STAGES), (lt / STAGES) & 1);
     if (PAGED == 2) fence_proxy_async();
-#if ZERO_V_TAIL   // (fp8: the converters zero them; gather: its copies, but the reworked fp8 gather's)
+#if ZERO_V_TAIL   // (TMA boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
     {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
         //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
       const int valid = kv_len - (kv_lo + lt * BLOCK_N);

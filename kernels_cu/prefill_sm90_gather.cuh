@@ -1,4 +1,4 @@
-// prefill_sm90_gather.cuh — prefill_sm90.cu's gather producer (PAGED = 2: any page size, 16-bit K/V).
+// prefill_sm90_gather.cuh — prefill_sm90.cu's gather producer (PAGED = 2: any page size; fp8: prefill_sm90_gather_fp8.cuh).
 // The whole producer warpgroup copies K / V rows with cp.async, 8 threads a row (16-byte chunks q, q + 8, ..:
 // a warp moves 4 rows of 128 contiguous bytes per instruction), BLOCK_N / 16 rows a thread, each row from its
 // own page (row = page * page_rows + slot, page_rows = the page stride over the slot stride; byte strides
@@ -9,13 +9,9 @@
 // generic-proxy stores, wgmma reads async-proxy). The page ids of tile t + 1 are loaded while the thread waits
 // for tile t + 1's buffer. A thread's rows are unrolled (GATHER_ROWS; 56 producer registers) where the
 // consumers keep enough registers.
-// fp8 K/V (KV_FP8): the same threads and rows, but each 16-byte chunk of the 16-bit tile comes from 8 fp8 bytes
-// that the thread loads into registers (all of a tile's loads in flight at once, issued before the wait for the
-// buffer), converts (common/dtypes.cuh fp8_chunk: the hardware's cvt) and stores; keys past the end are
-// zeros: their row id is -1 and their loads are skipped (the row offset stays an int64 multiply-add here: the
-// 32-bit form with the per-tile row bound spilled 16 bytes at 88 producer registers). The thread fences its generic stores for the consumers' wgmma and arrives on the "full" barrier. No
-// staging tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
-// FP8_GATHER 1 / 2 (tuning defines; prefill_sm90_gather_fp8.cuh): a reworked fp8 loop over the same page-id machinery.
+// fp8 K/V (KV_FP8): the same page-id machinery, the rows through registers (loaded, converted to f16 by the hardware's
+// cvt, stored; keys past the request's end read row 0, zeroed by the consumers): prefill_sm90_gather_fp8.cuh. No staging
+// tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
 #pragma once
 #include "common/mma.cuh"
 #include "common/tma.cuh"
@@ -23,41 +19,6 @@
 #include "prefill_sm90_gather_fp8.cuh"
 
 #if PAGED == 2
-#if KV_FP8
-// -- the 8-byte fp8 pieces of one thread's rows of a tile (CH: 16-bit chunks a row; the thread's chunks q8 + 8 j)
-template <int CH>
-struct Fp8Rows {
-  static constexpr int ROWS = BLOCK_N / 16, PER_ROW = CH / 8;
-  uint2 x[ROWS][PER_ROW];
-  // this thread's rows (row ids by shuffle from lane a + 4 i, -1 past the end: zeros), all loads in flight
-  __device__ __forceinline__ void load(const uint8_t* base, int64_t s_row, int row_id, int a, int q8) {
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      const int rid = __shfl_sync(0xffffffffu, row_id, a + 4 * i);
-      const uint8_t* src = base + int64_t(rid >= 0 ? rid : 0) * s_row;
-#pragma unroll
-      for (int j = 0; j < PER_ROW; ++j) {
-        uint2 v = make_uint2(0u, 0u);      // zero bits are 0 in both formats
-        if (rid >= 0)
-          asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(src + 8 * (q8 + 8 * j)));
-        x[i][j] = v;
-      }
-    }
-  }
-  // converted into the 16-bit tile at sb (rows r0 + 16 i), then published to the consumers on `full`
-  __device__ __forceinline__ void store(uint32_t sb, int r0, int q8, uint32_t full) const {
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i)
-#pragma unroll
-      for (int j = 0; j < PER_ROW; ++j)
-        sts128(sb + swz128(BLOCK_N, r0 + 16 * i, q8 + 8 * j), fp8_chunk<KV_FP8>(x[i][j].x, x[i][j].y));
-    fence_proxy_async();                   // generic stores -> the consumers' wgmma reads
-    mbar_arrive(full);
-  }
-};
-
-#endif
-
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh into the 16-bit K / V buffers, by
 //    producer thread tid (0..127); on_k_tile(t) after the thread's copies of tile t (a key transform's warps)
 template <class OnKTile>
@@ -72,7 +33,7 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
   constexpr int TPR = 8, ROW_STEP = 128 / TPR, ROWS = BLOCK_N / ROW_STEP;
   static_assert(4 * ROWS <= 32, "a warp's rows: one per lane");
   const int lane = tid % 32, q8 = tid % TPR, r0 = tid / TPR, a = lane / TPR;
-#if KV_FP8 && FP8_GATHER
+#if KV_FP8
   const int my_r = Fp8Gather::lookup_row(tid);                                      // the row this lane looks up
 #else
   const int my_r = (tid / 32) * 4 + lane % 4 + ROW_STEP * ((lane / 4) % ROWS);   // the row this lane looks up
@@ -102,8 +63,8 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     }
   };
   if (num_tiles > 0) load_page(0);
-#if KV_FP8 && FP8_GATHER
-  // -- FP8_GATHER (prefill_sm90_gather_fp8.cuh): tile t's row ids from pg (the page of row my_r, loaded half a tile or
+#if KV_FP8
+  // -- fp8 (prefill_sm90_gather_fp8.cuh): tile t's row ids from pg (the page of row my_r, loaded half a tile or
   //    a tile ahead; rows past the end: row 0)
   const auto row_of = [&](int t) {
     const int key = kv_lo + t * BLOCK_N + my_r;
@@ -117,29 +78,15 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     const uint32_t ph = (t / STAGES) & 1;
     const int key = kv_lo + t * BLOCK_N + my_r;
     const int row_id = key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size)
-                                    : KV_FP8 ? -1 : 0;   // (past the end: fp8 skips the row's loads, else row 0)
+                                    : 0;   // (past the end: row 0, zero-filled)
     const int rem = kv_len - (kv_lo + t * BLOCK_N + r0);   // this thread's row i: valid while 16 i < rem
     if (t + 1 < num_tiles) load_page(t + 1);
-#if KV_FP8
-    // (V's loads issued before K's stores, both tiles in flight in 120 producer registers: 1.01-1.07x slower on an
-    // H100, prefill_sm90_notes.md; in git history)
-    Fp8Rows<D_QK / 8> fk;
-    fk.load(kb, k_s_row, row_id, a, q8);
-    mbar_wait(sm.empty_k(s), ph ^ 1);
-    fk.store(sm.k + s * K_TILE_BYTES, r0, q8, sm.full_k(s));
-    Fp8Rows<D_VO / 8> fv;
-    fv.load(vb, v_s_row, row_id, a, q8);
-    mbar_wait(sm.empty_v(s), ph ^ 1);
-    fv.store(sm.v + s * V_TILE_BYTES, r0, q8, sm.full_v(s));
-    (void)copy_rows;
-#else
     mbar_wait(sm.empty_k(s), ph ^ 1);
     copy_rows(sm.k + s * K_TILE_BYTES, kq, ks_row, row_id, rem, D_QK / 8);
     cp_async_mbar_arrive_noinc(sm.full_k(s));
     mbar_wait(sm.empty_v(s), ph ^ 1);
     copy_rows(sm.v + s * V_TILE_BYTES, vq, vs_row, row_id, rem, D_VO / 8);
     cp_async_mbar_arrive_noinc(sm.full_v(s));
-#endif
     on_k_tile(t);                        // (warps 1..3 with a key transform: after their copies of tile t)
   }
 #endif

@@ -1,44 +1,39 @@
-// prefill_sm90_gather_fp8.cuh — the fa3 gather producer's reworked fp8 loop (tuning define FP8_GATHER 1 / 2, PAGED == 2
-// with an fp8 cache; prefill_sm90_gather.cuh calls fp8_gather_tiles, its page-id machinery shared). Against the
-// shipped Fp8Rows loop: the 16-bit gather's addressing (one 32 x 32 -> 64-bit multiply-add a row, shared addresses a
-// per-thread constant plus immediates), row ids by shuffles with immediate operands, the cvt reading the high fp8 pair
-// in place (dtypes.cuh fp8_chunk_halves: no shift a pair), no per-row predicates (rows past the request's end read row
-// 0, an address of the cache: K's are masked in S, V's zeroed by the consumers, ZERO_V_TAIL), 8-byte (FP8_GATHER 1) or
-// 16-byte (2, head_dim 128) loads, and the load order FP8_GATHER_DEPTH (prefill_sm90_layout.cuh): 0 a tile's rows loaded,
-// then stored; 1 each row reloaded with the next (K or V) tile's as soon as it is stored, so a tile's load latency
-// overlaps the previous one's conversion; 2 as 1, with tile 0's V rows copied as fp8 by cp.async beside its K loads.
-// Producer registers: FP8_GATHER_REGS (its default per variant: spill-free where ptxas's allocation allowed it).
+// prefill_sm90_gather_fp8.cuh — the fa3 gather producer's fp8 loop (PAGED == 2 with an fp8 cache; prefill_sm90_gather.cuh
+// calls fp8_gather_tiles, its page-id machinery shared). A row's address is one 32 x 32 -> 64-bit multiply-add, shared
+// addresses a per-thread constant plus immediates, row ids by shuffles with immediate operands, the cvt reads the high
+// fp8 pair in place (dtypes.cuh fp8_chunk_halves: no shift a pair), no per-row predicates (rows past the request's end
+// read row 0, an address of the cache: K's are masked in S, V's zeroed by the consumers, ZERO_V_TAIL); 16-byte loads at
+// head_dim 128 (8-byte at 64: the launch checks the fp8 cache's pointers and byte strides are multiples of 16); each row
+// reloaded with the next (K or V) tile's as soon as it is stored, so a tile's load latency overlaps the previous one's
+// conversion, and tile 0's V rows copied as fp8 by cp.async beside its K loads. Chosen by an H100 A/B of 7 variants
+// (benchmarks/results/prefill_sm90_notes.md, session 17; the others, 8-byte loads at hd128, other load orders, the shipped
+// loop before it, L1::no_allocate, are in git history at 3165f91). Producer registers: prefill_sm90_layout.cuh.
 #pragma once
 #include "common/dtypes.cuh"
 #include "common/mma.cuh"
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
-#if PAGED == 2 && KV_FP8 && FP8_GATHER
-// -- FP8_GATHER's rows: a thread's row i of a tile (row r0 + 16 i, r0 = 4 w + a) is LOADS loads of VEC bytes from one
+#if PAGED == 2 && KV_FP8
+// -- the rows: a thread's row i of a tile (row r0 + 16 i, r0 = 4 w + a) is LOADS loads of VEC bytes from one
 //    row address (row id x the 32-bit slot stride + the thread's first byte: one IMAD.WIDE.U32), each 8-byte fp8 piece
 //    converted into one 16-byte chunk store at a per-thread shared offset plus immediates (r0 + 16 i keeps r0's
-//    swizzle). VEC 8: lane = 8 a + c, chunks c + 8 j (the Fp8Rows layout); VEC 16 (head_dim 128): 16-bit chunks 2 p and
+//    swizzle). VEC 8: lane = 8 a + c, chunks c + 8 j (head_dim 64); VEC 16 (head_dim 128): 16-bit chunks 2 p and
 //    2 p + 1 a load, and each quarter warp takes 4 pieces of each of two rows of opposite swizzle parity, so its 16-byte
 //    stores hit 8 distinct bank groups (8 lanes of one row would take only the even, then the odd ones: 2-way conflicts)
-#if FP8_GATHER_NOALLOC
-#define FP8_LD_L1 ".L1::no_allocate"
-#else
-#define FP8_LD_L1 ""
-#endif
 // -- p as a value the compiler cannot take apart (it re-associates base + piece + row offset into three adds)
 __device__ __forceinline__ const uint8_t* opaque(const uint8_t* p) {
   asm("" : "+l"(p));
   return p;
 }
 struct Fp8Gather {
-  static constexpr int VEC = FP8_GATHER == 2 && D_QK == 128 ? 16 : 8;   // bytes a load
+  static constexpr int VEC = D_QK == 128 ? 16 : 8;   // bytes a load
   static constexpr int LOADS = D_QK / (8 * VEC);   // loads a row (8 threads a row)
   static constexpr int HALVES = VEC / 8;           // 8-byte pieces a load: one 16-byte chunk of the 16-bit tile each
   static constexpr int WORDS = LOADS * VEC / 4;    // registers a row
   static constexpr int ROWS = BLOCK_N / 16;        // rows a thread (16 at a time)
-  static constexpr int STAGE_BAR = 6;              // DEPTH 2's named barrier of the producer warps (1, 2: consumers' own;
-                                                   // 3: key transforms; 4, 5: ping-pong)
+  static constexpr int STAGE_BAR = 6;              // tile 0's staging: a named barrier of the producer warps (1, 2:
+                                                   // consumers' own; 3: key transforms; 4, 5: ping-pong)
   static_assert(D_QK == D_VO && LOADS * 8 * VEC == D_QK, "fp8 gather: K and V rows of 64 or 128 bytes");
   // a thread's row in its warp's 4 (rows 4 w + a + 16 i) is a function of the lane bits in SEGMASK (VEC 8: a = lane / 8;
   // 16: a = 2 (lane / 16) + lane / 4 % 2); the other 3 lane bits number the rows i, so lane (lane & SEGMASK) | lane_of(i)
@@ -77,14 +72,14 @@ struct Fp8Gather {
     for (int j = 0; j < LOADS; ++j) {
       uint32_t* w = x + j * (VEC / 4);
       if (VEC == 8)
-        asm volatile("ld.global.nc" FP8_LD_L1 ".v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "l"(src + 8 * VEC * j));
+        asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "l"(src + 8 * VEC * j));
       else
-        asm volatile("ld.global.nc" FP8_LD_L1 ".v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(w[0]), "=r"(w[1]), "=r"(w[VEC / 4 > 2 ? 2 : 0]), "=r"(w[VEC / 4 > 3 ? 3 : 0])
                      : "l"(src + 8 * VEC * j));
     }
   }
-  // -- DEPTH 2: the thread's part of row id `rid` copied as it is (fp8, cp.async) to staging area st, row i's slot of
+  // -- tile 0's V: the thread's part of row id `rid` copied as it is (fp8, cp.async) to staging area st, row i's slot of
   //    the thread (row-major by i, then by thread: a quarter warp reads 8 consecutive pieces back, conflict-free)
   __device__ __forceinline__ void stage(uint32_t st, int tid, int i, const uint8_t* base, uint32_t s_row, int rid) const {
     const uint8_t* src = base + uint64_t(uint32_t(rid)) * s_row;
@@ -138,31 +133,8 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     fence_proxy_async();                  // generic stores -> the consumers' wgmma reads
     mbar_arrive(full);
   };
-#if FP8_GATHER_DEPTH == 0                 // -- load a tile, wait for its buffer, store it; then the next
-  for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % STAGES;
-    const uint32_t ph = (t / STAGES) & 1;
-    const int row = row_of(t);
-    if (t + 1 < num_tiles) load_page(t + 1);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      rid[i] = g.row_id(row, i);
-      g.load(x[i], kp, ks_row, rid[i]);
-    }
-    mbar_wait(sm.empty_k(s), ph ^ 1);
-#pragma unroll
-    for (int i = 0; i < R; ++i) g.store(x[i], sm.k + s * K_TILE_BYTES, i);
-    publish(sm.full_k(s));
-#pragma unroll
-    for (int i = 0; i < R; ++i) g.load(x[i], vp, vs_row, rid[i]);
-    mbar_wait(sm.empty_v(s), ph ^ 1);
-#pragma unroll
-    for (int i = 0; i < R; ++i) g.store(x[i], sm.v + s * V_TILE_BYTES, i);
-    publish(sm.full_v(s));
-    on_k_tile(t);
-  }
-#else                                     // -- each row reloaded as soon as it is stored: K(t) -> V(t) -> K(t + 1)
-  int t0 = 0;                             // (DEPTH 2: tile 0 peeled)
+  // -- each row reloaded as soon as it is stored: K(t) -> V(t) -> K(t + 1)
+  int t0 = 0;                             // (tile 0 peeled)
   if (num_tiles > 0) {
     const int row = row_of(0);
     if (num_tiles > 1) load_page(1);
@@ -171,7 +143,7 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
       rid[i] = g.row_id(row, i);
       g.load(x[i], kp, ks_row, rid[i]);
     }
-#if FP8_GATHER_DEPTH == 2                 // -- tile 0's V rows copied with its K rows (fp8, cp.async: no registers) into the
+    // tile 0's V rows copied with its K rows (fp8, cp.async: no registers) into the
     const uint32_t stg = sm.k + (STAGES - 1) * K_TILE_BYTES;   // last stage's K buffer (first written by tile STAGES - 1)
 #pragma unroll
     for (int i = 0; i < R; ++i) g.stage(stg, tid, i, vp, vs_row, rid[i]);
@@ -198,7 +170,6 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     publish(sm.full_v(0));
     named_barrier(Fp8Gather::STAGE_BAR, 128);   // each producer thread has read its staged rows: K(STAGES - 1) may land
     t0 = 1;
-#endif
   }
   for (int t = t0; t < num_tiles; ++t) {   // x: K(t)'s rows in flight (row ids rid)
     const int s = t % STAGES;
@@ -222,6 +193,5 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     }
     publish(sm.full_v(s));
   }
-#endif
 }
 #endif

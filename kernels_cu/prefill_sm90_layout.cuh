@@ -17,19 +17,6 @@
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
 
-#ifndef FP8_GATHER          // PAGED == 2 with fp8 K/V: 0 (shipped) the Fp8Rows loop (prefill_sm90_gather.cuh); 1 the
-#define FP8_GATHER 0        // reworked loop (prefill_sm90_gather_fp8.cuh: 32-bit row offsets, shared addresses by
-#endif                      // immediates, no shift a cvt, rows past the end read row 0), 8-byte loads; 2: 16-byte loads
-#ifndef FP8_GATHER_DEPTH    // FP8_GATHER: 0 a (K or V) tile's loads issued after the previous tile's stores; 1 each row
-#define FP8_GATHER_DEPTH 1  // reloaded with the next tile's as soon as it is stored; 2 as 1, and tile 0's V rows copied
-#endif                      // (cp.async, fp8) with its K rows into the last stage's K buffer, converted from there
-#ifndef FP8_GATHER_REGS     // the fp8 gather producer's registers (setmaxnreg; the consumers share the rest); 0: 88, or
-#define FP8_GATHER_REGS 0   // FP8_GATHER's own (FP8_GATHER_REGS_OWN below)
-#endif
-#ifndef FP8_GATHER_NOALLOC  // FP8_GATHER: 1 loads with L1::no_allocate (rows are read once per CTA)
-#define FP8_GATHER_NOALLOC 0
-#endif
-
 using namespace cuattn;
 typedef DTYPE dtype_t;                              // q and out
 #if KV_FP8
@@ -68,21 +55,18 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
               "query / key transforms need a 16-bit KV cache (READY_K shares fp8's barrier slots; a bf16 q is f16 in smem)");
 // setmaxnreg: the producer warpgroup's count (the RoPE transform keeps its chunk's frequencies, 32
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
-// what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208
+// what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208, 200
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
-// (the fp8 gather holds a tile's 16 fp8 pieces, 32 registers, in flight: 88, spill-free; consumers 208. FP8_GATHER's
-// variants: where no spec of theirs spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128; ptxas's
-// allocation in the setmaxnreg region moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks))
-// (a macro: a namespace-scope constexpr is a symbol of every cubin, which would change the shipped ones)
-#define FP8_GATHER_REGS_OWN (FP8_GATHER == 1 ? (FP8_GATHER_DEPTH == 1 ? 104 : 72) \
-                             : FP8_GATHER == 2 ? (FP8_GATHER_DEPTH == 0 ? 88 : FP8_GATHER_DEPTH == 1 ? 96 : 104) : 88)
-constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? (FP8_GATHER_REGS ? FP8_GATHER_REGS : FP8_GATHER_REGS_OWN)
+// (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
+// spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
+// moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
+constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
                             : CUATTN_VARIANT_ROPE ? 88
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
-// V rows past the request's end hold what the cache holds (the TMA box producer; the reworked fp8 gather's row 0):
-// the consumers zero them before the last P.V
-#define ZERO_V_TAIL ((PAGED == 1 && !KV_FP8) || (PAGED == 2 && KV_FP8 && FP8_GATHER))
+// V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0): the consumers
+// zero them before the last P.V
+#define ZERO_V_TAIL ((PAGED == 1 && !KV_FP8) || (PAGED == 2 && KV_FP8))
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 constexpr int CONVERT_WARPS = 3;                    // FP8_STAGED: producer warps 1..3
 // fp8 K/V staged by the TMA and converted smem -> smem (prefill_sm90_fp8.cuh); the gather (PAGED 2) converts

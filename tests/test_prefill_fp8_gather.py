@@ -1,57 +1,55 @@
-"""The fa3 gather's reworked fp8 loop (issue 22; kernels_cu/prefill_sm90_gather_fp8.cuh), an A/B tuning beside the
-shipped loop: FP8_GATHER 1 / 2 (8- / 16-byte loads), FP8_GATHER_DEPTH 0 / 1 / 2 (load order), FP8_GATHER_NOALLOC. CPU:
-every variant compiles for sm_90a without spills at its own producer register count, over the specs an fp8 cache
-reaches. GPU (sm_90): paged prefill under each variant against tests/oracle.py's float64 attention over the real
-(dequantised) K/V, pages of 1 and 16, causal or not, e4m3 and e5m2, the cache's page 0 a free page of NaN bits (the
-loop reads row 0 for keys past a request's end: K's must be masked, V's zeroed), outputs poisoned, every element
-checked; and compute-sanitizer memcheck over small batches with no spare page."""
-import dataclasses
+"""The fa3 gather's fp8 loop (issue 22; kernels_cu/prefill_sm90_gather_fp8.cuh: 16-byte loads at head_dim 128, 8-byte
+at 64, each row reloaded with the next tile's as soon as it is stored, tile 0's V rows staged as fp8 by cp.async).
+CPU: it compiles for sm_90a without spills over the specs an fp8 cache reaches; the launch refuses an fp8 cache whose
+pointers or byte strides are not multiples of 16. GPU (sm_90): paged prefill against tests/oracle.py's float64
+attention over the real (dequantised) K/V, pages of 1 and 16, causal or not, e4m3 and e5m2, head_dim 64 and 128,
+split-KV, the cache's page 0 a free page of NaN bits (the loop reads row 0 for keys past a request's end: K's must be
+masked, V's zeroed), outputs poisoned, every element checked (compute-sanitizer memcheck of the fp8 cases:
+tests/test_prefill_sm90.py's sanitize_paged_fa3.py run)."""
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cuattn
 from cuattn import jit, prefill_sm90
+from cuattn.errors import UnsupportedError
 from tests.conftest import gpu_cc
 from tests.prefill_dtype_cases import FP8_NAME, _check, _cp, _dev, _dev_scale, _ids, _oracle, _poisoned, paged_fp8_case
 
-# the A/B candidates (benchmarks/bench_fa3_tuning.py --tunings takes the same strings)
-TUNINGS = ["FP8_GATHER=1,FP8_GATHER_DEPTH=0", "FP8_GATHER=2,FP8_GATHER_DEPTH=0", "FP8_GATHER=1", "FP8_GATHER=2",
-           "FP8_GATHER=1,FP8_GATHER_DEPTH=2", "FP8_GATHER=2,FP8_GATHER_DEPTH=2", "FP8_GATHER=2,FP8_GATHER_NOALLOC=1"]
-
-
-def tuned_spec(tuning: str, *args, **kwargs) -> prefill_sm90.Sm90PrefillSpec:
-    """prefill_sm90.make_spec(*args, **kwargs) with the tuning's defines where it is an fp8 gather spec."""
-    spec = _MAKE_SPEC(*args, **kwargs)
-    return dataclasses.replace(spec, tuning=tuple(tuning.split(","))) if spec.gather and spec.dtype_kv else spec
-
-
-_MAKE_SPEC = prefill_sm90.make_spec
-
-
 # ============================================================================ CPU (CI)
 
-# (q dtype, causal, kv, head_dim): where ptxas's allocation differed (prefill_sm90_layout.cuh FP8_GATHER_REGS_OWN)
-SPILL_GRID = [(t, c, kv, 128) for t in ("f16", "bf16") for c in (False, True) for kv in ("e4m3", "e5m2")] + \
-    [("f16", False, "e4m3", 64), ("f16", True, "e4m3", 64), ("bf16", False, "e5m2", 64), ("bf16", True, "e5m2", 64)]
+# (q dtype, causal, kv, head_dim): the specs an fp8 cache reaches (ptxas's allocation in the setmaxnreg region moves
+# non-monotonically with the producer's register count, prefill_sm90_layout.cuh PRODUCER_REGS: checked here)
+SPILL_GRID = [(t, c, kv, d) for t in ("f16", "bf16") for c in (False, True) for kv in ("e4m3", "e5m2") for d in (64, 128)]
 
 
-def test_fp8_gather_variants_compile_without_spills():
-    specs = [tuned_spec(tun, t, c, paged=True, dtype_kv=kv, head_dim_qk=d, page_size=1)
-             for tun in TUNINGS for t, c, kv, d in SPILL_GRID]
-    assert all(s.gather and s.stages == 3 and s.tuning for s in specs)
-    assert len({s.name for s in specs}) == len(specs)          # the tuning is in the name: one cache entry each
+def test_fp8_gather_compiles_without_spills():
+    specs = [prefill_sm90.make_spec(t, c, paged=True, dtype_kv=kv, head_dim_qk=d, page_size=1)
+             for t, c, kv, d in SPILL_GRID]
+    assert all(s.gather and s.stages == 3 and not s.tuning for s in specs)
     jit.precompile([(s, "sm_90a") for s in specs])             # over the cores; checked below
     for spec in specs:
         res = jit.compile_kernel(spec, "sm_90a").resources["cuattn_prefill_sm90"]
         assert res["spill_stores"] == res["spill_loads"] == res["stack_frame"] == 0, (spec.name, res)
 
 
-def test_fp8_gather_tunings_stay_out_of_shipped_specs():
-    """The shipped fp8 specs carry no tuning: their loop is prefill_sm90_layout.cuh's FP8_GATHER default (0, the
-    Fp8Rows loop, until an H100 A/B picks a variant)."""
-    fp8 = [s for s in prefill_sm90.shipped_specs() if s.dtype_kv]
-    assert fp8 and all(s.gather and not s.tuning and "-DFP8_GATHER" not in " ".join(s.defines()) for s in fp8)
+def _gather_args(kv_bytes, k_ptr=1 << 20, v_ptr=1 << 21, k_strides=(1024, 128, 16384), v_strides=(1024, 128, 16384)):
+    return prefill_sm90.gather_args(SimpleNamespace(ptr=k_ptr), SimpleNamespace(ptr=v_ptr), k_strides, v_strides,
+                                    (16, 100, 100), kv_bytes, "run")
+
+
+@pytest.mark.parametrize("bad, what", [(dict(k_ptr=(1 << 20) + 8), "K pointer 1048584"),
+                                       (dict(v_ptr=(1 << 21) + 4), "V pointer 2097156"),
+                                       (dict(k_strides=(1032, 128, 16512)), "K slot stride 1032"),
+                                       (dict(v_strides=(1024, 136, 16384)), "V head stride 136")])
+def test_fp8_gather_refuses_a_cache_off_16_bytes(bad, what):
+    """16-byte loads (ld.global.nc.v4, cp.async 16): an fp8 cache's pointers and byte strides are multiples of 16."""
+    assert _gather_args(1)["k_s_row"] == 1024 and _gather_args(1, k_ptr=(1 << 20) + 16)["k_cache"] == (1 << 20) + 16
+    with pytest.raises(UnsupportedError, match=f"run: the fa3 gather reads an fp8 paged_kv_cache in 16-byte loads.*{what}"):
+        _gather_args(1, **bad)
+    if "pointer" in what:                                      # (16-bit caches: unchanged)
+        assert _gather_args(2, **bad)["k_s_row"] == 2048
 
 
 # ============================================================================ GPU
@@ -87,16 +85,14 @@ def _page0_free(c):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
-@pytest.mark.parametrize("tuning", TUNINGS)
-def test_fa3_fp8_gather_variant_matches_dequantised_oracle(tuning, case, monkeypatch):
+def test_fa3_fp8_gather_matches_dequantised_oracle(case):
     qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout, d, split = case
     c = _page0_free(paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 3 + ps))
-    monkeypatch.setattr(prefill_sm90, "make_spec", lambda *a, **kw: tuned_spec(tuning, *a, **kw))
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv], fixed_split_size=split)
     spec = w._plan["run_spec"]
-    assert spec.gather and spec.dtype_kv == kv and ",".join(spec.tuning) == tuning
+    assert spec.gather and spec.dtype_kv == kv and not spec.tuning
     assert split is None or w._plan["work_list"].split
     rows = int(c["qo_indptr"][-1])
     out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
@@ -108,22 +104,15 @@ def test_fa3_fp8_gather_variant_matches_dequantised_oracle(tuning, case, monkeyp
 
 @pytest.mark.gpu
 @sm90
-def test_fa3_fp8_gather_variants_are_memcheck_clean():
-    """compute-sanitizer memcheck over tests/sanitize_paged_fa3.py's fp8 batches (no spare page past the last
-    request's: a read past the cache leaves its allocation) under every variant: no invalid access, no error."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    tool = shutil.which("compute-sanitizer") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
-    script = os.path.join(os.path.dirname(__file__), "sanitize_paged_fa3.py")
-    r = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, script, "--fp8-tunings",
-                        *TUNINGS], capture_output=True, text=True, timeout=480,
-                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(script))})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
-    assert all(f"_gather_kve{kv}_" in r.stdout for kv in ("4m3", "5m2"))
-    assert all("_" + t.replace("=", "").replace(",", "_").lower() in r.stdout for t in TUNINGS)
+def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run():
+    c = paged_fp8_case([5], [40], 16, 8, 2, 128, "e4m3", "float16", "one", seed=3)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 8, 2, 128, 16,
+           q_data_type="float16", kv_data_type="float8_e4m3fn")
+    k, v = _dev(c["k"]), _dev(c["v"])
+    buf = _cp().empty(k.size + 16, _cp().uint8)
+    off = buf[8:8 + k.size].reshape(k.shape)                   # K's pointer 8 bytes off 16
+    off[...] = k
+    with pytest.raises(UnsupportedError, match="fp8 paged_kv_cache in 16-byte loads.*K pointer"):
+        w.run(_dev(c["q"]), (off, v))
+    assert w.run(_dev(c["q"]), (k, v)).shape == (5, 8, 128)
