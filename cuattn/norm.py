@@ -212,7 +212,34 @@ def layernorm(input, gemma, beta, eps: float = 1e-6, *, stream: Any = None):
     ValueError
         If shapes disagree.
     """
-    return _layernorm(input, gemma, beta, eps, stream)
+    fn = "layernorm"
+    ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
+    if not ctx.on_gpu:
+        x, g, b = (arrays.host_array(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
+        dtype = _check_layernorm(fn, x.shape, x.dtype, g.shape, g.dtype, b.shape, b.dtype)
+        xf = x.astype(np.float32)
+        mean = xf.mean(axis=-1, keepdims=True, dtype=np.float32)
+        centered = xf - mean
+        var = np.square(centered).mean(axis=-1, keepdims=True, dtype=np.float32)
+        y = centered * (1 / np.sqrt(var + np.float32(eps))) * g.astype(np.float32) + b.astype(np.float32)
+        return arrays.export(ctx, y.astype(dtype), dtype)
+    tx, tg, tb = (arrays.device_tensor(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
+    dtype = _check_layernorm(fn, tx.shape, tx.dtype, tg.shape, tg.dtype, tb.shape, tb.dtype)
+    out = arrays.empty(ctx, tx.shape, dtype)
+    to = arrays.device_tensor(out, "out", fn)
+    rows, hidden = tx.shape
+    if rows:
+        spec, vec = NormSpec(arrays.SHORT_NAME[dtype]), _aligned((tx, to, tg, tb))
+        entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows, bool(vec))
+        if entry == "cuattn_layernorm_rows":
+            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i")
+            launch((-(-rows // per_block),), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
+                   tx.strides[0], to.strides[0], float(eps), vec)
+        else:
+            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "i" "qq" "f" "i")
+            launch((rows,), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, hidden, tx.strides[0], to.strides[0],
+                   float(eps), vec)
+    return arrays.export(ctx, out, dtype)
 
 
 # ---------------------------------------------------------------------------- implementation
@@ -283,37 +310,6 @@ def _fused_add_rmsnorm(fn, input, residual, weight, eps, enable_pdl, stream, wei
         launch((rows,), threads, ctx.stream, tx.ptr, tr.ptr, tw.ptr, hidden, tx.strides[0],
                tr.strides[0], float(weight_bias), float(eps), vec, pdl=pdl)
     return None
-
-
-def _layernorm(input, gemma, beta, eps, stream):
-    fn = "layernorm"
-    ctx = arrays.context_of(fn, {"input": input, "gemma": gemma, "beta": beta}, stream)
-    if not ctx.on_gpu:
-        x, g, b = (arrays.host_array(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
-        dtype = _check_layernorm(fn, x.shape, x.dtype, g.shape, g.dtype, b.shape, b.dtype)
-        xf = x.astype(np.float32)
-        mean = xf.mean(axis=-1, keepdims=True, dtype=np.float32)
-        centered = xf - mean
-        var = np.square(centered).mean(axis=-1, keepdims=True, dtype=np.float32)
-        y = centered * (1 / np.sqrt(var + np.float32(eps))) * g.astype(np.float32) + b.astype(np.float32)
-        return arrays.export(ctx, y.astype(dtype), dtype)
-    tx, tg, tb = (arrays.device_tensor(a, n, fn) for a, n in ((input, "input"), (gemma, "gemma"), (beta, "beta")))
-    dtype = _check_layernorm(fn, tx.shape, tx.dtype, tg.shape, tg.dtype, tb.shape, tb.dtype)
-    out = arrays.empty(ctx, tx.shape, dtype)
-    to = arrays.device_tensor(out, "out", fn)
-    rows, hidden = tx.shape
-    if rows:
-        spec, vec = NormSpec(arrays.SHORT_NAME[dtype]), _aligned((tx, to, tg, tb))
-        entry, threads, per_block, block = spec.layernorm_geometry(hidden, rows, bool(vec))
-        if entry == "cuattn_layernorm_rows":
-            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "iii" "qq" "f" "i")
-            launch((-(-rows // per_block),), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, rows, hidden, threads,
-                   tx.strides[0], to.strides[0], float(eps), vec)
-        else:
-            launch = jit.get_launcher(spec, entry, ctx.device, "pppp" "i" "qq" "f" "i")
-            launch((rows,), block, ctx.stream, tx.ptr, tg.ptr, tb.ptr, to.ptr, hidden, tx.strides[0], to.strides[0],
-                   float(eps), vec)
-    return arrays.export(ctx, out, dtype)
 
 
 @functools.cache

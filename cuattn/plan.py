@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-# (the device side's names, at home in plan_buffers, stay importable from here)
-from .plan_buffers import DeviceBuffers, PlanBuffers, as_words, refuse_capture, workspace_of  # noqa: F401
 
 BLOCK_N = 64          # tokens per pipeline stage of the decode kernel; pieces are multiples
 MIN_CHUNK = 128       # never split a request into pieces shorter than this

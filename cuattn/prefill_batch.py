@@ -70,9 +70,9 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
 def _launch_merge(ctx, spec, entry: str, meta: dict, num_merge: int, num_kv_heads: int, group: int, out,
                   lse_ptr: int) -> None:
     """The merge of split items' pieces (``entry`` of ``spec``'s module): grid (merge rows, kv heads, row
-    chunks), a row of the tile per 128-thread CTA's thread group of dim_vo / 4 (prefill_tile.cuh
-    merge_pieces). One CTA a (merge row, kv head), as before, looped over the tile's rows one load chain at
-    a time: 16 us a piece at 4 tiles x 8 kv heads on an H100, a third of a 128 x 32k split prefill."""
+    chunks), one row of the tile per dim_vo / 4 threads of a 128-thread CTA (prefill_tile.cuh merge_pieces).
+    (The earlier grid, one CTA per (merge row, kv head) looping over the tile's rows, took 16 us a piece at
+    4 tiles x 8 kv heads on an H100: a third of a 128 x 32k split prefill.)"""
     if num_merge == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, entry, ctx.device, MERGE_PARAMS[entry].kinds)

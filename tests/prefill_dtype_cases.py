@@ -122,6 +122,17 @@ def _check(out, lse, ref_o, ref_s, q_dtype):
     assert rel_err(_cp().asnumpy(lse), ref_s) < LSE_TOL
 
 
+def run_paged_fp8_and_check(w, c, hq, d, q_dtype, causal):
+    """Run planned paged wrapper ``w`` over ``paged_fp8_case`` ``c`` into poisoned out / LSE (the case's
+    scales as device arrays) and check every element against the float64 oracle of the dequantised K / V."""
+    rows = int(c["qo_indptr"][-1])
+    out, lse = _poisoned((rows, hq, d), q_dtype), _cp().full((rows, hq), np.nan, np.float32)
+    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
+          v_scale=_dev_scale(c["scales"][1]))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(out, lse, ref_o, ref_s, q_dtype)
+
+
 def _ids(cases):
     return ["-".join(str(x).replace(" ", "") for x in c) for c in cases]
 

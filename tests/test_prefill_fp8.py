@@ -11,7 +11,7 @@ from cuattn.errors import UnsupportedError
 from tests.conftest import gpu_cc
 from tests.oracle import dense_attention, rel_err, variant_attention
 from tests.prefill_dtype_cases import (BF16, FP8_NAME, TOL, _check, _cp, _dev, _dev_scale, _ids, _oracle, _poisoned,
-                                       paged_fp8_case, ragged_fp8_case)
+                                       paged_fp8_case, ragged_fp8_case, run_paged_fp8_and_check)
 
 
 # ============================================================================ CPU (CI)
@@ -165,12 +165,7 @@ def test_paged_prefill_gpu_fp8_matches_dequantised_oracle(case):
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
     assert w.backend == "fa2"
-    rows = int(c["qo_indptr"][-1])
-    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
-    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
-          v_scale=_dev_scale(c["scales"][1]))
-    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
-    _check(out, lse, ref_o, ref_s, qdt)
+    run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
 
 
 @pytest.mark.gpu
@@ -234,13 +229,8 @@ def test_paged_prefill_gpu_fp8_fa3_matches_dequantised_oracle(case):
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
     assert w.backend == "fa3" and w._plan["run_spec"].dtype_kv == kv and w._plan["run_spec"].gather
-    rows = int(c["qo_indptr"][-1])
-    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
-    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
-          v_scale=_dev_scale(c["scales"][1]))
+    run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
     assert w.backend == "fa3"
-    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
-    _check(out, lse, ref_o, ref_s, qdt)
 
 
 @pytest.mark.gpu

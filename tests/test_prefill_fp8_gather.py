@@ -15,7 +15,7 @@ import cuattn
 from cuattn import jit, prefill_sm90
 from cuattn.errors import UnsupportedError
 from tests.conftest import gpu_cc
-from tests.prefill_dtype_cases import FP8_NAME, _check, _cp, _dev, _dev_scale, _ids, _oracle, _poisoned, paged_fp8_case
+from tests.prefill_dtype_cases import FP8_NAME, _cp, _dev, _ids, paged_fp8_case, run_paged_fp8_and_check
 
 # ============================================================================ CPU (CI)
 
@@ -94,12 +94,7 @@ def test_fa3_fp8_gather_matches_dequantised_oracle(case):
     spec = w._plan["run_spec"]
     assert spec.gather and spec.dtype_kv == kv and not spec.tuning
     assert split is None or w._plan["work_list"].split
-    rows = int(c["qo_indptr"][-1])
-    out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
-    w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
-          v_scale=_dev_scale(c["scales"][1]))
-    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
-    _check(out, lse, ref_o, ref_s, qdt)
+    run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
 
 
 @pytest.mark.gpu

@@ -496,8 +496,8 @@ def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches):
     """fp8 at head_dim 64 (64-byte fp8 boxes and swizzle): paged e4m3 with a bf16 q (converted to f16),
     page 16 in random order with NaN bits in free slots and spare pages, per-head scales; paged e5m2, f16
     q, split-KV pieces of 256 keys, 1-element device scales; ragged e5m2 non-causal, scalar scales."""
-    from .prefill_dtype_cases import (FP8_NAME, _check, _dev, _dev_scale, _oracle, _poisoned, paged_fp8_case,
-                                      ragged_fp8_case)
+    from .prefill_dtype_cases import (FP8_NAME, _check, _dev, _oracle, _poisoned, paged_fp8_case,
+                                      ragged_fp8_case, run_paged_fp8_and_check)
     hq, hkv, d = 16, 4, 64
     for qo_lens, kv_lens, kv, qdt, sk, split in (([17, 1, 300], [54, 97, 1300], "e4m3", "bfloat16", "head", None),
                                                  ([40, 300], [3000, 700], "e5m2", "float16", "one", 256)):
@@ -506,14 +506,9 @@ def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches):
         w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], hq, hkv, d, 16, causal=True, q_data_type=qdt,
                kv_data_type=FP8_NAME[kv], fixed_split_size=split)
         assert w.backend == "fa3" and (split is None or f"pieces of {split} keys" in w.describe())
-        rows = int(c["qo_indptr"][-1])
-        out, lse = _poisoned((rows, hq, d), qdt), _cp().full((rows, hq), np.nan, np.float32)
-        w.run(_dev(c["q"]), (_dev(c["k"]), _dev(c["v"])), out=out, lse=lse, k_scale=_dev_scale(c["scales"][0]),
-              v_scale=_dev_scale(c["scales"][1]))
+        run_paged_fp8_and_check(w, c, hq, d, qdt, True)
         spec = w._plan["run_spec"]
         assert (spec.head_dim_qk, spec.head_dim_vo, spec.dtype_kv) == (d, d, kv)
-        ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
-        _check(out, lse, ref_o, ref_s, qdt)
     c = ragged_fp8_case([37, 200], [97, 200], hq, hkv, d, "e5m2", "float16", "tensor", seed=65)
     w = cuattn.BatchPrefillWithRaggedKVCacheWrapper()                     # auto
     w.plan(c["qo_indptr"], c["kv_indptr"], hq, hkv, d, causal=False, kv_data_type="float8_e5m2")
