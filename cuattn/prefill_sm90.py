@@ -38,7 +38,7 @@ SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
                                "v_s_row:q v_s_head:q page_rows:i work:p part_o:p part_lse:p "
-                               "kv_chunk:p single_qo_len:i "
+                               "kv_chunk:p num_work:i single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
@@ -63,6 +63,8 @@ class Sm90PrefillSpec:
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
     gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
+    persistent: bool = False   # at most one CTA per SM, each looping over work items (PERSISTENT; 16-bit K/V; the
+                               # custom mask's gather spec spills 12 bytes so: benchmarks/results/prefill_sm90_notes.md)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -83,7 +85,7 @@ class Sm90PrefillSpec:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
                 f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
-                f"-DSPEC_SMEM_BYTES={self.smem_bytes}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DSPEC_SMEM_BYTES={self.smem_bytes}", f"-DPERSISTENT={int(self.persistent)}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
@@ -117,6 +119,7 @@ def spec_name(family: str, head_dim_qk: int, head_dim_vo: int, dtype: str, causa
     vo = f"v{head_dim_vo}" if head_dim_vo and head_dim_vo != head_dim_qk else ""
     return (f"{family}_hd{head_dim_qk}{vo}_q{dtype}_{'causal' if causal else 'full'}{layout}"
             f"{'_kv' + spec.dtype_kv if spec.dtype_kv else ''}_bm{spec.block_m}_bn{spec.block_n}_s{spec.stages}"
+            f"{'_persist' if getattr(spec, 'persistent', False) else ''}"
             + "".join("_" + v.replace("=", "").lower() for v in spec.tuning) + spec.variant.name)
 
 
@@ -301,10 +304,17 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
     args = PARAMS.pack(tmap_k=tk, tmap_v=tv, q=q.ptr, o=out.ptr, lse=lse_ptr,
                        **{n: (meta or {}).get(n, 0) for n in META}, page_size=page_size,
                        page_shift=page_size.bit_length() - 1 if page_size and page_size & (page_size - 1) == 0 else -1,
-                       page_box=box, **gather, single_qo_len=single[0],
+                       page_box=box, **gather, num_work=num_work, single_qo_len=single[0],
                        single_kv_len=single[1], group=group, num_qo_heads=q.shape[1], q_s_tok=q.strides[0],
                        q_s_head=q.strides[1], o_s_tok=out.strides[0], o_s_head=out.strides[1],
                        k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
                        scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
                        scale_log2=spec.variant.scale_log2(sm_scale))
-    launcher((num_work, num_kv_heads), NUM_THREADS, ctx.stream, *args, *variant_args, pdl=pdl)
+    grid = (min(num_work * num_kv_heads, _num_sms(ctx.device)), 1) if spec.persistent else (num_work, num_kv_heads)
+    launcher(grid, NUM_THREADS, ctx.stream, *args, *variant_args, pdl=pdl)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: int) -> int:
+    from .plan import num_sms
+    return num_sms(device)

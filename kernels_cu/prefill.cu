@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   int64_t q_base = 0, kv_base = 0;
   int qo_len = single_qo_len, kv_len = single_kv_len;
   const int32_t* pages = kv_indices;
-  if (!query_tile(work, qo_indptr, req, tile, q_base, qo_len)) return;
+  if (!query_tile(work, CtaItem(), qo_indptr, req, tile, q_base, qo_len)) return;
   if (work != nullptr) {
 #if PAGED
     const int p0 = kv_indptr[req], np = kv_indptr[req + 1] - p0;
@@ -351,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
   //    (and a split item's piece: its keys alone)
   int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
   int kv_end = kv_len;
-  clamp_to_piece(work, kv_chunk, kv_lo, kv_end);
+  clamp_to_piece(work, CtaItem(), kv_chunk, kv_lo, kv_end);
 #if KV_LO_SMEM   // the loop rereads kv_lo from smem (one register less across it)
   __shared__ int s_kv_lo;
   if (tid == 0) s_kv_lo = kv_lo;
@@ -747,7 +747,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
   //    writes its fp32 partial row instead (the sink joins piece 0 alone)
-  const ItemEnd item = item_end(work);
+  const ItemEnd item = item_end(work, CtaItem());
   float v_fac = v_scale * FP8_FACTOR;         // the call's value scale (read here: no register across the loop)
   if (v_scales != nullptr) v_fac *= v_scales[(scale_per_head & 2) ? kvh : 0];
 #pragma unroll

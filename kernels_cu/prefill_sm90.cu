@@ -83,6 +83,37 @@
 #include "prefill_sm90_gather.cuh"
 #include "prefill_sm90_fp8.cuh"
 
+// -- a work item of one kv head: its request and query tile, the request's lengths and offsets, the keys its tiles cover
+struct Item {
+  int w, kvh, req, tile, qo_len, kv_len, kv_base, kv_lo, kv_end, num_tiles;
+  int64_t q_base;
+  const int32_t* pages;
+};
+// -- f(item) for each of the CTA's items, in order (load(it, w, kvh) false: a padding item, skipped). PERSISTENT: the
+//    num_work x num_kv_heads items kv head fastest (the work list is longest first, so each round of gridDim.x
+//    items is about one length), the CTAs taking one item a round in turns that reverse every round (CTA b takes
+//    round r's item b, or gridDim.x - 1 - b when r is odd: a long item early goes with a short one late, as in a
+//    greedy schedule; PERSIST_ORDER 0: work item fastest, CTA b every gridDim.x-th item). Else `first`, the CTA's own
+//    (blockIdx.x, blockIdx.y)
+template <class Load, class F>
+__device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads, const Load& load, Item& first,
+                                                 const F& f) {
+#if PERSISTENT
+  (void)first;
+  const int num_items = num_work * num_kv_heads, G = int(gridDim.x), b = int(blockIdx.x);
+  for (int r = 0; r * G < num_items; ++r) {
+    const int i = r * G + (PERSIST_ORDER && (r & 1) ? G - 1 - b : b);
+    Item it;
+    if (i < num_items && (PERSIST_ORDER ? load(it, i / num_kv_heads, i % num_kv_heads)
+                                        : load(it, i % num_work, i / num_work)))
+      f(it);
+  }
+#else
+  (void)num_work; (void)num_kv_heads; (void)load;
+  f(first);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90(
     const __grid_constant__ TmaDesc tmap_k,  // K: dims (D_QK, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
     const __grid_constant__ TmaDesc tmap_v,  // V: the same with D_VO
@@ -101,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D_VO] split items' partial rows
     float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
     const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
+    int num_work,                            // work items (graph mode: the padded count); the single case: query tiles
     int single_qo_len, int single_kv_len, int group, int num_qo_heads,
     int64_t q_s_tok, int64_t q_s_head, int64_t o_s_tok, int64_t o_s_head,
     float k_scale, float v_scale,            // times k_scales / v_scales[kv head or 0] when given
@@ -113,40 +145,54 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const Smem sm(base);                     // tiles and mbarriers (prefill_sm90_layout.cuh)
   const uint32_t sQ = sm.q, sK = sm.k, sV = sm.v;
   const int tid = int(threadIdx.x);
-  const int kvh = int(blockIdx.y);
   if (tid == 0 && PAGED != 2) {   // before the PDL wait: the maps are kernel parameters
     tma_prefetch_desc(&tmap_k);
     tma_prefetch_desc(&tmap_v);
   }
   wait_prior_grids();   // PDL: every other input may come from the previous kernel in the stream
 
-  // -- which request and tile; lengths and offsets of the request
-  int req = 0, tile, qo_len = single_qo_len, kv_len = single_kv_len;
-  int kv_base = 0;   // (contiguous K/V in batch mode: the request's first row)
-  int64_t q_base = 0;
-  if (!query_tile(work, qo_indptr, req, tile, q_base, qo_len)) return;
-  const int32_t* pages = kv_indices;
-  if (work != nullptr) {
+  const int num_kv_heads = num_qo_heads / group;
+  // -- item w (of num_work) of kv head kvh: which request and tile, the request's lengths and offsets, the keys its
+  //    tiles cover; false: a padding item. Producer and consumers derive the same items (for_each_item)
+  const auto load_item = [&](Item& it, int w, int kvh) {
+    it.w = w;
+    it.kvh = kvh;
+    it.req = 0;
+    it.qo_len = single_qo_len;
+    it.kv_len = single_kv_len;
+    it.kv_base = 0;   // (contiguous K/V in batch mode: the request's first row)
+    it.q_base = 0;
+    if (!query_tile(work, ListItem{unsigned(w), unsigned(num_work)}, qo_indptr, it.req, it.tile, it.q_base, it.qo_len)) return false;
+    it.pages = kv_indices;
+    if (work != nullptr) {
 #if PAGED
-    const int p0 = kv_indptr[req], np = kv_indptr[req + 1] - p0;
-    pages = kv_indices + p0;
-    kv_len = np > 0 ? (np - 1) * page_size + kv_last_page_len[req] : 0;
+      const int p0 = kv_indptr[it.req], np = kv_indptr[it.req + 1] - p0;
+      it.pages = kv_indices + p0;
+      it.kv_len = np > 0 ? (np - 1) * page_size + kv_last_page_len[it.req] : 0;
 #else
-    kv_base = kv_indptr[req];
-    kv_len = kv_indptr[req + 1] - kv_base;
+      it.kv_base = kv_indptr[it.req];
+      it.kv_len = kv_indptr[it.req + 1] - it.kv_base;
 #endif
-  }
-  (void)pages; (void)page_shift; (void)page_box; (void)kv_base;
-  const int row0 = tile * BLOCK_M;
-  const int packed_rows = qo_len * group;
-  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
-  int kv_end = kv_len;
-  if (CAUSAL) kv_end = min(kv_len, min(qo_len - 1, (row0 + BLOCK_M - 1) / group) + causal_shift + 1);
-  // -- the variant's first key for the CTA's first row (sliding window): tiles before it are skipped;
-  //    a split item's piece: its keys alone
-  int kv_lo = first_kv_tile_key(vp, req, row0 / group + causal_shift, qo_len, kv_len, BLOCK_N);
-  clamp_to_piece(work, kv_chunk, kv_lo, kv_end);
-  const int num_tiles = kv_end > kv_lo ? (kv_end - kv_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    }
+    const int row0 = it.tile * BLOCK_M;
+    const int causal_shift = it.kv_len - it.qo_len;   // bottom-right alignment: key j <= i + shift
+    it.kv_end = it.kv_len;
+    if (CAUSAL)
+      it.kv_end = min(it.kv_len, min(it.qo_len - 1, (row0 + BLOCK_M - 1) / group) + causal_shift + 1);
+    // -- the variant's first key for the CTA's first row (sliding window): tiles before it are skipped;
+    //    a split item's piece: its keys alone
+    it.kv_lo = first_kv_tile_key(vp, it.req, row0 / group + causal_shift, it.qo_len, it.kv_len, BLOCK_N);
+    clamp_to_piece(work, ListItem{unsigned(w), 0u}, kv_chunk, it.kv_lo, it.kv_end);
+    it.num_tiles = it.kv_end > it.kv_lo ? (it.kv_end - it.kv_lo + BLOCK_N - 1) / BLOCK_N : 0;
+    return true;
+  };
+  (void)page_shift; (void)page_box;
+  Item first;                              // (one item a CTA: a padding CTA leaves before the barriers' setup)
+  if (!PERSISTENT && !load_item(first, int(blockIdx.x), int(blockIdx.y))) return;
+#define for_each_item(...) for_each_item_of(num_work, num_kv_heads, load_item, first, __VA_ARGS__)
+  // -- a running count of the K/V tiles the CTA has passed through its stages (PERSISTENT: across items, so the
+  //    producer fills the next item's stages while the consumers finish this one); tile t of an item is tb + t
+  int tb = 0;
 
   if (tid == 0) {
 #pragma unroll
@@ -180,11 +226,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #if CUATTN_VARIANT_ROPE
     const RopeCols rc = rope_cols(vp, max(xt, 0) % (vp.rotary_dim / 16), XFORM_THREADS / (vp.rotary_dim / 16));
 #endif
-    const auto xform_k_tile = [&](int t) {
-      const uint32_t sKs = sK + (t % STAGES) * K_TILE_BYTES;
-      const int kv0 = kv_lo + t * BLOCK_N;   // the tile's first key in the request (split pieces: absolute)
+    // -- tile t of item it (stage tb + t)
+    const auto xform_k_tile = [&](const Item& it, int t) {
+      const int st = (tb + t) % STAGES;
+      const uint32_t sKs = sK + st * K_TILE_BYTES;
+      const int kv0 = it.kv_lo + t * BLOCK_N;   // the tile's first key in the request (split pieces: absolute)
       const auto addr = [&](int r, int c) { return sKs + swz128(BLOCK_N, r, c); };
-      mbar_wait(sm.full_k(t % STAGES), (t / STAGES) & 1);
+      mbar_wait(sm.full_k(st), ((tb + t) / STAGES) & 1);
 #if CUATTN_VARIANT_ROPE
       rope_rotate_rows_linear<dtype_t>(addr, kv0, BLOCK_N, xt, XFORM_THREADS, vp, rc);
       if (variant::HAS_KEY_TRANSFORM) named_barrier(3, XFORM_THREADS);   // other chunks of the same rows next
@@ -192,37 +240,40 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #if CUATTN_VARIANT_QK
       if (variant::HAS_KEY_TRANSFORM)   // (rows past the request, masked in S, as its last key: kv_idx < kv_len)
         transform_rows<dtype_t, D_QK>(addr, BLOCK_N, xt, XFORM_THREADS, [&](int r, int j, float2 x) {
-          return variant::key_transform(vp, x, j, req, min(kv0 + r, kv_len - 1), kvh);
+          return variant::key_transform(vp, x, j, it.req, min(kv0 + r, it.kv_len - 1), it.kvh);
         });
 #endif
       fence_proxy_async();                 // generic stores -> the consumers' wgmma reads
-      mbar_arrive(sm.ready_k(t % STAGES));
+      mbar_arrive(sm.ready_k(st));
     };
-#define XFORM_K_TILE(t) if (K_XFORM && tid >= 128 - XFORM_THREADS) xform_k_tile(t)
+#define XFORM_K_TILE(it, t) if (K_XFORM && tid >= 128 - XFORM_THREADS) xform_k_tile(it, t)
 #else
-#define XFORM_K_TILE(t)
+#define XFORM_K_TILE(it, t)
 #endif
     // -- the gather: all 128 threads (prefill_sm90_gather.cuh); else thread 0 issues the TMA loads
     //    (prefill_sm90_tma_load.cuh) and warps 1..3 convert fp8 tiles (prefill_sm90_fp8.cuh) or transform K tiles
+    for_each_item([&](const Item& it) {
 #if PAGED == 2
-    gather_producer(sm, tid, kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, pages, page_size,
-                    page_shift, kv_lo, kv_len, num_tiles, [&](int t) { XFORM_K_TILE(t); });
+      gather_producer(sm, tid, it.kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, it.pages,
+                      page_size, page_shift, it.kv_lo, it.kv_len, it.num_tiles, tb, [&](int t) { XFORM_K_TILE(it, t); });
 #else
-    if (tid == 0) {
-      int page[MAX_BOXES];                 // (PAGED) a tile's page ids: here, not in tma_producer (see there)
-      tma_producer(sm, tmap_k, tmap_v, kvh, kv_base, kv_lo, kv_len, num_tiles, pages, page_size, page_shift,
-                   page_box, page);
-    }
+      if (tid == 0) {
+        int page[MAX_BOXES];               // (PAGED) a tile's page ids: here, not in tma_producer (see there)
+        tma_producer(sm, tmap_k, tmap_v, it.kvh, it.kv_base, it.kv_lo, it.kv_len, it.num_tiles, tb, it.pages,
+                     page_size, page_shift, page_box, page);
+      }
 #if KV_FP8
-    else if (tid >= 32)
-      fp8_converters(sm, tid, kv_lo, kv_len, num_tiles);
+      else if (tid >= 32)
+        fp8_converters(sm, tid, it.kv_lo, it.kv_len, it.num_tiles);
 #endif
 #if CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK
-    else if (K_XFORM && tid >= 128 - XFORM_THREADS) {
-      for (int t = 0; t < num_tiles; ++t) xform_k_tile(t);
-    }
+      else if (K_XFORM && tid >= 128 - XFORM_THREADS) {
+        for (int t = 0; t < it.num_tiles; ++t) xform_k_tile(it, t);
+      }
 #endif
 #endif   // PAGED == 2
+      tb += it.num_tiles;
+    });
 #undef XFORM_K_TILE
     return;
   }
@@ -234,6 +285,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const int warp = wt / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
 
+  for_each_item([&](const Item& it) {
+  const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
+  const int kvh = it.kvh;
+  const int64_t q_base = it.q_base;
+  const int row0 = it.tile * BLOCK_M;
+  const int packed_rows = qo_len * group;
+  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
   // -- stage this warpgroup's 64 Q rows (rows past the request are zeros)
   {
     constexpr int CHUNKS = D_QK / 8;       // 16-byte chunks per row
@@ -311,8 +369,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   uint32_t p[BLOCK_N / 16][4];
 
   // -- S = Q K(t)^T issued (not waited for)
+  const auto stage = [&](int t) { return (tb + t) % STAGES; };          // tile t's buffers and barriers' phase
+  const auto phase = [&](int t) { return uint32_t((tb + t) / STAGES) & 1; };
   auto issue_qk = [&](float (&s)[S_REGS], int t) {
-    const uint32_t sKs = sK + (t % STAGES) * K_TILE_BYTES;
+    const uint32_t sKs = sK + stage(t) * K_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D_QK / 16; ++kk) {
@@ -324,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   };
   // -- O += P V(t) issued (not waited for)
   auto issue_pv = [&](int t) {
-    const uint32_t sVs = sV + (t % STAGES) * V_TILE_BYTES;
+    const uint32_t sVs = sV + stage(t) * V_TILE_BYTES;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
@@ -425,32 +485,32 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
     {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
       float s[S_REGS], corr[2];
-      mbar_wait(sm.k_landed(0), 0);
+      mbar_wait(sm.k_landed(stage(0)), phase(0));
       if (PAGED == 2) fence_proxy_async();   // cp.async stores -> wgmma reads
       turn_wait();
       issue_qk(s, 0);
       turn_pass(false);
       wgmma_wait<0>();
       wgmma_fence_regs(s);
-      release(sm.empty_k(0));
+      release(sm.empty_k(stage(0)));
       mask_tile(s, 0);
       softmax(s, corr);
       pack_p(s);
     }
     for (int t = 1; t < num_tiles; ++t) {
       float s[S_REGS], corr[2];
-      const int ps = (t - 1) % STAGES;
-      mbar_wait(sm.k_landed(t % STAGES), (t / STAGES) & 1);
+      const int ps = stage(t - 1);
+      mbar_wait(sm.k_landed(stage(t)), phase(t));
       if (PAGED == 2) fence_proxy_async();
       turn_wait();
       issue_qk(s, t);
-      mbar_wait(sm.full_v(ps), ((t - 1) / STAGES) & 1);
+      mbar_wait(sm.full_v(ps), phase(t - 1));
       if (PAGED == 2) fence_proxy_async();
       issue_pv(t - 1);
       turn_pass(false);
       wgmma_wait<1>();                     // S(t) has landed; P(t-1) V(t-1) may still run
       wgmma_fence_regs(s);
-      release(sm.empty_k(t % STAGES));
+      release(sm.empty_k(stage(t)));
       mask_tile(s, t);
       softmax(s, corr);
       wgmma_wait<0>();
@@ -460,14 +520,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       pack_p(s);
     }
     const int lt = num_tiles - 1;
-    mbar_wait(sm.full_v(lt % STAGES), (lt / STAGES) & 1);
+    mbar_wait(sm.full_v(stage(lt)), phase(lt));
     if (PAGED == 2) fence_proxy_async();
 #if ZERO_V_TAIL   // (TMA boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
     {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
         //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
       const int valid = kv_len - (kv_lo + lt * BLOCK_N);
       if (valid < BLOCK_N) {
-        const uint32_t sVs = sV + (lt % STAGES) * V_TILE_BYTES;
+        const uint32_t sVs = sV + stage(lt) * V_TILE_BYTES;
         for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
           const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
@@ -483,14 +543,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     turn_pass(true);
     wgmma_wait<0>();
     wgmma_fence_regs(acc);
-    release(sm.empty_v(lt % STAGES));
+    release(sm.empty_v(stage(lt)));
   }
 
-  allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
+  if (!PERSISTENT) allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
   //    writes its fp32 partial row instead (the sink joins piece 0 alone)
-  const ItemEnd item = item_end(work);
+  const ItemEnd item = item_end(work, ListItem{unsigned(it.w), 0u});
   float v_fac = v_scale * FP8_FACTOR;         // the call's value scale (read here: no register across the loop)
   if (v_scales != nullptr) v_fac *= v_scales[(scale_per_head & 2) ? kvh : 0];
   const auto scaled = [&](RowEnd e) { e.o_scale *= v_fac; return e; };
@@ -504,12 +564,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     const int head = kvh * group + pr % group;
     const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
     if (item.slot >= 0)
-      store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * gridDim.y + kvh) * BLOCK_M + (pr - row0), t4,
+      store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * num_kv_heads + kvh) * BLOCK_M + (pr - row0), t4,
                               scaled(finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink)), pair);
     else
       store_output_row<D_VO>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
                              scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
   }
+  tb += num_tiles;
+  });
+  if (PERSISTENT) allow_next_grid();
+#undef for_each_item
 }
 
 extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(

@@ -20,13 +20,14 @@
 
 #if PAGED == 2
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh into the 16-bit K / V buffers, by
-//    producer thread tid (0..127); on_k_tile(t) after the thread's copies of tile t (a key transform's warps)
+//    producer thread tid (0..127), tile t into stage (tb + t) % STAGES; on_k_tile(t) after the thread's copies of
+//    tile t (a key transform's warps)
 template <class OnKTile>
 __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh, const uint8_t* k_cache,
                                                 const uint8_t* v_cache, int64_t k_s_row, int64_t k_s_head,
                                                 int64_t v_s_row, int64_t v_s_head, int page_rows,
                                                 const int32_t* pages, int page_size, int page_shift, int kv_lo,
-                                                int kv_len, int num_tiles, OnKTile on_k_tile) {
+                                                int kv_len, int num_tiles, int tb, OnKTile on_k_tile) {
   // Thread tid copies chunks q8, q8 + 8, .. of rows r0 + 16 i (r0 = tid / 8) of every tile; warp w's 4 x ROWS
   // rows are 4 w + a + 16 i (a < 4): lane a + 4 i looks row 4 w + a + 16 i up (its page id, loaded a tile
   // ahead) and the copying threads take its row id by shuffle, so a thread keeps one page id in registers, not ROWS
@@ -71,11 +72,11 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     return key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0;
   };
   fp8_gather_tiles(sm, tid, kb, vb, ks_row, vs_row, num_tiles, load_page, row_of, on_k_tile);
-  (void)copy_rows;
+  (void)copy_rows; (void)tb;   // (PERSISTENT is 16-bit K/V only: prefill_sm90_layout.cuh)
 #else
   for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % STAGES;
-    const uint32_t ph = (t / STAGES) & 1;
+    const int s = (tb + t) % STAGES;
+    const uint32_t ph = ((tb + t) / STAGES) & 1;
     const int key = kv_lo + t * BLOCK_N + my_r;
     const int row_id = key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size)
                                     : 0;   // (past the end: row 0, zero-filled)

@@ -13,6 +13,12 @@
 #ifndef PINGPONG
 #define PINGPONG 1          // the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5; 0: free-running)
 #endif
+#ifndef PERSISTENT          // 1: a grid of at most one CTA per SM, each looping over work items (blockIdx.x, + gridDim.x,
+#define PERSISTENT 0        // ..) with its stages and barrier phases running on across them, so the producer loads the
+#endif                      // next item's first tiles while the consumers finish one (16-bit K/V)
+#ifndef PERSIST_ORDER       // PERSISTENT: which items a CTA takes (prefill_sm90.cu for_each_item_of)
+#define PERSIST_ORDER 1
+#endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
@@ -60,8 +66,10 @@ constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
 // moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
+// (PERSISTENT: the item loop's state too; the RoPE gather 104 and TMA boxes 56, where 88 / 40 spilled)
 constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
-                            : CUATTN_VARIANT_ROPE ? 88
+                            : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED == 2 ? 104 : 88)
+                            : PERSISTENT && PAGED == 1 ? 56
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 // V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0): the consumers
@@ -100,6 +108,7 @@ static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
+static_assert(!(PERSISTENT && KV_FP8), "prefill_sm90: PERSISTENT with 16-bit K/V only (the fp8 producers count tiles from 0)");
 static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");
 static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles (fp8: and their staging) exceed 227 KiB "

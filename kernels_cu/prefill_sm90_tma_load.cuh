@@ -29,15 +29,17 @@ __device__ __forceinline__ void tma_paged_boxes(uint32_t buf, const TmaDesc& map
 #endif
 
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh; kv_base: contiguous K/V's first
-//    row of the request; pages (PAGED): the request's page ids. `page` is the caller's scratch for a tile's
+//    row of the request; pages (PAGED): the request's page ids; tb: the CTA's tiles before these (tile t takes
+//    stage buffer (tb + t) % LOAD_STAGES). `page` is the caller's scratch for a tile's
 //    page ids: an array local to this function changed the kernel's machine code (the consumers' loop entry;
 //    checked when it was split out of prefill_sm90.cu), one in the kernel leaves it as it was
 __device__ __forceinline__ void tma_producer(const Smem& sm, const TmaDesc& tmap_k, const TmaDesc& tmap_v, int kvh,
-                                             int kv_base, int kv_lo, int kv_len, int num_tiles, const int32_t* pages,
+                                             int kv_base, int kv_lo, int kv_len, int num_tiles, int tb,
+                                             const int32_t* pages,
                                              int page_size, int page_shift, int page_box, int (&page)[MAX_BOXES]) {
   for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % LOAD_STAGES;
-    const uint32_t ph = (t / LOAD_STAGES) & 1;
+    const int s = (tb + t) % LOAD_STAGES;
+    const uint32_t ph = ((tb + t) / LOAD_STAGES) & 1;
     const int tok = kv_base + kv_lo + t * BLOCK_N;
 #if PAGED
     // -- the tile's boxes: page_box keys each, from their pages (past the end: the last page, slot 0).

@@ -22,16 +22,29 @@ namespace cuattn {
 constexpr int WORK_COLS = 4;
 constexpr int MERGE_COLS = 4;   // merge rows: (request, query tile, first slot, pieces)
 
-// -- a CTA's request and query tile, and the request's first query token and query length:
-//    work == nullptr is the single-request case (req, q_base and qo_len keep their values; tiles in
+// -- which work item a CTA is on, w() of count(): its launch's blockIdx.x of gridDim.x (CtaItem: read where
+//    used; fa2's registers spilled with the index read up front), or a persistent CTA's current item (ListItem)
+struct CtaItem {
+  __device__ __forceinline__ unsigned w() const { return blockIdx.x; }
+  __device__ __forceinline__ unsigned count() const { return gridDim.x; }
+};
+struct ListItem {
+  unsigned i, n;
+  __device__ __forceinline__ unsigned w() const { return i; }
+  __device__ __forceinline__ unsigned count() const { return n; }
+};
+
+// -- a CTA's request and query tile, and the request's first query token and query length, for work item
+//    `at`: work == nullptr is the single-request case (req, q_base and qo_len keep their values; tiles in
 //    reverse so the longest causal tiles start first). False: a padding item.
-__device__ __forceinline__ bool query_tile(const int32_t* work, const int32_t* qo_indptr, int& req, int& tile,
-                                           int64_t& q_base, int& qo_len) {
+template <class At>
+__device__ __forceinline__ bool query_tile(const int32_t* work, const At& at, const int32_t* qo_indptr, int& req,
+                                           int& tile, int64_t& q_base, int& qo_len) {
   if (work == nullptr) {
-    tile = int(gridDim.x) - 1 - int(blockIdx.x);
+    tile = int(at.count()) - 1 - int(at.w());
     return true;
   }
-  const int32_t* item = work + WORK_COLS * blockIdx.x;
+  const int32_t* item = work + WORK_COLS * at.w();
   req = item[0];
   if (req < 0) return false;
   tile = item[1];
@@ -42,10 +55,12 @@ __device__ __forceinline__ bool query_tile(const int32_t* work, const int32_t* q
 
 // -- the key range [kv_lo, kv_end) narrowed to this CTA's piece of a split item (*kv_chunk > 0, a
 //    multiple of the kernel's BLOCK_N, so kv_lo stays tile-aligned)
-__device__ __forceinline__ void clamp_to_piece(const int32_t* work, const int32_t* kv_chunk, int& kv_lo, int& kv_end) {
+template <class At>
+__device__ __forceinline__ void clamp_to_piece(const int32_t* work, const At& at, const int32_t* kv_chunk, int& kv_lo,
+                                               int& kv_end) {
   const int chunk = kv_chunk == nullptr ? 0 : *kv_chunk;
   if (work != nullptr && chunk > 0) {
-    const int piece = work[WORK_COLS * blockIdx.x + 2];
+    const int piece = work[WORK_COLS * at.w() + 2];
     kv_lo = max(kv_lo, piece * chunk);
     kv_end = min(kv_end, (piece + 1) * chunk);
   }
@@ -58,10 +73,11 @@ struct ItemEnd {
   int slot;
   bool with_sink;
 };
-__device__ __forceinline__ ItemEnd item_end(const int32_t* work) {
+template <class At>
+__device__ __forceinline__ ItemEnd item_end(const int32_t* work, const At& at) {
   if (work == nullptr) return {-1, true};
-  const int slot = work[WORK_COLS * blockIdx.x + 3];
-  return {slot, slot < 0 || work[WORK_COLS * blockIdx.x + 2] == 0};
+  const int slot = work[WORK_COLS * at.w() + 3];
+  return {slot, slot < 0 || work[WORK_COLS * at.w() + 2] == 0};
 }
 
 // -- the first key of the tiles a CTA reads, a multiple of block_n: 0, or with a variant's kv_begin
