@@ -63,8 +63,7 @@ class Sm90PrefillSpec:
     paged: bool = False        # K/V from a paged cache: a TMA box per page (page_size % 16 == 0), or
     gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
-    persistent: bool = False   # at most one CTA per SM, each looping over work items (PERSISTENT; 16-bit K/V; the
-                               # custom mask's gather spec spills 12 bytes so: benchmarks/results/prefill_sm90_notes.md)
+    persistent: bool = False   # at most one CTA per SM, each looping over work items (PERSISTENT; make_spec: persists)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -100,7 +99,8 @@ class Sm90PrefillSpec:
         """prefill_sm90.cu's SMEM_BYTES (the kernel checks the two agree at compile time): alignment slack
         + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8 staged by the TMA (not the gather): +
         STAGES (K + V) staging tiles + 4 STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a
-        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers."""
+        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers; persistent: + 2 item slots of 48
+        bytes and their 4 mbarriers."""
         kv_cols = self.head_dim_qk + self.head_dim_vo
         total = 1024 + self.block_m * self.head_dim_qk * 2 + self.stages * self.block_n * kv_cols * 2
         bars = 4 * self.stages
@@ -109,6 +109,9 @@ class Sm90PrefillSpec:
             bars += 4 * self.stages
         elif self.k_xform:
             bars += self.stages
+        if self.persistent:      # two item slots (48 bytes) and their two mbarriers each
+            bars += 4
+            total += 2 * 48
         return total + 8 * bars
 
 
@@ -135,9 +138,20 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
     if gather is None:
         gather = bool(paged) and use_gather(page_size, tile_n(dv), variant.has_rope and head_dim_qk == 256)
     spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
-                           paged=bool(paged), gather=bool(gather), dtype_kv=kv)
+                           paged=bool(paged), gather=bool(gather), dtype_kv=kv,
+                           persistent=persists(int(head_dim_qk), kv, bool(gather), variant))
     deeper = dataclasses.replace(spec, stages=3)
     return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
+
+
+def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Composite) -> bool:
+    """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, each taking work items in turns, the
+    producer handing each to the consumers through shared memory, the next item's K/V tiles and Q loaded while one
+    finishes): 16-bit K/V at head_dim_qk <= 128, but not a custom mask's gather spec. H100, against the one-CTA-an-item
+    grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise
+    (benchmarks/results/prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192
+    and 256: 8-76 bytes, the custom mask's gather: 12), or its fp8 producers count their tiles from 0."""
+    return not dtype_kv and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
 def use_gather(page_size: int | None, block_n: int, rope_256: bool = False) -> bool:

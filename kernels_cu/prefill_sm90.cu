@@ -5,10 +5,17 @@
 //   128 | 256; 192 pairs with 128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (keys per
 //   tile: 128, 64 for head_dim 256), STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1), KV_FP8 (0: K/V of
 //   DTYPE, 1: e4m3, 2: e5m2; head dims 64 and 128 only), SPEC_SMEM_BYTES (the launcher's smem).
-// Grid (num_work, num_kv_heads); block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
+// Grid (num_work, num_kv_heads), or PERSISTENT (prefill_sm90.py persists: 16-bit K/V, head_dim_qk <= 128) at most one
+//   CTA per SM taking the num_work x num_kv_heads items in turns (for_each_item_of): its K/V stages and barrier phases
+//   run on across items (tile t of an item is the CTA's tile tb + t), so the producer loads the next item's first tiles
+//   while the consumers finish one; the producer's thread 0 hands each item to the consumers through shared memory
+//   (publish_item / read_item), and they stage the next item's Q before an item's epilogue (PERSIST_QNEXT). H100:
+//   0.88-0.95x the one-CTA-an-item grid's time at 8 x 2048, 0.95-0.99x at 1 x 4096 (prefill_sm90_notes.md, session 18).
+// Block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
 //   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
 //   (mbarriers) (+ STAGES BLOCK_N (HEAD_DIM_QK + HEAD_DIM_VO) + 32 STAGES with KV_FP8: the fp8 staging
-//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K), checked against SPEC_SMEM_BYTES.
+//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 48 bytes and 4
+//   mbarriers), checked against SPEC_SMEM_BYTES.
 //
 // One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
@@ -114,6 +121,41 @@ __device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads,
 #endif
 }
 
+// -- PERSISTENT && PERSIST_PUBLISH: the producer's thread 0 hands item n (nullptr: the end of its list) to the consumers
+//    through slot n % ITEM_SLOTS (ItemSlot: the fields the consumers read); they read it (read_item: every consumer
+//    thread, then lane 0 of each warp marks it read) or look at the next one before that (peek_item)
+#define PUBLISH (PERSISTENT && PERSIST_PUBLISH)
+struct ItemSlot {
+  int w, kvh, req, tile, qo_len, kv_len, kv_lo, num_tiles;   // num_tiles -1: the end mark
+  int64_t q_base;
+};
+static_assert(sizeof(ItemSlot) <= ITEM_SLOT_BYTES, "prefill_sm90: ItemSlot outgrew its shared-memory slot");
+__device__ __forceinline__ void publish_item(const Smem& sm, int n, const Item* it) {
+  const int slot = n % ITEM_SLOTS;
+  mbar_wait(sm.item_read(slot), ((n / ITEM_SLOTS) & 1) ^ 1);
+  ItemSlot* d = reinterpret_cast<ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
+  if (it == nullptr) {
+    d->num_tiles = -1;
+  } else {
+    *d = ItemSlot{it->w, it->kvh, it->req, it->tile, it->qo_len, it->kv_len, it->kv_lo, it->num_tiles, it->q_base};
+  }
+  mbar_arrive(sm.item_full(slot));         // (release: the consumers' wait acquires the stores)
+}
+__device__ __forceinline__ bool peek_item(const Smem& sm, int n, Item& it) {
+  const int slot = n % ITEM_SLOTS;
+  mbar_wait(sm.item_full(slot), (n / ITEM_SLOTS) & 1);
+  const ItemSlot d = *reinterpret_cast<const ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
+  it.w = d.w; it.kvh = d.kvh; it.req = d.req; it.tile = d.tile; it.qo_len = d.qo_len; it.kv_len = d.kv_len;
+  it.kv_lo = d.kv_lo; it.num_tiles = d.num_tiles; it.q_base = d.q_base;
+  return d.num_tiles >= 0;
+}
+__device__ __forceinline__ bool read_item(const Smem& sm, int n, Item& it, int lane) {
+  const bool more = peek_item(sm, n, it);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(sm.item_read(n % ITEM_SLOTS));
+  return more;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90(
     const __grid_constant__ TmaDesc tmap_k,  // K: dims (D_QK, tokens, kv heads), box (64, BLOCK_N, 1), swizzle 128B
     const __grid_constant__ TmaDesc tmap_v,  // V: the same with D_VO
@@ -213,6 +255,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       mbar_init(sm.free_v(s), CONVERT_WARPS);
     }
 #endif
+#pragma unroll
+    for (int n = 0; n < ITEM_SLOTS; ++n) {   // (PERSISTENT) the producer's thread 0 publishes, consumer warps read
+      mbar_init(sm.item_full(n), 1);
+      mbar_init(sm.item_read(n), 4 * NUM_CONSUMERS);
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -252,7 +299,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #endif
     // -- the gather: all 128 threads (prefill_sm90_gather.cuh); else thread 0 issues the TMA loads
     //    (prefill_sm90_tma_load.cuh) and warps 1..3 convert fp8 tiles (prefill_sm90_fp8.cuh) or transform K tiles
+    int published = 0;                     // (PERSISTENT && PERSIST_PUBLISH) items handed to the consumers
     for_each_item([&](const Item& it) {
+      if (PUBLISH && tid == 0) publish_item(sm, published, &it);
+      ++published;
 #if PAGED == 2
       gather_producer(sm, tid, it.kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, it.pages,
                       page_size, page_shift, it.kv_lo, it.kv_len, it.num_tiles, tb, [&](int t) { XFORM_K_TILE(it, t); });
@@ -274,6 +324,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #endif   // PAGED == 2
       tb += it.num_tiles;
     });
+    if (PUBLISH && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
 #undef XFORM_K_TILE
     return;
   }
@@ -285,25 +336,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const int warp = wt / 32, lane = tid % 32;
   const int g = lane / 4, t4 = lane % 4;
 
-  for_each_item([&](const Item& it) {
-  const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
-  const int kvh = it.kvh;
-  const int64_t q_base = it.q_base;
-  const int row0 = it.tile * BLOCK_M;
-  const int packed_rows = qo_len * group;
-  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
-  // -- stage this warpgroup's 64 Q rows (rows past the request are zeros)
-  {
-    constexpr int CHUNKS = D_QK / 8;       // 16-byte chunks per row
+  // -- this warpgroup's 64 Q rows of item it (rows past the request are zeros): the copies issued, then (after the
+  //    wait) converted and transformed in place, fenced for the wgmma reads
+  constexpr int CHUNKS = D_QK / 8;         // 16-byte chunks per row
+  const auto q_issue = [&](const Item& it) {
+    const int row0 = it.tile * BLOCK_M, packed_rows = it.qo_len * group;
 #pragma unroll
     for (int j = 0; j < WG_ROWS * CHUNKS / 128; ++j) {
       const int r = wg * WG_ROWS + (wt + 128 * j) / CHUNKS, c = (wt + 128 * j) % CHUNKS;
       const int pr = row0 + r;
       const bool ok = pr < packed_rows;
-      const dtype_t* src = ok ? q + (q_base + pr / group) * q_s_tok + (kvh * group + pr % group) * q_s_head + c * 8 : q;
+      const dtype_t* src =
+          ok ? q + (it.q_base + pr / group) * q_s_tok + (it.kvh * group + pr % group) * q_s_head + c * 8 : q;
       cp_async_16(sQ + swz128(BLOCK_M, r, c), src, ok ? 16 : 0);
     }
     cp_async_commit();
+  };
+  const auto q_finish = [&](const Item& it) {
     cp_async_wait<0>();
     if (Q_CONVERT) {                       // -- bf16 q -> f16 in place (fp8 K/V): the chunks this thread copied
 #pragma unroll
@@ -314,6 +363,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     }
 #if CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK
     if (Q_XFORM) {   // -- the query transforms, once, on the rows every thread of the warpgroup staged
+      const int row0 = it.tile * BLOCK_M, packed_rows = it.qo_len * group, causal_shift = it.kv_len - it.qo_len;
       named_barrier(1 + wg, 128);
       const auto addr = [&](int r, int c) { return sQ + swz128(BLOCK_M, wg * WG_ROWS + r, c); };
       // packed row of local row r (rows past the request: its last, so they see a valid position)
@@ -328,14 +378,26 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       if (variant::HAS_QUERY_TRANSFORM)
         transform_rows<dtype_t, D_QK>(addr, WG_ROWS, wt, 128, [&](int r, int j, float2 x) {
           const int pr = packed(r);
-          return variant::query_transform(vp, x, j, req, pr / group + causal_shift, kvh * group + pr % group);
+          return variant::query_transform(vp, x, j, it.req, pr / group + causal_shift, it.kvh * group + pr % group);
         });
 #endif
     }
 #endif
     fence_proxy_async();                   // cp.async (and transform) writes -> wgmma reads
     named_barrier(1 + wg, 128);
-  }
+  };
+  // -- item it (PUBLISH: the producer's n-th), its Q staged already (staged: by the previous item) or not; once its Q
+  //    rows are read no more (after its last S), before the epilogue, PUBLISH stages the next item's Q
+  bool staged = false;
+  const auto consume = [&](const Item& it, int n) {
+  const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
+  const int kvh = it.kvh;
+  const int64_t q_base = it.q_base;
+  const int row0 = it.tile * BLOCK_M;
+  const int packed_rows = qo_len * group;
+  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
+  if (!staged) q_issue(it);
+  q_finish(it);
 
   // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
   //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
@@ -546,6 +608,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     release(sm.empty_v(stage(lt)));
   }
 
+#if PUBLISH && PERSIST_QNEXT
+  {   // (Q is read no more)
+    Item next;
+    staged = peek_item(sm, n + 1, next);
+    if (staged) q_issue(next);
+  }
+#else
+  (void)n;
+#endif
   if (!PERSISTENT) allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
@@ -571,10 +642,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
                              scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
   }
   tb += num_tiles;
-  });
+  };
+#if PUBLISH
+  // -- the producer's items, in order, until its end mark
+  for (int n = 0;; ++n) {
+    Item it;
+    if (!read_item(sm, n, it, lane)) break;
+    consume(it, n);
+  }
+#else
+  for_each_item([&](const Item& it) { consume(it, 0); });
+#endif
   if (PERSISTENT) allow_next_grid();
 #undef for_each_item
 }
+#undef PUBLISH
 
 extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(
     const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)

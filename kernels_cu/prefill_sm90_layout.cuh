@@ -19,6 +19,12 @@
 #ifndef PERSIST_ORDER       // PERSISTENT: which items a CTA takes (prefill_sm90.cu for_each_item_of)
 #define PERSIST_ORDER 1
 #endif
+#ifndef PERSIST_PUBLISH     // PERSISTENT: the producer hands each item to the consumers through shared memory (ITEM_SLOTS),
+#define PERSIST_PUBLISH 1   // so they stage the next item's Q before this one's epilogue (0: each consumer loads its items)
+#endif
+#ifndef PERSIST_QNEXT       // PERSIST_PUBLISH: the consumers stage the next item's Q before this one's epilogue (where its
+#define PERSIST_QNEXT (HEAD_DIM_QK <= 128)   // copies' addresses fit beside O: wider Q rows spilled 28-76 bytes)
+#endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
@@ -66,9 +72,9 @@ constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
 // moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
-// (PERSISTENT: the item loop's state too; the RoPE gather 104 and TMA boxes 56, where 88 / 40 spilled)
+// (PERSISTENT: the item loop's state too; the paged RoPE 104 and TMA boxes 56, where 88 / 40 spilled)
 constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
-                            : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED == 2 ? 104 : 88)
+                            : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED ? 104 : 88)
                             : PERSISTENT && PAGED == 1 ? 56
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
@@ -99,9 +105,14 @@ typedef LoadTile<D_VO> LoadV;
 static_assert(FP8_STAGED || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_TILE_BYTES), "16-bit: the TMA fills the tiles");
 // -- shared memory (Smem below): Q, STAGES 16-bit K and V tiles, (FP8_STAGED) LOAD_STAGES fp8 K and V staging
 //    tiles, the mbarriers
-constexpr int NUM_BARS = 4 * STAGES + (FP8_STAGED ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0);
+// PERSISTENT: ITEM_SLOTS items handed from the producer to the consumers (ItemSlot, 48 bytes each, after the mbarriers),
+// each with a "published" and a "read" mbarrier
+constexpr int ITEM_SLOTS = PERSISTENT ? 2 : 0;
+constexpr uint32_t ITEM_SLOT_BYTES = 48;
+constexpr int NUM_BARS = 4 * STAGES + (FP8_STAGED ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0) + 2 * ITEM_SLOTS;
 constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) +
-                                (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS;
+                                (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS +
+                                ITEM_SLOTS * ITEM_SLOT_BYTES;
 
 static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
               "prefill_sm90: head dims of whole 64-column blocks, V's at most K's (split-KV rows: head_dim_qk floats)");
@@ -153,6 +164,10 @@ struct Smem {
   // consumers' S wgmma waits on
   __device__ __forceinline__ uint32_t ready_k(int s) const { return bars + 8 * (4 * STAGES + s); }
   __device__ __forceinline__ uint32_t k_landed(int s) const { return K_XFORM ? ready_k(s) : full_k(s); }
+  // PERSISTENT: item slot n's barriers (the last 2 ITEM_SLOTS) and its bytes (after every barrier)
+  __device__ __forceinline__ uint32_t item_full(int n) const { return bars + 8 * (NUM_BARS - 2 * ITEM_SLOTS + n); }
+  __device__ __forceinline__ uint32_t item_read(int n) const { return bars + 8 * (NUM_BARS - ITEM_SLOTS + n); }
+  __device__ __forceinline__ uint32_t item_slot(int n) const { return bars + 8 * NUM_BARS + n * ITEM_SLOT_BYTES; }
   // -- where the TMA lands stage s, the barrier it completes, the one that frees its buffer (KV_FP8: the
   //    staging tiles and their loaded / free barriers when FP8_STAGED; otherwise the 16-bit tiles and full / empty)
   __device__ __forceinline__ uint32_t load_dst_k(int s) const {

@@ -38,14 +38,15 @@ def test_sm90_specs_compile_without_spills():
 
 
 def test_sm90_spec_geometry_follows_the_head_dims():
-    for (dk, dv), bn, st, name in (((64, 64), 128, 3, "prefill_sm90_hd64_qf16_causal_gather_bm128_bn128_s3"),
-                                   ((128, 128), 128, 3, "prefill_sm90_hd128_qf16_causal_gather_bm128_bn128_s3"),
+    for (dk, dv), bn, st, name in (((64, 64), 128, 3, "prefill_sm90_hd64_qf16_causal_gather_bm128_bn128_s3_persist"),
+                                   ((128, 128), 128, 3, "prefill_sm90_hd128_qf16_causal_gather_bm128_bn128_s3_persist"),
                                    ((256, 256), 64, 2, "prefill_sm90_hd256_qf16_causal_gather_bm128_bn64_s2"),
                                    ((192, 128), 128, 2, "prefill_sm90_hd192v128_qf16_causal_gather_bm128_bn128_s2")):
         spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
         assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.stages, spec.name) == (dk, dv, bn, st, name)
         assert f"-DHEAD_DIM_QK={dk}" in spec.defines() and f"-DHEAD_DIM_VO={dv}" in spec.defines()
-        assert spec.smem_bytes == 1024 + 128 * dk * 2 + st * bn * (dk + dv) * 2 + 32 * st
+        slots = (4 * 8 + 2 * 48) * spec.persistent           # the persistent form's item slots
+        assert spec.smem_bytes == 1024 + 128 * dk * 2 + st * bn * (dk + dv) * 2 + 32 * st + slots
     assert prefill_sm90.make_spec("f16", False, head_dim_qk=64) == prefill_sm90.make_spec("f16", False, head_dim_qk=64,
                                                                                           head_dim_vo=64)
 
@@ -166,7 +167,8 @@ def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
     for dk, dv in prefill_sm90.HEAD_DIMS:
         plain = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv, gather=False)
         bn = plain.block_n
-        assert plain.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 8 * 4 * 2
+        slots = (4 * 8 + 2 * 48) * plain.persistent           # the persistent form's item slots
+        assert plain.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 8 * 4 * 2 + slots
         if dk == dv:     # READY_K: STAGES more mbarriers where producer warps transform K; none for q alone
             for v, extra in ((variants.Composite((KEY_SCALE,)), 16), (_query_only(), 0)):
                 assert prefill_sm90.make_spec("f16", True, v, head_dim_qk=dk).smem_bytes == plain.smem_bytes + extra
@@ -174,12 +176,12 @@ def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
             # TMA-staged (contiguous K/V): + STAGES fp8 K and V staging tiles, 4 STAGES mbarriers
             f8 = prefill_sm90.make_spec("f16", True, dtype_kv="e5m2", head_dim_qk=dk, head_dim_vo=dv)
             contig = prefill_sm90.make_spec("f16", True, head_dim_qk=dk, head_dim_vo=dv)
-            assert f8.smem_bytes == contig.smem_bytes + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
+            assert f8.smem_bytes == contig.smem_bytes - slots + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
             assert "-DKV_FP8=2" in f8.defines() and f"-DSPEC_SMEM_BYTES={f8.smem_bytes}" in f8.defines()
             # gathered (paged): converted in registers, no staging: the 16-bit gather's smem, 3 stages
             g8 = prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
             g16 = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
-            assert g8.gather and g8.smem_bytes == g16.smem_bytes and g8.stages == g16.stages == 3
+            assert g8.gather and g8.smem_bytes == g16.smem_bytes - slots and g8.stages == g16.stages == 3
 
 
 def test_fa3_refuses_fp8_at_head_dims_its_staging_cannot_hold():

@@ -1,94 +1,95 @@
-"""The fa3 kernel's persistent form (``Sm90PrefillSpec.persistent``, PERSISTENT=1: at most one CTA per SM,
-each looping over work items with its K/V stages and barrier phases running on across them): it compiles
-without spills wherever the plain kernel does (16-bit K/V), and on an sm_90 GPU gives the plain kernel's
-answers: the fa3 GPU tests of test_prefill_sm90 and the scheduler's fa3 graph replay, re-run with every
-16-bit fa3 spec made persistent."""
+"""The fa3 kernel's persistent form (``Sm90PrefillSpec.persistent``, PERSISTENT=1: at most one CTA per SM, each
+taking work items in turns, the producer handing each to the consumers through shared memory). ``make_spec``
+picks it where its registers allow (``prefill_sm90.persists``); the fa3 GPU tests of test_prefill_sm90 run it
+there and the one-CTA-an-item grid elsewhere. Here: which specs persist, and on an sm_90 GPU the two forms
+give bitwise the same output and LSE (the same arithmetic per item), graph-padded plans included."""
 import dataclasses
 
+import numpy as np
 import pytest
 
-from cuattn import jit, prefill_sm90
+import cuattn
+from cuattn import prefill_sm90, variants
 
-from . import test_prefill_sm90 as fa3
 from .conftest import gpu_cc
+from .test_prefill import _paged_inputs, rand
 
 sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 GPU")
 
 
-def _persistent(spec):
-    return spec if spec.dtype_kv else dataclasses.replace(spec, persistent=True)
-
-
-@pytest.fixture
-def persistent(monkeypatch):
-    """Every 16-bit fa3 spec the wrappers make is the persistent one (fp8 K/V keeps the plain kernel)."""
-    made = prefill_sm90.make_spec
-    monkeypatch.setattr(prefill_sm90, "make_spec", lambda *a, **kw: _persistent(made(*a, **kw)))
-
-
-def _specs():
-    """The fa3 feature grid's 16-bit specs (test_prefill_sm90), persistent; not the custom mask's gather spec, whose
-    consumers spill 12 bytes persistent at every producer register count tried (40-104; Sm90PrefillSpec.persistent
-    says so)."""
-    return [_persistent(s) for s in fa3._feature_grid()
-            if not s.dtype_kv and not (s.gather and s.variant.has_custom_mask)]
-
-
-def test_persistent_specs_compile_without_spills():
-    for spec in _specs():
-        assert spec.persistent and "_persist" in spec.name
-        res = jit.compile_kernel(spec, prefill_sm90.ARCH).resources["cuattn_prefill_sm90"]
-        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (spec.name, res)
+def test_specs_persist_where_registers_allow():
+    mask = variants.Composite((variants.CUSTOM_MASK,))
+    for dk, dv in prefill_sm90.HEAD_DIMS:
+        for paged in (False, True):
+            spec = prefill_sm90.make_spec("bf16", True, paged=paged, head_dim_qk=dk, head_dim_vo=dv)
+            assert spec.persistent == (dk <= 128), spec.name
+            assert ("_persist" in spec.name) == spec.persistent
+    assert not prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3").persistent
+    assert not prefill_sm90.make_spec("f16", False, mask, paged=True, page_size=1).persistent     # (the gather)
+    assert prefill_sm90.make_spec("f16", False, mask).persistent                                    # (contiguous)
+    spec = prefill_sm90.make_spec("f16", True, paged=True)
+    assert spec.smem_bytes == dataclasses.replace(spec, persistent=False).smem_bytes + 4 * 8 + 2 * 48   # item slots
 
 
 def test_persistent_needs_16_bit_kv():
+    from cuattn import jit
     spec = dataclasses.replace(prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3"), persistent=True)
     with pytest.raises(jit.CompileError, match="PERSISTENT with 16-bit K/V only"):
         jit.compile_kernel(spec, prefill_sm90.ARCH)
 
 
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("case", fa3.SINGLE[:4], ids=[str(i) for i in range(4)])
-def test_persistent_single_matches_oracle(case, persistent, launches):
-    fa3._single(*case)
-    assert launches
+def _both_forms(monkeypatch, run):
+    """run() under the shipped specs and with every fa3 spec made one-CTA-an-item: (output, LSE) of each."""
+    import cupy as cp
+    got = [run()]
+    made = prefill_sm90.make_spec
+    monkeypatch.setattr(prefill_sm90, "make_spec", lambda *a, **kw: dataclasses.replace(made(*a, **kw), persistent=False))
+    got.append(run())
+    return [tuple(cp.asnumpy(x) for x in g) for g in got]
+
+
+CASES = [   # (page size or None: ragged, causal, fixed_split_size, GQA (qo heads, kv heads))
+    (16, True, None, (32, 8)), (1, False, 256, (28, 4)), (None, True, None, (32, 8)), (None, False, 512, (7, 1)),
+    (64, True, None, (32, 8))]
 
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("causal", [False, True])
-def test_persistent_ragged_batch_matches_oracle(causal, persistent, launches):
-    fa3.test_fa3_ragged_batch_matches_oracle(causal, "bfloat16", launches)
+@pytest.mark.parametrize("page_size,causal,split,heads", CASES)
+def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, heads, monkeypatch):
+    import cupy as cp
+    rng = np.random.default_rng(7)
+    hq, hkv = heads
+    qo_lens, kv_lens = [300, 1, 77, 129, 2048], [300, 3000, 1037, 200, 2048]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = cp.asarray(rand(rng, (qo_indptr[-1], hq, 128), np.float16))
+    if page_size is None:
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+        k, v = (cp.asarray(rand(rng, (kv_indptr[-1], hkv, 128), np.float16)) for _ in range(2))
+    else:
+        cache, indptr, indices, last, _, _ = _paged_inputs(rng, kv_lens, page_size, hkv, 128, "NHD")
+        cache = cp.asarray(cache)
+
+    def run():
+        if page_size is None:
+            w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend="fa3")
+            w.plan(qo_indptr, kv_indptr, hq, hkv, 128, causal=causal, fixed_split_size=split)
+        else:
+            w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+            w.plan(qo_indptr, indptr, indices, last, hq, hkv, 128, page_size, causal=causal, fixed_split_size=split)
+        out = cp.full(q.shape, np.nan, np.float16)
+        lse = cp.full(q.shape[:2], np.nan, np.float32)
+        w.run(q, k, v, out=out, lse=lse) if page_size is None else w.run(q, cache, out=out, lse=lse)
+        return out, lse
+    (o1, s1), (o2, s2) = _both_forms(monkeypatch, run)
+    assert np.isfinite(o1).all() and np.array_equal(o1, o2) and np.array_equal(s1, s2)
 
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("page_size,layout,form,causal,split", fa3.PAGED_CASES)
-def test_persistent_paged_matches_oracle(page_size, layout, form, causal, split, persistent, monkeypatch):
-    fa3.test_fa3_paged_prefill_reads_pages_by_tma_boxes_or_gathers(page_size, layout, form, causal, split, monkeypatch)
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("dims,dtype,page_size,layout,form,split", fa3.DIM_PAGED[:6])
-def test_persistent_head_dims_paged_match_oracle(dims, dtype, page_size, layout, form, split, persistent, launches):
-    fa3.test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout, form, split, launches)
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("d", [64, 256])
-def test_persistent_transforms_match_oracle(d, persistent, launches):
-    fa3.test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches)
-
-
-@pytest.mark.gpu
-@sm90
-def test_persistent_graph_replays_padded_plans(persistent):
-    """Graph mode pads the work list with empty items: the persistent CTAs skip them."""
+def test_persistent_graph_replays_padded_plans():
+    """Graph mode pads the work list with empty items: the persistent CTAs skip them (the scheduler's replay test,
+    its fa3 ragged case, with the shipped persistent spec)."""
     from .test_scheduler import test_prefill_cuda_graph_replays_after_replans_with_new_lengths as replay
+    assert prefill_sm90.make_spec("f16", True).persistent
     replay("ragged", "fa3")
-
-
-launches = fa3.launches
