@@ -621,7 +621,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 
   // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
   //    writes its fp32 partial row instead (the sink joins piece 0 alone)
+#if PERSISTENT
   const ItemEnd item = item_end(work, ListItem{unsigned(it.w), 0u});
+#else
+  const ItemEnd item = item_end(work, CtaItem());   // (read here: no register holds the item index through the loop)
+#endif
   float v_fac = v_scale * FP8_FACTOR;         // the call's value scale (read here: no register across the loop)
   if (v_scales != nullptr) v_fac *= v_scales[(scale_per_head & 2) ? kvh : 0];
   const auto scaled = [&](RowEnd e) { e.o_scale *= v_fac; return e; };

@@ -72,10 +72,12 @@ constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
 // moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
-// (PERSISTENT: the item loop's state too; the paged RoPE 104 and TMA boxes 56, where 88 / 40 spilled)
+// (PERSISTENT: the item loop's state too; the paged RoPE 104 and TMA boxes 56, where 88 / 40 spilled; a mask variant's
+// gather 48: the causal custom mask's spilled 76 bytes at 56 since the item loop, none at 40 or 48)
 constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
                             : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED ? 104 : 88)
                             : PERSISTENT && PAGED == 1 ? 56
+                            : PAGED == 2 && GATHER_ROWS > 1 && variant::HAS_MASK && !K_XFORM ? 48
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 // V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0): the consumers
