@@ -204,7 +204,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
     it.kv_len = single_kv_len;
     it.kv_base = 0;   // (contiguous K/V in batch mode: the request's first row)
     it.q_base = 0;
-    if (!query_tile(work, ListItem{unsigned(w), unsigned(num_work)}, qo_indptr, it.req, it.tile, it.q_base, it.qo_len)) return false;
+    if (!query_tile(work, ListItem{unsigned(w), unsigned(num_work)}, qo_indptr, it.req, it.tile, it.q_base, it.qo_len))
+      return false;
     it.pages = kv_indices;
     if (work != nullptr) {
 #if PAGED
@@ -390,262 +391,262 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   //    rows are read no more (after its last S), before the epilogue, PUBLISH stages the next item's Q
   bool staged = false;
   const auto consume = [&](const Item& it, int n) {
-  const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
-  const int kvh = it.kvh;
-  const int64_t q_base = it.q_base;
-  const int row0 = it.tile * BLOCK_M;
-  const int packed_rows = qo_len * group;
-  const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
-  if (!staged) q_issue(it);
-  q_finish(it);
+    const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
+    const int kvh = it.kvh;
+    const int64_t q_base = it.q_base;
+    const int row0 = it.tile * BLOCK_M;
+    const int packed_rows = qo_len * group;
+    const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
+    if (!staged) q_issue(it);
+    q_finish(it);
 
-  // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
-  //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
-  //    transform's logit_scale (the raw dot products times sm_scale and the key scale: one multiply)
-  constexpr bool K_FIRST = variant::HAS_TRANSFORM;
-  static_assert(variant::USE_SOFTMAX || K_FIRST, "use_softmax=False needs a logits transform");
-  float k_fac = k_scale * FP8_FACTOR;
-  if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
-  const float qk_scale_log2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
-  const float logit_scale = k_fac * vp.sm_scale;
+    // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
+    //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
+    //    transform's logit_scale (the raw dot products times sm_scale and the key scale: one multiply)
+    constexpr bool K_FIRST = variant::HAS_TRANSFORM;
+    static_assert(variant::USE_SOFTMAX || K_FIRST, "use_softmax=False needs a logits transform");
+    float k_fac = k_scale * FP8_FACTOR;
+    if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
+    const float qk_scale_log2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
+    const float logit_scale = k_fac * vp.sm_scale;
 
-  // -- per-thread rows: local row wg * 64 + warp * 16 + g + 8 h
-  const int my_row0 = row0 + wg * WG_ROWS + warp * 16 + g;
-  int mask_from = kv_len;                  // tiles reaching past this key need element masks
-  if (CAUSAL) mask_from = min(kv_len, (row0 + wg * WG_ROWS) / group + causal_shift + 1);
-  int kv_full = 0;                         // sliding window: tiles below this key need element masks
-  if (variant::HAS_KV_BEGIN)
-    kv_full = variant::kv_begin(vp, req, min(qo_len - 1, (row0 + (wg + 1) * WG_ROWS - 1) / group) + causal_shift,
-                                qo_len, kv_len);
-  float acc[O_REGS];
-  float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};
-  variant::RowState rs[2];                 // the variant's per-row state, once per row
+    // -- per-thread rows: local row wg * 64 + warp * 16 + g + 8 h
+    const int my_row0 = row0 + wg * WG_ROWS + warp * 16 + g;
+    int mask_from = kv_len;                  // tiles reaching past this key need element masks
+    if (CAUSAL) mask_from = min(kv_len, (row0 + wg * WG_ROWS) / group + causal_shift + 1);
+    int kv_full = 0;                         // sliding window: tiles below this key need element masks
+    if (variant::HAS_KV_BEGIN)
+      kv_full = variant::kv_begin(vp, req, min(qo_len - 1, (row0 + (wg + 1) * WG_ROWS - 1) / group) + causal_shift,
+                                  qo_len, kv_len);
+    float acc[O_REGS];
+    float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};
+    variant::RowState rs[2];                 // the variant's per-row state, once per row
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pr = my_row0 + 8 * h;
-    rs[h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
-                               qo_len, kv_len);
-  }
-#pragma unroll
-  for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
-  uint32_t p[BLOCK_N / 16][4];
-
-  // -- S = Q K(t)^T issued (not waited for)
-  const auto stage = [&](int t) { return (tb + t) % STAGES; };          // tile t's buffers and barriers' phase
-  const auto phase = [&](int t) { return uint32_t((tb + t) / STAGES) & 1; };
-  auto issue_qk = [&](float (&s)[S_REGS], int t) {
-    const uint32_t sKs = sK + stage(t) * K_TILE_BYTES;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D_QK / 16; ++kk) {
-      const uint64_t da = wgmma_desc(sQ + (kk / 4) * (BLOCK_M * 128) + wg * (WG_ROWS * 128) + (kk % 4) * 32, 16, 1024);
-      const uint64_t db = wgmma_desc(sKs + (kk / 4) * HALF_BYTES + (kk % 4) * 32, 16, 1024);
-      wgmma_m64k16_ss<BLOCK_N, mma_t>(s, da, db, kk > 0);
+    for (int h = 0; h < 2; ++h) {
+      const int pr = my_row0 + 8 * h;
+      rs[h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
+                                 qo_len, kv_len);
     }
-    wgmma_commit();
-  };
-  // -- O += P V(t) issued (not waited for)
-  auto issue_pv = [&](int t) {
-    const uint32_t sVs = sV + stage(t) * V_TILE_BYTES;
-    wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      wgmma_m64k16_rs_tb<D_VO, mma_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
-    wgmma_commit();
-  };
-  // -- tile t of S: the variant's logits transform (every tile) and the masks (causal on diagonal
-  //    tiles, the window below kv_full, a variant mask on every tile)
-  auto mask_tile = [&](float (&s)[S_REGS], int t) {
-    const int kv0 = kv_lo + t * BLOCK_N;
-    const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
-    if (!variant::HAS_TRANSFORM && !edge) return;
-    if (MASK_SPLIT && variant::HAS_TRANSFORM && !edge) {   // -- a tile no mask reaches: the transform alone
+    for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;
+    uint32_t p[BLOCK_N / 16][4];
+
+    // -- S = Q K(t)^T issued (not waited for)
+    const auto stage = [&](int t) { return (tb + t) % STAGES; };          // tile t's buffers and barriers' phase
+    const auto phase = [&](int t) { return uint32_t((tb + t) / STAGES) & 1; };
+    auto issue_qk = [&](float (&s)[S_REGS], int t) {
+      const uint32_t sKs = sK + stage(t) * K_TILE_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D_QK / 16; ++kk) {
+        const uint64_t da = wgmma_desc(sQ + (kk / 4) * (BLOCK_M * 128) + wg * (WG_ROWS * 128) + (kk % 4) * 32, 16, 1024);
+        const uint64_t db = wgmma_desc(sKs + (kk / 4) * HALF_BYTES + (kk % 4) * 32, 16, 1024);
+        wgmma_m64k16_ss<BLOCK_N, mma_t>(s, da, db, kk > 0);
+      }
+      wgmma_commit();
+    };
+    // -- O += P V(t) issued (not waited for)
+    auto issue_pv = [&](int t) {
+      const uint32_t sVs = sV + stage(t) * V_TILE_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_m64k16_rs_tb<D_VO, mma_t>(acc, p[kk], wgmma_desc(sVs + kk * 16 * 128, HALF_BYTES, 1024));
+      wgmma_commit();
+    };
+    // -- tile t of S: the variant's logits transform (every tile) and the masks (causal on diagonal
+    //    tiles, the window below kv_full, a variant mask on every tile)
+    auto mask_tile = [&](float (&s)[S_REGS], int t) {
+      const int kv0 = kv_lo + t * BLOCK_N;
+      const bool edge = variant::HAS_MASK || kv0 + BLOCK_N > mask_from || (variant::HAS_KV_BEGIN && kv0 < kv_full);
+      if (!variant::HAS_TRANSFORM && !edge) return;
+      if (MASK_SPLIT && variant::HAS_TRANSFORM && !edge) {   // -- a tile no mask reaches: the transform alone
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pr = my_row0 + 8 * h;
+          const int qpos = pr / group;
+#pragma unroll
+          for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              s[4 * n + 2 * h + e] = variant_transform(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
+                                                       qpos + causal_shift, kv0 + n * 8 + 2 * t4 + e, kv0 + 2 * t4,
+                                                       kvh * group + pr % group, kvh, qo_len, kv_len);
+        }
+        return;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int pr = my_row0 + 8 * h;
         const int qpos = pr / group;
+        const int row_lo = variant::HAS_KV_BEGIN ? variant::kv_begin(vp, req, qpos + causal_shift, qo_len, kv_len) : 0;
 #pragma unroll
         for (int n = 0; n < BLOCK_N / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            s[4 * n + 2 * h + e] = variant_transform(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
-                                                     qpos + causal_shift, kv0 + n * 8 + 2 * t4 + e, kv0 + 2 * t4,
-                                                     kvh * group + pr % group, kvh, qo_len, kv_len);
+          for (int e = 0; e < 2; ++e) {
+            const int kpos = kv0 + n * 8 + 2 * t4 + e;
+            bool keep = kpos < kv_len;
+            if (CAUSAL) keep = keep && kpos <= qpos + causal_shift;
+            if (!keep)
+              s[4 * n + 2 * h + e] = NEG_INF;
+            else if (variant::NEEDS_POSITION)
+              s[4 * n + 2 * h + e] = variant_score(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
+                                                   qpos + causal_shift, kpos, kv0 + 2 * t4, kvh * group + pr % group,
+                                                   kvh, qo_len, kv_len, row_lo);
+          }
       }
-      return;
-    }
+    };
+    // -- online softmax (base 2): m, l updated, S becomes P (fp32), corr = rescale factor of O
+    //    (without softmax: the transformed logits are the weights, dropped keys 0)
+    auto softmax = [&](float (&s)[S_REGS], float (&corr)[2]) {
+      if (!variant::USE_SOFTMAX) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int pr = my_row0 + 8 * h;
-      const int qpos = pr / group;
-      const int row_lo = variant::HAS_KV_BEGIN ? variant::kv_begin(vp, req, qpos + causal_shift, qo_len, kv_len) : 0;
+        for (int i = 0; i < S_REGS; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
+        corr[0] = corr[1] = 1.f;
+        return;
+      }
 #pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
+      for (int h = 0; h < 2; ++h)            // row h: s[4 n + 2 h + e]
+        corr[h] = online_softmax_row<BLOCK_N / 4>(
+            [&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
+            [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; }, m_i[h], l_i[h], qk_scale_log2);
+    };
+    auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kpos = kv0 + n * 8 + 2 * t4 + e;
-          bool keep = kpos < kv_len;
-          if (CAUSAL) keep = keep && kpos <= qpos + causal_shift;
-          if (!keep)
-            s[4 * n + 2 * h + e] = NEG_INF;
-          else if (variant::NEEDS_POSITION)
-            s[4 * n + 2 * h + e] = variant_score(vp, rs[h], s[4 * n + 2 * h + e], logit_scale, req, qpos,
-                                                 qpos + causal_shift, kpos, kv0 + 2 * t4, kvh * group + pr % group,
-                                                 kvh, qo_len, kv_len, row_lo);
-        }
-    }
-  };
-  // -- online softmax (base 2): m, l updated, S becomes P (fp32), corr = rescale factor of O
-  //    (without softmax: the transformed logits are the weights, dropped keys 0)
-  auto softmax = [&](float (&s)[S_REGS], float (&corr)[2]) {
-    if (!variant::USE_SOFTMAX) {
+      for (int n = 0; n < D_VO / 8; ++n) {
+        acc[4 * n + 0] *= corr[0];
+        acc[4 * n + 1] *= corr[0];
+        acc[4 * n + 2] *= corr[1];
+        acc[4 * n + 3] *= corr[1];
+      }
+    };
+    // -- P (fp32 accumulator layout) -> 16-bit A fragments, one per 16 keys
+    auto pack_p = [&](const float (&s)[S_REGS]) {
 #pragma unroll
-      for (int i = 0; i < S_REGS; ++i) s[i] = s[i] == NEG_INF ? 0.f : s[i];
-      corr[0] = corr[1] = 1.f;
-      return;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)            // row h: s[4 n + 2 h + e]
-      corr[h] = online_softmax_row<BLOCK_N / 4>(
-          [&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
-          [&](int k, float p) { s[4 * (k >> 1) + 2 * h + (k & 1)] = p; }, m_i[h], l_i[h], qk_scale_log2);
-  };
-  auto rescale_o = [&](const float (&corr)[2]) {
-#pragma unroll
-    for (int n = 0; n < D_VO / 8; ++n) {
-      acc[4 * n + 0] *= corr[0];
-      acc[4 * n + 1] *= corr[0];
-      acc[4 * n + 2] *= corr[1];
-      acc[4 * n + 3] *= corr[1];
-    }
-  };
-  // -- P (fp32 accumulator layout) -> 16-bit A fragments, one per 16 keys
-  auto pack_p = [&](const float (&s)[S_REGS]) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      p[kk][0] = pack2<mma_t>(s[8 * kk + 0], s[8 * kk + 1]);
-      p[kk][1] = pack2<mma_t>(s[8 * kk + 2], s[8 * kk + 3]);
-      p[kk][2] = pack2<mma_t>(s[8 * kk + 4], s[8 * kk + 5]);
-      p[kk][3] = pack2<mma_t>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-  };
-  auto release = [&](uint32_t bar) {       // this warp is done reading a K or V buffer
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
-  };
-  // -- PINGPONG: the two consumer warpgroups take turns issuing their GEMMs (named barrier 4 + wg:
-  //    warpgroup wg's turn), so one's softmax runs while the tensor cores work on the other's products.
-  //    Consumer 1 opens consumer 0's first turn; its last turn passes nothing (the counts balance).
-  auto turn_wait = [&]() {
-    if (PINGPONG) named_barrier(4 + wg, 256);
-  };
-  auto turn_pass = [&](bool last) {
-    if (PINGPONG && !(last && wg == 1)) named_barrier_arrive(4 + (wg ^ 1), 256);
-  };
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        p[kk][0] = pack2<mma_t>(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2<mma_t>(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2<mma_t>(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2<mma_t>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+    };
+    auto release = [&](uint32_t bar) {       // this warp is done reading a K or V buffer
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar);
+    };
+    // -- PINGPONG: the two consumer warpgroups take turns issuing their GEMMs (named barrier 4 + wg:
+    //    warpgroup wg's turn), so one's softmax runs while the tensor cores work on the other's products.
+    //    Consumer 1 opens consumer 0's first turn; its last turn passes nothing (the counts balance).
+    auto turn_wait = [&]() {
+      if (PINGPONG) named_barrier(4 + wg, 256);
+    };
+    auto turn_pass = [&](bool last) {
+      if (PINGPONG && !(last && wg == 1)) named_barrier_arrive(4 + (wg ^ 1), 256);
+    };
 
-  if (num_tiles > 0) {
-    if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
-    {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
-      float s[S_REGS], corr[2];
-      mbar_wait(sm.k_landed(stage(0)), phase(0));
-      if (PAGED == 2) fence_proxy_async();   // cp.async stores -> wgmma reads
-      turn_wait();
-      issue_qk(s, 0);
-      turn_pass(false);
-      wgmma_wait<0>();
-      wgmma_fence_regs(s);
-      release(sm.empty_k(stage(0)));
-      mask_tile(s, 0);
-      softmax(s, corr);
-      pack_p(s);
-    }
-    for (int t = 1; t < num_tiles; ++t) {
-      float s[S_REGS], corr[2];
-      const int ps = stage(t - 1);
-      mbar_wait(sm.k_landed(stage(t)), phase(t));
+    if (num_tiles > 0) {
+      if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
+      {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
+        float s[S_REGS], corr[2];
+        mbar_wait(sm.k_landed(stage(0)), phase(0));
+        if (PAGED == 2) fence_proxy_async();   // cp.async stores -> wgmma reads
+        turn_wait();
+        issue_qk(s, 0);
+        turn_pass(false);
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+        release(sm.empty_k(stage(0)));
+        mask_tile(s, 0);
+        softmax(s, corr);
+        pack_p(s);
+      }
+      for (int t = 1; t < num_tiles; ++t) {
+        float s[S_REGS], corr[2];
+        const int ps = stage(t - 1);
+        mbar_wait(sm.k_landed(stage(t)), phase(t));
+        if (PAGED == 2) fence_proxy_async();
+        turn_wait();
+        issue_qk(s, t);
+        mbar_wait(sm.full_v(ps), phase(t - 1));
+        if (PAGED == 2) fence_proxy_async();
+        issue_pv(t - 1);
+        turn_pass(false);
+        wgmma_wait<1>();                     // S(t) has landed; P(t-1) V(t-1) may still run
+        wgmma_fence_regs(s);
+        release(sm.empty_k(stage(t)));
+        mask_tile(s, t);
+        softmax(s, corr);
+        wgmma_wait<0>();
+        wgmma_fence_regs(acc);
+        release(sm.empty_v(ps));
+        rescale_o(corr);
+        pack_p(s);
+      }
+      const int lt = num_tiles - 1;
+      mbar_wait(sm.full_v(stage(lt)), phase(lt));
       if (PAGED == 2) fence_proxy_async();
+#if ZERO_V_TAIL   // (TMA boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
+      {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
+          //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
+        const int valid = kv_len - (kv_lo + lt * BLOCK_N);
+        if (valid < BLOCK_N) {
+          const uint32_t sVs = sV + stage(lt) * V_TILE_BYTES;
+          for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
+            const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
+                         "r"(0) : "memory");
+          }
+          fence_proxy_async();               // generic stores -> wgmma reads
+          named_barrier(1 + wg, 128);
+        }
+      }
+#endif
       turn_wait();
-      issue_qk(s, t);
-      mbar_wait(sm.full_v(ps), phase(t - 1));
-      if (PAGED == 2) fence_proxy_async();
-      issue_pv(t - 1);
-      turn_pass(false);
-      wgmma_wait<1>();                     // S(t) has landed; P(t-1) V(t-1) may still run
-      wgmma_fence_regs(s);
-      release(sm.empty_k(stage(t)));
-      mask_tile(s, t);
-      softmax(s, corr);
+      issue_pv(lt);
+      turn_pass(true);
       wgmma_wait<0>();
       wgmma_fence_regs(acc);
-      release(sm.empty_v(ps));
-      rescale_o(corr);
-      pack_p(s);
+      release(sm.empty_v(stage(lt)));
     }
-    const int lt = num_tiles - 1;
-    mbar_wait(sm.full_v(stage(lt)), phase(lt));
-    if (PAGED == 2) fence_proxy_async();
-#if ZERO_V_TAIL   // (TMA boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
-    {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
-        //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
-      const int valid = kv_len - (kv_lo + lt * BLOCK_N);
-      if (valid < BLOCK_N) {
-        const uint32_t sVs = sV + stage(lt) * V_TILE_BYTES;
-        for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
-          const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
-                       "r"(0) : "memory");
-        }
-        fence_proxy_async();               // generic stores -> wgmma reads
-        named_barrier(1 + wg, 128);
-      }
-    }
-#endif
-    turn_wait();
-    issue_pv(lt);
-    turn_pass(true);
-    wgmma_wait<0>();
-    wgmma_fence_regs(acc);
-    release(sm.empty_v(stage(lt)));
-  }
 
 #if PUBLISH && PERSIST_QNEXT
-  {   // (Q is read no more)
-    Item next;
-    staged = peek_item(sm, n + 1, next);
-    if (staged) q_issue(next);
-  }
+    {   // (Q is read no more)
+      Item next;
+      staged = peek_item(sm, n + 1, next);
+      if (staged) q_issue(next);
+    }
 #else
-  (void)n;
+    (void)n;
 #endif
-  if (!PERSISTENT) allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
+    if (!PERSISTENT) allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
 
-  // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
-  //    writes its fp32 partial row instead (the sink joins piece 0 alone)
+    // -- epilogue: O / l, natural-log LSE; fully masked rows give 0 and -inf. A piece of a split item
+    //    writes its fp32 partial row instead (the sink joins piece 0 alone)
 #if PERSISTENT
-  const ItemEnd item = item_end(work, ListItem{unsigned(it.w), 0u});
+    const ItemEnd item = item_end(work, ListItem{unsigned(it.w), 0u});
 #else
-  const ItemEnd item = item_end(work, CtaItem());   // (read here: no register holds the item index through the loop)
+    const ItemEnd item = item_end(work, CtaItem());   // (read here: no register holds the item index through the loop)
 #endif
-  float v_fac = v_scale * FP8_FACTOR;         // the call's value scale (read here: no register across the loop)
-  if (v_scales != nullptr) v_fac *= v_scales[(scale_per_head & 2) ? kvh : 0];
-  const auto scaled = [&](RowEnd e) { e.o_scale *= v_fac; return e; };
+    float v_fac = v_scale * FP8_FACTOR;         // the call's value scale (read here: no register across the loop)
+    if (v_scales != nullptr) v_fac *= v_scales[(scale_per_head & 2) ? kvh : 0];
+    const auto scaled = [&](RowEnd e) { e.o_scale *= v_fac; return e; };
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_i[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int pr = my_row0 + 8 * h;
-    if (pr >= packed_rows) continue;
-    const int head = kvh * group + pr % group;
-    const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
-    if (item.slot >= 0)
-      store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * num_kv_heads + kvh) * BLOCK_M + (pr - row0), t4,
-                              scaled(finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink)), pair);
-    else
-      store_output_row<D_VO>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
-                             scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
-  }
-  tb += num_tiles;
+    for (int h = 0; h < 2; ++h) {
+      float l = l_i[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int pr = my_row0 + 8 * h;
+      if (pr >= packed_rows) continue;
+      const int head = kvh * group + pr % group;
+      const auto pair = [&](int n) { return make_float2(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1]); };
+      if (item.slot >= 0)
+        store_partial_row<D_VO>(part_o, part_lse, (int64_t(item.slot) * num_kv_heads + kvh) * BLOCK_M + (pr - row0), t4,
+                                scaled(finish_row(vp, m_i[h], l, req, pr / group, head, item.with_sink)), pair);
+      else
+        store_output_row<D_VO>(o, o_s_tok, o_s_head, lse, num_qo_heads, q_base + pr / group, head, t4,
+                               scaled(finish_row(vp, m_i[h], l, req, pr / group, head, true)), pair);
+    }
+    tb += num_tiles;
   };
 #if PUBLISH
   // -- the producer's items, in order, until its end mark
