@@ -271,9 +271,14 @@ class _BatchPrefillBase:
                      f"{spec.block_n} keys")
         if p.rope_prepass:
             lines.append("fused RoPE: q and the keys rotated once per run ahead of the kernel (prefill_rope.py)")
-        lines.append(f"work: {len(wl.work)} items x {h} kv heads = {len(wl.work) * h} CTAs on "
-                     f"{_plan.num_sms(p['device'])} SMs" + (f"; grid padded to {p['grid_work']} items (CUDA graph)"
-                                                           if self._bufs.graph else ""))
+        items, sms = len(wl.work) * h, _plan.num_sms(p["device"])
+        if getattr(spec, "persistent", False):     # (fa3: prefill_sm90.persists)
+            ctas = min(p["grid_work"] * h, sms)
+            work = (f"work: {len(wl.work)} items x {h} kv heads = {items} items on {ctas} persistent CTAs "
+                    f"(one per SM at most, ~{-(-items // max(ctas, 1))} items each, taken in turns)")
+        else:
+            work = f"work: {len(wl.work)} items x {h} kv heads = {items} CTAs on {sms} SMs"
+        lines.append(work + (f"; grid padded to {p['grid_work']} items (CUDA graph)" if self._bufs.graph else ""))
         return "\n".join(lines + _plan.describe_split(wl, spec.block_n, p["split_why"]))
 
     def _merge(self, ctx, plan, ot, lse_ptr) -> None:

@@ -39,13 +39,13 @@ def test_persistent_needs_16_bit_kv():
 
 
 def _both_forms(monkeypatch, run):
-    """run() under the shipped specs and with every fa3 spec made one-CTA-an-item: (output, LSE) of each."""
+    """run() under the shipped specs and with every fa3 spec made one-CTA-an-item: (output, LSE, describe()) of each."""
     import cupy as cp
     got = [run()]
     made = prefill_sm90.make_spec
     monkeypatch.setattr(prefill_sm90, "make_spec", lambda *a, **kw: dataclasses.replace(made(*a, **kw), persistent=False))
     got.append(run())
-    return [tuple(cp.asnumpy(x) for x in g) for g in got]
+    return [(cp.asnumpy(o), cp.asnumpy(s), d) for o, s, d in got]
 
 
 CASES = [   # (page size or None: ragged, causal, fixed_split_size, GQA (qo heads, kv heads))
@@ -80,8 +80,9 @@ def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, hea
         out = cp.full(q.shape, np.nan, np.float16)
         lse = cp.full(q.shape[:2], np.nan, np.float32)
         w.run(q, k, v, out=out, lse=lse) if page_size is None else w.run(q, cache, out=out, lse=lse)
-        return out, lse
-    (o1, s1), (o2, s2) = _both_forms(monkeypatch, run)
+        return out, lse, w.describe()
+    (o1, s1, d1), (o2, s2, d2) = _both_forms(monkeypatch, run)
+    assert "_persist" in d1 and "persistent CTAs" in d1 and "_persist" not in d2 and "CTAs on" in d2
     assert np.isfinite(o1).all() and np.array_equal(o1, o2) and np.array_equal(s1, s2)
 
 
