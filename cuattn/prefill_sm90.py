@@ -304,10 +304,6 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
         page_size = paged[0]
         tk = tv = _NO_MAP
         gather = gather_args(k, v, k_strides, v_strides, paged, spec.kv_bytes, fn)
-        if "GATHER_K_TMA=1" in spec.tuning:      # (an A/B: K tiles by TMA boxes, V rows gathered)
-            box = page_box(page_size, spec.block_n)
-            tk = paged_tensor_map(k.ptr, spec.head_dim_qk, page_size, num_kv_heads, paged[1], tuple(k_strides), box, fn,
-                                  spec.kv_bytes)
     elif paged is not None:
         page_size, k_pages, v_pages = paged
         box = page_box(page_size, spec.block_n)

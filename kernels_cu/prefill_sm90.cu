@@ -187,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
   const Smem sm(base);                     // tiles and mbarriers (prefill_sm90_layout.cuh)
   const uint32_t sQ = sm.q, sK = sm.k, sV = sm.v;
   const int tid = int(threadIdx.x);
-  if (tid == 0 && (PAGED != 2 || GATHER_K_TMA)) {   // before the PDL wait: the maps are kernel parameters
+  if (tid == 0 && PAGED != 2) {   // before the PDL wait: the maps are kernel parameters
     tma_prefetch_desc(&tmap_k);
     tma_prefetch_desc(&tmap_v);
   }
@@ -241,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       // staged fp8: lane 0 of every converter warp; gather: every producer thread's copies; else the TMA
-      mbar_init(sm.full_k(s), FP8_STAGED ? CONVERT_WARPS : PAGED == 2 && !GATHER_K_TMA ? 128 : 1);
+      mbar_init(sm.full_k(s), FP8_STAGED ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
       mbar_init(sm.full_v(s), FP8_STAGED ? CONVERT_WARPS : PAGED == 2 ? 128 : 1);
       mbar_init(sm.empty_k(s), 4 * NUM_CONSUMERS);   // lane 0 of every consumer warp
       mbar_init(sm.empty_v(s), 4 * NUM_CONSUMERS);
@@ -306,8 +306,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) cuattn_prefill_sm90
       ++published;
 #if PAGED == 2
       gather_producer(sm, tid, it.kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, it.pages,
-                      page_size, page_shift, it.kv_lo, it.kv_len, it.num_tiles, tb, [&](int t) { XFORM_K_TILE(it, t); },
-                      tmap_k, page_box);
+                      page_size, page_shift, it.kv_lo, it.kv_len, it.num_tiles, tb, [&](int t) { XFORM_K_TILE(it, t); });
 #else
       if (tid == 0) {
         int page[MAX_BOXES];               // (PAGED) a tile's page ids: here, not in tma_producer (see there)

@@ -27,8 +27,7 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
                                                 const uint8_t* v_cache, int64_t k_s_row, int64_t k_s_head,
                                                 int64_t v_s_row, int64_t v_s_head, int page_rows,
                                                 const int32_t* pages, int page_size, int page_shift, int kv_lo,
-                                                int kv_len, int num_tiles, int tb, OnKTile on_k_tile,
-                                                const TmaDesc& tmap_k, int page_box) {
+                                                int kv_len, int num_tiles, int tb, OnKTile on_k_tile) {
   // Thread tid copies chunks q8, q8 + 8, .. of rows r0 + 16 i (r0 = tid / 8) of every tile; warp w's 4 x ROWS
   // rows are 4 w + a + 16 i (a < 4): lane a + 4 i looks row 4 w + a + 16 i up (its page id, loaded a tile
   // ahead) and the copying threads take its row id by shuffle, so a thread keeps one page id in registers, not ROWS
@@ -82,27 +81,10 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     const int row_id = key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size)
                                     : 0;   // (past the end: row 0, zero-filled)
     const int rem = kv_len - (kv_lo + t * BLOCK_N + r0);   // this thread's row i: valid while 16 i < rem
-#if GATHER_K_TMA
-    // -- K by TMA boxes (thread 0): box j's page is row j page_box's, looked up by warp 0's lane 4 (j page_box / 16)
-    int page[MAX_BOXES];
-    if (tid < 32) {
-#pragma unroll
-      for (int j = 0; j < MAX_BOXES; ++j) page[j] = __shfl_sync(0xffffffffu, pg, (4 * j * page_box / 16) & 31);
-    }
-    if (tid == 0) {
-      mbar_wait(sm.empty_k(s), ph ^ 1);
-      mbar_arrive_expect_tx(sm.full_k(s), K_TILE_BYTES);
-      tma_paged_boxes<LoadK>(sm.k + s * K_TILE_BYTES, tmap_k, sm.full_k(s), kvh, kv_lo + t * BLOCK_N, kv_len, page,
-                             page_size, page_shift, page_box);
-    }
-    if (t + 1 < num_tiles) load_page(t + 1);
-#else
-    (void)tmap_k; (void)page_box;
     if (t + 1 < num_tiles) load_page(t + 1);
     mbar_wait(sm.empty_k(s), ph ^ 1);
     copy_rows(sm.k + s * K_TILE_BYTES, kq, ks_row, row_id, rem, D_QK / 8);
     cp_async_mbar_arrive_noinc(sm.full_k(s));
-#endif
     mbar_wait(sm.empty_v(s), ph ^ 1);
     copy_rows(sm.v + s * V_TILE_BYTES, vq, vs_row, row_id, rem, D_VO / 8);
     cp_async_mbar_arrive_noinc(sm.full_v(s));

@@ -25,9 +25,6 @@
 #ifndef PERSIST_QNEXT       // PERSIST_PUBLISH: the consumers stage the next item's Q before this one's epilogue (where its
 #define PERSIST_QNEXT (HEAD_DIM_QK <= 128)   // copies' addresses fit beside O: wider Q rows spilled 28-76 bytes)
 #endif
-#ifndef GATHER_K_TMA        // PAGED == 2, pages of a multiple of 16: K tiles by TMA boxes of page_box keys (thread 0), V
-#define GATHER_K_TMA 0      // rows by the gather (the A/B of session 18)
-#endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
@@ -124,7 +121,6 @@ static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
-static_assert(!(GATHER_K_TMA && (KV_FP8 || PAGED != 2)), "GATHER_K_TMA: the 16-bit gather producer only");
 static_assert(!(PERSISTENT && KV_FP8), "prefill_sm90: PERSISTENT with 16-bit K/V only (the fp8 producers count tiles from 0)");
 static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");

@@ -7,7 +7,8 @@
 #include "common/tma.cuh"
 #include "prefill_sm90_layout.cuh"
 
-#if PAGED == 1 || GATHER_K_TMA
+#if PAGED != 2
+#if PAGED
 // -- one paged tile (keys tok ..) into buf (L: LoadK or LoadV), completing on bar: page_box keys a box, from
 //    page[j] (past the end: slot 0)
 template <class L>
@@ -27,7 +28,6 @@ __device__ __forceinline__ void tma_paged_boxes(uint32_t buf, const TmaDesc& map
 }
 #endif
 
-#if PAGED != 2
 // -- tiles 0 .. num_tiles - 1 (keys kv_lo + t BLOCK_N ..) of kv head kvh; kv_base: contiguous K/V's first
 //    row of the request; pages (PAGED): the request's page ids; tb: the CTA's tiles before these (tile t takes
 //    stage buffer (tb + t) % LOAD_STAGES). `page` is the caller's scratch for a tile's
