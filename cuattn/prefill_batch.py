@@ -213,7 +213,8 @@ class _BatchPrefillBase:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
             spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
                 plan["spec"].dtype, plan["causal"], composite, paged, plan["spec"].dtype_kv,
-                plan["head_dim"], plan["head_dim_vo"], plan.page_size if paged else None)
+                plan["head_dim"], plan["head_dim_vo"], plan.page_size if paged else None,
+                small=plan["spec"].block_m == 64)         # (fa2's 64-row tiles: every request within 64 packed rows)
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
             _, backend, spec = hit
@@ -227,7 +228,7 @@ class _BatchPrefillBase:
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
         max_slots = bufs.max_partial(slot_floats)
         sms = _plan.num_sms(device)
-        slots = sms * (2 if backend == "fa2" else 1)       # resident CTAs
+        slots = sms * (2 if backend == "fa2" else spec.ctas_per_sm)       # resident CTAs
 
         def auto():
             c = _plan.choose_prefill_chunk(ext, h_kv, sms, slots // sms, spec.block_n, max_slots, stats[1], stats[2])
@@ -273,9 +274,9 @@ class _BatchPrefillBase:
             lines.append("fused RoPE: q and the keys rotated once per run ahead of the kernel (prefill_rope.py)")
         items, sms = len(wl.work) * h, _plan.num_sms(p["device"])
         if getattr(spec, "persistent", False):     # (fa3: prefill_sm90.persists)
-            ctas = min(p["grid_work"] * h, sms)
+            ctas = min(p["grid_work"] * h, sms * spec.ctas_per_sm)
             work = (f"work: {len(wl.work)} items x {h} kv heads = {items} items on {ctas} persistent CTAs "
-                    f"(one per SM at most, ~{-(-items // max(ctas, 1))} items each, taken in turns)")
+                    f"({spec.ctas_per_sm} per SM at most, ~{-(-items // max(ctas, 1))} items each, taken in turns)")
         else:
             work = f"work: {len(wl.work)} items x {h} kv heads = {items} CTAs on {sms} SMs"
         lines.append(work + (f"; grid padded to {p['grid_work']} items (CUDA graph)" if self._bufs.graph else ""))

@@ -31,9 +31,7 @@ _ENTRY = "cuattn_prefill_sm90"
 ARCH = "sm_90a"
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))   # (head_dim_qk, head_dim_vo) with a kernel
 FP8_HEAD_DIMS = ((64, 64), (128, 128))   # ... with an fp8 K/V kernel (prefill_sm90.cu LoadTile, SMEM_BYTES)
-BLOCK_M = 128
-NUM_THREADS = 384
-SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90
+SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90 (113 KiB each at two CTAs per SM)
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
@@ -64,12 +62,14 @@ class Sm90PrefillSpec:
     gather: bool = False       # ... rows gathered by the producer warpgroup (any page size; fp8: converted)
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
     persistent: bool = False   # at most one CTA per SM, each looping over work items (PERSISTENT; make_spec: persists)
+    block_m: int = 128         # packed query rows a CTA: 128 (two consumer warpgroups) or 64 (one: small_tile)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
 
-    block_m = BLOCK_M
     dim_vo = property(lambda self: self.head_dim_vo)     # as fa2's PrefillSpec.dim_vo
+    num_threads = property(lambda self: 128 * (self.block_m // 64 + 1))   # a producer and the consumer warpgroups
+    ctas_per_sm = property(lambda self: 1 if self.block_m == 128 else 2)   # prefill_sm90_layout.cuh CTAS_PER_SM
 
     @property
     def name(self) -> str:     # "prefill_sm90_hd128_qf16_causal_paged_kve4m3_bm128_bn128_s2", "prefill_sm90_hd192v128_..."
@@ -84,7 +84,8 @@ class Sm90PrefillSpec:
         return (f"-DHEAD_DIM_QK={self.head_dim_qk}", f"-DHEAD_DIM_VO={self.head_dim_vo}",
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
                 f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
-                f"-DSPEC_SMEM_BYTES={self.smem_bytes}", f"-DPERSISTENT={int(self.persistent)}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DSPEC_SMEM_BYTES={self.smem_bytes}", f"-DPERSISTENT={int(self.persistent)}",
+                f"-DNUM_CONSUMERS={self.block_m // 64}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
@@ -129,19 +130,31 @@ def spec_name(family: str, head_dim_qk: int, head_dim_vo: int, dtype: str, causa
 def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.DEFAULT,
               paged: bool = False, dtype_kv: str = "", head_dim_qk: int = 128,
               head_dim_vo: int | None = None, page_size: int | None = None,
-              gather: bool | None = None) -> Sm90PrefillSpec:
+              gather: bool | None = None, small: bool = False) -> Sm90PrefillSpec:
     """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one; ``head_dim_vo``
     None: ``head_dim_qk``. ``gather`` None: the paged producer ``use_gather`` picks (``page_size`` None:
-    any page size). The gather takes 3 K/V stages where they fit shared memory (head_dim 64, 128)."""
+    any page size). The gather takes 3 K/V stages where they fit shared memory (head_dim 64, 128). ``small``:
+    every request has at most 64 packed query rows (block-sparse row blocks, decode and speculative steps):
+    64-row tiles where ``small_tile`` allows, else the 128-row one."""
     dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
     kv = "" if dtype_kv == dtype else dtype_kv
     if gather is None:
         gather = bool(paged) and use_gather(page_size, tile_n(dv), variant.has_rope and head_dim_qk == 256)
-    spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv), variant=variant,
+    bm = 64 if small and small_tile(int(head_dim_qk), dv, kv, variant) else 128
+    spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv) if bm == 128 else 64, variant=variant,
                            paged=bool(paged), gather=bool(gather), dtype_kv=kv,
-                           persistent=persists(int(head_dim_qk), kv, bool(gather), variant))
+                           persistent=persists(int(head_dim_qk), kv, bool(gather), variant), block_m=bm)
     deeper = dataclasses.replace(spec, stages=3)
-    return deeper if spec.gather and deeper.smem_bytes <= SMEM_LIMIT else spec
+    return deeper if spec.gather and deeper.smem_bytes <= (SMEM_LIMIT if bm == 128 else 113 * 1024) else spec
+
+
+def small_tile(head_dim_qk: int, head_dim_vo: int, dtype_kv: str, variant: variants.Composite) -> bool:
+    """Whether 64-row tiles run (NUM_CONSUMERS 1: one consumer warpgroup, two CTAs per SM in 113 KiB each, so one
+    CTA's softmax runs beside the other's GEMMs): 16-bit K/V at head_dim 64 and 128 (keys 64 a tile, two stages;
+    the fp8 gather's rows are laid out for 128-key tiles, head_dim 256's stages do not fit), not the fused RoPE at
+    head_dim 128 (4-8 bytes spilled in 128 registers a thread)."""
+    return not dtype_kv and head_dim_qk == head_dim_vo and head_dim_qk <= 128 and not (variant.has_rope and
+                                                                                       head_dim_qk == 128)
 
 
 def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Composite) -> bool:
@@ -166,8 +179,10 @@ def shipped_specs() -> list[Sm90PrefillSpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests): head_dim 128, fp16 /
     bf16, causal or not, contiguous or paged; for fp8 K/V at head_dim 128 and the other head dims what
     serving runs (fp8: paged, causal or not, both formats; other head dims: paged causal prefill; 16-bit
-    paged specs gather any page size). 22 specs; the rest compile on first use (~1.5 s each)."""
-    return [make_spec(t, c, paged=p) for t in ("f16", "bf16") for c in (False, True) for p in (False, True)] + \
+    paged specs gather any page size; and the 64-row paged tiles of requests within 64 packed rows). 26 specs; the
+    rest compile on first use (~1.5 s each)."""
+    return [make_spec(t, c, paged=p, small=sm) for t in ("f16", "bf16") for c in (False, True)
+            for p, sm in ((False, False), (True, False), (True, True))] + \
         [make_spec(t, c, paged=True, dtype_kv=kv) for t in ("f16", "bf16") for c in (False, True) for kv in KV_FP8] + \
         [make_spec(t, True, paged=True, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in HEAD_DIMS if dk != 128
          for t in ("f16", "bf16")]
@@ -324,8 +339,9 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
                        k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
                        scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
                        scale_log2=spec.variant.scale_log2(sm_scale))
-    grid = (min(num_work * num_kv_heads, _num_sms(ctx.device)), 1) if spec.persistent else (num_work, num_kv_heads)
-    launcher(grid, NUM_THREADS, ctx.stream, *args, *variant_args, pdl=pdl)
+    grid = ((min(num_work * num_kv_heads, _num_sms(ctx.device) * spec.ctas_per_sm), 1) if spec.persistent
+            else (num_work, num_kv_heads))
+    launcher(grid, spec.num_threads, ctx.stream, *args, *variant_args, pdl=pdl)
 
 
 @functools.lru_cache(maxsize=None)

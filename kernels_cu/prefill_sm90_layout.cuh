@@ -10,14 +10,17 @@
 #ifndef PAGED
 #define PAGED 0
 #endif
-#ifndef PINGPONG
-#define PINGPONG 1          // the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5; 0: free-running)
+#ifndef NUM_CONSUMERS       // consumer warpgroups, 64 query rows each: 2 (BLOCK_M 128, one CTA per SM) or 1 (BLOCK_M 64,
+#define NUM_CONSUMERS 2     // two CTAs per SM whose GEMMs and softmaxes interleave: requests of at most 64 packed rows)
+#endif
+#ifndef PINGPONG            // the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5; 0: free-running)
+#define PINGPONG (NUM_CONSUMERS == 2)
 #endif
 #ifndef PERSISTENT          // 1: a grid of at most one CTA per SM, each looping over work items (blockIdx.x, + gridDim.x,
 #define PERSISTENT 0        // ..) with its stages and barrier phases running on across them, so the producer loads the
 #endif                      // next item's first tiles while the consumers finish one (16-bit K/V)
-#ifndef PERSIST_ORDER       // PERSISTENT: which items a CTA takes (prefill_sm90.cu for_each_item_of)
-#define PERSIST_ORDER 1
+#ifndef PERSIST_ORDER       // PERSISTENT: the order of the items the CTAs take in turns (prefill_sm90.cu for_each_item_of):
+#define PERSIST_ORDER (CAUSAL ? 1 : 2)   // 1 kv head fastest, 2 work item fastest (0: 2 without the turns' reversal)
 #endif
 #ifndef PERSIST_PUBLISH     // PERSISTENT: the producer hands each item to the consumers through shared memory (ITEM_SLOTS),
 #define PERSIST_PUBLISH 1   // so they stage the next item's Q before this one's epilogue (0: each consumer loads its items)
@@ -48,9 +51,12 @@ constexpr float FP8_FACTOR = fp8_factor(KV_FP8);
 constexpr int D_QK = HEAD_DIM_QK;                   // q / K columns: S = Q K^T over D_QK / 16 k-steps
 constexpr int D_VO = HEAD_DIM_VO;                   // V / out columns: O is m64n{D_VO}, D_VO / 2 floats per thread
 constexpr int WG_ROWS = 64;                         // rows per consumer warpgroup (wgmma m64)
-constexpr int NUM_CONSUMERS = 2;
+static_assert(NUM_CONSUMERS == 1 || NUM_CONSUMERS == 2, "prefill_sm90: one or two consumer warpgroups");
+static_assert(!(PINGPONG && NUM_CONSUMERS == 1), "prefill_sm90: ping-pong needs two consumer warpgroups");
 constexpr int BLOCK_M = WG_ROWS * NUM_CONSUMERS;
 constexpr int NUM_THREADS = 128 * (NUM_CONSUMERS + 1);
+constexpr int CTAS_PER_SM = NUM_CONSUMERS == 2 ? 1 : 2;   // (shared memory: 227 KiB, or 113 KiB each)
+constexpr int ENTRY_REGS = 65536 / (NUM_THREADS * CTAS_PER_SM) / 8 * 8;   // a thread's registers at launch: 168 | 128
 constexpr int S_REGS = BLOCK_N / 2, O_REGS = D_VO / 2;   // accumulator floats per thread: S tile, O
 constexpr uint32_t HALF_BYTES = BLOCK_N * 128;      // one column block of 64 elements of a K or V tile
 constexpr uint32_t Q_BYTES = BLOCK_M * D_QK * 2;    // D_QK / 64 column blocks of BLOCK_M * 128 bytes
@@ -67,7 +73,8 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
               "query / key transforms need a 16-bit KV cache (READY_K shares fp8's barrier slots; a bf16 q is f16 in smem)");
 // setmaxnreg: the producer warpgroup's count (the RoPE transform keeps its chunk's frequencies, 32
 // registers: 88; a variant's key transform: 56, headroom for the user's code), the consumers share
-// what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208, 200
+// what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208, 200 (one consumer, two CTAs per SM: what is
+// left of 2 x 128)
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
@@ -79,7 +86,7 @@ constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
                             : PERSISTENT && PAGED == 1 ? 56
                             : PAGED == 2 && GATHER_ROWS > 1 && variant::HAS_MASK && !K_XFORM ? 48
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
-constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * 168 - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
+constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * ENTRY_REGS - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
 // V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0): the consumers
 // zero them before the last P.V
 #define ZERO_V_TAIL ((PAGED == 1 && !KV_FP8) || (PAGED == 2 && KV_FP8))
@@ -124,6 +131,7 @@ static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(!(PERSISTENT && KV_FP8), "prefill_sm90: PERSISTENT with 16-bit K/V only (the fp8 producers count tiles from 0)");
 static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");
+static_assert(CTAS_PER_SM == 1 || SMEM_BYTES <= 113 * 1024, "prefill_sm90: two CTAs per SM take 113 KiB each at most");
 static_assert(SMEM_BYTES <= 227 * 1024, "prefill_sm90: Q and STAGES K / V tiles (fp8: and their staging) exceed 227 KiB "
               "of shared memory");
 static_assert(SMEM_BYTES == SPEC_SMEM_BYTES, "prefill_sm90.py Sm90PrefillSpec.smem_bytes (the launch's) must be SMEM_BYTES");

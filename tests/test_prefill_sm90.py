@@ -592,3 +592,63 @@ def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
     assert "_gather_kve4m3" in r.stdout and "_gather_kve5m2" in r.stdout and "_paged" in r.stdout
+
+
+# -- requests of at most 64 packed rows (block-sparse row blocks, decode and speculative steps): 64-row tiles
+#    (NUM_CONSUMERS 1, two CTAs per SM) where prefill_sm90.small_tile allows
+
+def test_fa3_small_requests_take_64_row_tiles_where_they_compile():
+    rope = variants.resolve("f", num_qo_heads=8, head_dim=64, pos_encoding_mode="ROPE_LLAMA").composite
+    for d in (64, 128):
+        spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=d, small=True)
+        assert (spec.block_m, spec.block_n, spec.num_threads, spec.ctas_per_sm) == (64, 64, 256, 2)
+        assert "-DNUM_CONSUMERS=1" in spec.defines() and spec.smem_bytes <= 113 * 1024
+    for kw in (dict(head_dim_qk=256), dict(head_dim_qk=192, head_dim_vo=128), dict(dtype_kv="e4m3")):
+        assert prefill_sm90.make_spec("f16", True, paged=True, small=True, **kw).block_m == 128
+    assert prefill_sm90.make_spec("f16", True, rope, paged=True, small=True).block_m == 128   # (hd128 RoPE spilled)
+    assert prefill_sm90.make_spec("f16", True, rope, paged=True, head_dim_qk=64, small=True).block_m == 64
+
+
+SMALL_CASES = [   # (page size, causal, custom mask, qo heads : kv heads)
+    (16, True, False, (32, 8)), (1, False, False, (32, 8)), (16, False, True, (16, 16)), (5, True, False, (28, 4))]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("page_size,causal,mask,heads", SMALL_CASES)
+def test_fa3_small_requests_match_oracle(page_size, causal, mask, heads):
+    """Every request within 64 packed rows: the 64-row fa3 kernel (describe() names it), random page order, NaN in the
+    free slots, against the float64 oracle (a custom mask: against fa2, which the mask tests check)."""
+    import cupy as cp
+    from .test_prefill import _paged_inputs, oracle_batch, rand
+    hq, hkv = heads
+    rng = np.random.default_rng(page_size)
+    qo_lens = [64 * hkv // hq, 1, 5, 2, 9][:4] if hq // hkv <= 8 else [1, 2, 3, 4]
+    kv_lens = [300, 3000, 17, 1100]
+    cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, page_size, hkv, 128, "NHD")
+    nhd = cache
+    for b in range(len(kv_lens)):
+        nhd[indices[indptr[b + 1] - 1], :, last[b]:] = np.nan
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, 128), np.float16)
+    kw = {}
+    if mask:
+        kw["custom_mask"] = np.concatenate([rng.random(qo * kv) < 0.7 for qo, kv in zip(qo_lens, kv_lens)])
+    outs = []
+    for backend in ("fa3", "fa2"):
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend=backend)
+        w.plan(qo_indptr, indptr, indices, last, hq, hkv, 128, page_size, causal=causal, **kw)
+        out = cp.full(q.shape, np.nan, np.float16)
+        lse = cp.full(q.shape[:2], np.nan, np.float32)
+        w.run(cp.asarray(q), cp.asarray(cache), out=out, lse=lse)
+        outs.append((cp.asnumpy(out), cp.asnumpy(lse), w.describe()))
+        if not mask:
+            break
+    got, got_lse, desc = outs[0]
+    assert "_bm64_bn64_" in desc and (("2 per SM" in desc) == ("_persist" in desc)), desc   # (custom mask gather: not)
+    assert np.isfinite(got).all()
+    if mask:
+        assert rel_err(got, outs[1][0]) < 2e-3 and np.abs(got_lse - outs[1][1]).max() < 1e-3
+    else:
+        ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, causal)
+        assert rel_err(got, ref_o) < 5e-3 and np.abs(got_lse - ref_s).max() < 1e-3
