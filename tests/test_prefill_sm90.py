@@ -23,9 +23,10 @@ NEW_DIMS = [(64, 64), (256, 256), (192, 128)]      # (head_dim_qk, head_dim_vo) 
 
 def test_sm90_specs_compile_without_spills():
     specs = prefill_sm90.shipped_specs()
-    # hd128: f16 / bf16 x full / causal x contiguous / paged, and paged fp8 (e4m3 / e5m2; tests/test_prefill_fp8.py);
-    # other dims: f16 / bf16 paged causal
-    assert len({s.name for s in specs}) == len(specs) == 8 + 8 + 2 * len(NEW_DIMS)
+    # hd128: f16 / bf16 x full / causal x contiguous / paged / paged 64-row tiles, and paged fp8 (e4m3 / e5m2;
+    # tests/test_prefill_fp8.py); other dims: f16 / bf16 paged causal
+    assert len({s.name for s in specs}) == len(specs) == 12 + 8 + 2 * len(NEW_DIMS)
+    assert sum(s.block_m == 64 for s in specs) == 4
     assert {(s.head_dim_qk, s.head_dim_vo) for s in specs} == set(prefill_sm90.HEAD_DIMS)
     # the other head dims' contiguous non-causal kernels (first use) too: both axes the shipped ones fix
     extra = [prefill_sm90.make_spec("bf16", False, head_dim_qk=dk, head_dim_vo=dv) for dk, dv in NEW_DIMS]
