@@ -36,7 +36,7 @@ SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90 (113 KiB e
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
                                "v_s_row:q v_s_head:q page_rows:i work:p part_o:p part_lse:p "
-                               "kv_chunk:p num_work:i single_qo_len:i "
+                               "kv_chunk:p sched:p num_work:i single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
@@ -288,7 +288,7 @@ def gather_args(k, v, k_strides, v_strides, paged: tuple, kv_bytes: int, fn: str
 
 
 META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "part_o", "part_lse",
-        "kv_chunk")   # the plan's pointers
+        "kv_chunk", "sched")   # the plan's pointers
 
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
