@@ -50,7 +50,7 @@ class BlockSparseAttentionWrapper:
     ----------
     float_workspace_buffer : array, optional
         GPU scratch for split-KV partials (any framework and dtype); allocated when omitted.
-    backend : "auto" | "fa2" ("fa3" has no paged kernel: UnsupportedError at plan())
+    backend : "auto" | "fa2" | "fa3" (the paged prefill kernels; fa3: Hopper, 64-row tiles for row blocks of <= 64 packed rows)
     use_cuda_graph : bool, keyword
         As for ``BatchPrefillWithPagedKVCacheWrapper``: buffers and grid fixed by the first plan.
     """
