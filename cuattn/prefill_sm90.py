@@ -158,12 +158,13 @@ def small_tile(head_dim_qk: int, head_dim_vo: int, dtype_kv: str, variant: varia
 
 
 def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Composite) -> bool:
-    """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, each taking work items in turns, the
-    producer handing each to the consumers through shared memory, the next item's K/V tiles and Q loaded while one
-    finishes): 16-bit K/V at head_dim_qk <= 128, but not a custom mask's gather spec. H100, against the one-CTA-an-item
-    grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise
-    (benchmarks/results/prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192
-    and 256: 8-76 bytes, the custom mask's gather: 12), or its fp8 producers count their tiles from 0."""
+    """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, two with 64-row tiles, each taking the next
+    work item from a counter as it frees up, in turns with a logits mask; the producer hands each item to the consumers
+    through shared memory, and the next item's K/V tiles and Q load while one finishes): 16-bit K/V at head_dim_qk <=
+    128, but not a custom mask's gather spec. H100, against the one-CTA-an-item grid: 0.88-0.95x the time at 8 x 2048,
+    0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed step 0.99x (benchmarks/results/
+    prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192 and 256: 8-76 bytes,
+    the custom mask's gather: 12), or its fp8 producers count their tiles from 0 (the gather's spilled persistent)."""
     return not dtype_kv and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
