@@ -100,7 +100,7 @@ class Sm90PrefillSpec:
         """prefill_sm90.cu's SMEM_BYTES (the kernel checks the two agree at compile time): alignment slack
         + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8 staged by the TMA (not the gather): +
         STAGES (K + V) staging tiles + 4 STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a
-        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers; persistent: + 2 item slots of 48
+        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers; persistent: + 2 item slots of 64
         bytes and their 4 mbarriers."""
         kv_cols = self.head_dim_qk + self.head_dim_vo
         total = 1024 + self.block_m * self.head_dim_qk * 2 + self.stages * self.block_n * kv_cols * 2
@@ -110,9 +110,9 @@ class Sm90PrefillSpec:
             bars += 4 * self.stages
         elif self.k_xform:
             bars += self.stages
-        if self.persistent:      # two item slots (48 bytes) and their two mbarriers each
+        if self.persistent:      # two item slots (64 bytes) and their two mbarriers each
             bars += 4
-            total += 2 * 48
+            total += 2 * 64
         return total + 8 * bars
 
 

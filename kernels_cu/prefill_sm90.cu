@@ -15,7 +15,7 @@
 // Block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
 //   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
 //   (mbarriers) (+ STAGES BLOCK_N (HEAD_DIM_QK + HEAD_DIM_VO) + 32 STAGES with KV_FP8: the fp8 staging
-//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 48 bytes and 4
+//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 64 bytes and 4
 //   mbarriers), checked against SPEC_SMEM_BYTES.
 //
 // One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
@@ -125,39 +125,33 @@ __device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads,
 }
 
 // -- PERSISTENT && PERSIST_PUBLISH: the producer's thread 0 hands item n (nullptr: the end of its list) to the consumers
-//    through slot n % ITEM_SLOTS (ItemSlot: the fields the consumers read); they read it (read_item: every consumer
-//    thread, then lane 0 of each warp marks it read) or look at the next one before that (peek_item)
+//    through slot n % ITEM_SLOTS, the Item itself in shared memory (claim_slot waits until the slot's previous item
+//    has been read, post_slot publishes it); the readers copy it (read_item: then lane 0 of each warp marks it read) or
+//    look at the next one before that (peek_item)
 #define PUBLISH (PERSISTENT && PERSIST_PUBLISH)
-struct ItemSlot {
-  int w, kvh, req, tile, qo_len, kv_len, kv_lo, num_tiles;   // num_tiles -1: the end mark
-  int64_t q_base;
-  int kv_base, page0;                      // (the producer's, PERSIST_DYNAMIC) contiguous K/V's first row, first page
-};
-static_assert(sizeof(ItemSlot) <= ITEM_SLOT_BYTES, "prefill_sm90: ItemSlot outgrew its shared-memory slot");
-__device__ __forceinline__ void publish_item(const Smem& sm, int n, const Item* it, const int32_t* kv_indices) {
-  const int slot = n % ITEM_SLOTS;
-  mbar_wait(sm.item_read(slot), ((n / ITEM_SLOTS) & 1) ^ 1);
-  ItemSlot* d = reinterpret_cast<ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
-  if (it == nullptr) {
+static_assert(sizeof(Item) <= ITEM_SLOT_BYTES, "prefill_sm90: Item outgrew its shared-memory slot");
+__device__ __forceinline__ Item* claim_slot(const Smem& sm, int n) {
+  mbar_wait(sm.item_read(n % ITEM_SLOTS), ((n / ITEM_SLOTS) & 1) ^ 1);
+  return reinterpret_cast<Item*>(__cvta_shared_to_generic(sm.item_slot(n % ITEM_SLOTS)));
+}
+__device__ __forceinline__ void post_slot(const Smem& sm, int n) {
+  mbar_arrive(sm.item_full(n % ITEM_SLOTS));   // (release: the readers' wait acquires the slot's stores)
+}
+__device__ __forceinline__ void publish_item(const Smem& sm, int n, const Item* it) {   // (nullptr: the end mark)
+  Item* d = claim_slot(sm, n);
+  if (it == nullptr)
     d->num_tiles = -1;
-  } else {
-    *d = ItemSlot{it->w,      it->kvh,    it->req,       it->tile,   it->qo_len,
-                  it->kv_len, it->kv_lo,  it->num_tiles, it->q_base, it->kv_base, int(it->pages - kv_indices)};
-  }
-  mbar_arrive(sm.item_full(slot));         // (release: the readers' wait acquires the stores)
+  else
+    *d = *it;
+  post_slot(sm, n);
 }
-__device__ __forceinline__ bool peek_item(const Smem& sm, int n, Item& it, const int32_t* kv_indices = nullptr) {
-  const int slot = n % ITEM_SLOTS;
-  mbar_wait(sm.item_full(slot), (n / ITEM_SLOTS) & 1);
-  const ItemSlot d = *reinterpret_cast<const ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
-  it.w = d.w; it.kvh = d.kvh; it.req = d.req; it.tile = d.tile; it.qo_len = d.qo_len; it.kv_len = d.kv_len;
-  it.kv_lo = d.kv_lo; it.num_tiles = d.num_tiles; it.q_base = d.q_base; it.kv_base = d.kv_base;
-  it.pages = kv_indices + d.page0;
-  return d.num_tiles >= 0;
+__device__ __forceinline__ bool peek_item(const Smem& sm, int n, Item& it) {
+  mbar_wait(sm.item_full(n % ITEM_SLOTS), (n / ITEM_SLOTS) & 1);
+  it = *reinterpret_cast<const Item*>(__cvta_shared_to_generic(sm.item_slot(n % ITEM_SLOTS)));
+  return it.num_tiles >= 0;
 }
-__device__ __forceinline__ bool read_item(const Smem& sm, int n, Item& it, int lane,
-                                          const int32_t* kv_indices = nullptr) {
-  const bool more = peek_item(sm, n, it, kv_indices);
+__device__ __forceinline__ bool read_item(const Smem& sm, int n, Item& it, int lane) {
+  const bool more = peek_item(sm, n, it);
   __syncwarp();
   if (lane == 0) mbar_arrive(sm.item_read(n % ITEM_SLOTS));
   return more;
@@ -339,23 +333,26 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     if (DYNAMIC) {
       const int num_items = num_work * num_kv_heads;
       for (int n = 0;; ++n) {
-        if (tid == 0) {                    // -- the next item that is not padding, or the end
-          Item it;
+        if (tid == 0) {                    // -- the next item that is not padding, or the end, loaded into the slot
+          Item* d = claim_slot(sm, n);
           int i;
           bool more;
           do {
             i = atomicAdd(sched, 1);
             more = i < num_items;
-          } while (more && !(PERSIST_ORDER == 1 ? load_item(it, i / num_kv_heads, i % num_kv_heads)
-                                                : load_item(it, i % num_work, i / num_work)));
-          if (!more && atomicAdd(sched + 1, 1) == int(gridDim.x) - 1) {   // every CTA has run out: zeros again
-            sched[0] = 0;
-            sched[1] = 0;
+          } while (more && !(PERSIST_ORDER == 1 ? load_item(*d, i / num_kv_heads, i % num_kv_heads)
+                                                : load_item(*d, i % num_work, i / num_work)));
+          if (!more) {
+            d->num_tiles = -1;
+            if (atomicAdd(sched + 1, 1) == int(gridDim.x) - 1) {   // every CTA has run out: zeros again
+              sched[0] = 0;
+              sched[1] = 0;
+            }
           }
-          publish_item(sm, n, more ? &it : nullptr, kv_indices);
+          post_slot(sm, n);
         }
         Item it;
-        if (!read_item(sm, n, it, tid % 32, kv_indices)) break;
+        if (!read_item(sm, n, it, tid % 32)) break;
         produce(it);
       }
     } else
@@ -363,11 +360,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     {
       int published = 0;                   // (PERSISTENT && PERSIST_PUBLISH) items handed to the consumers
       for_each_item([&](const Item& it) {
-        if (PUBLISH && tid == 0) publish_item(sm, published, &it, kv_indices);
+        if (PUBLISH && tid == 0) publish_item(sm, published, &it);
         ++published;
         produce(it);
       });
-      if (PUBLISH && tid == 0) publish_item(sm, published, nullptr, kv_indices);   // the end of the CTA's list
+      if (PUBLISH && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
     }
 #undef XFORM_K_TILE
     return;
