@@ -11,18 +11,18 @@
 //   while the consumers finish one; the producer's thread 0 hands each item to the consumers through shared memory
 //   (publish_item / read_item), and they stage the next item's Q before an item's epilogue (PERSIST_QNEXT). H100:
 //   0.88-0.95x the one-CTA-an-item grid's time at 8 x 2048, 0.95-0.99x at 1 x 4096 (prefill_sm90_notes.md, session 18).
-// Block 384 (3 warpgroups); dynamic smem SMEM_BYTES (below): 1024
+// Block 384 (3 warpgroups; NUM_CONSUMERS 1, the 64-row tiles: 256, two CTAs per SM); dynamic smem SMEM_BYTES (below): 1024
 //   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
 //   (mbarriers) (+ STAGES BLOCK_N (HEAD_DIM_QK + HEAD_DIM_VO) + 32 STAGES with KV_FP8: the fp8 staging
 //   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 48 bytes and 4
 //   mbarriers), checked against SPEC_SMEM_BYTES.
 //
-// One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
+// One CTA computes BLOCK_M = 128 (or 64) "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
 // Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of K and V tiles,
 // BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into
 // STAGES smem buffers each, completing on "full" mbarriers; it waits on "empty" mbarriers before
-// reusing a buffer); warpgroups 1 and 2 are consumers, 64 query rows each. A consumer stages its Q
+// reusing a buffer); warpgroups 1 and 2 (or 1 alone) are consumers, 64 query rows each. A consumer stages its Q
 // rows with cp.async (once), then per K/V tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16
 // k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
 // scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
