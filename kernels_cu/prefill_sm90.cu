@@ -9,7 +9,7 @@
 //   CTA per SM taking the num_work x num_kv_heads items in turns (for_each_item_of): its K/V stages and barrier phases
 //   run on across items (tile t of an item is the CTA's tile tb + t), so the producer loads the next item's first tiles
 //   while the consumers finish one; the producer's thread 0 hands each item to the consumers through shared memory
-//   (publish_item / read_item), and they stage the next item's Q before an item's epilogue (PERSIST_QNEXT). H100:
+//   (publish_item / read_item), and they stage the next item's Q before an item's epilogue. H100:
 //   0.88-0.95x the one-CTA-an-item grid's time at 8 x 2048, 0.95-0.99x at 1 x 4096 (prefill_sm90_notes.md, session 18).
 // Block 384 (3 warpgroups; NUM_CONSUMERS 1, the 64-row tiles: 256, two CTAs per SM); dynamic smem SMEM_BYTES (below): 1024
 //   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
@@ -111,7 +111,7 @@ __device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads,
   (void)first;
   const int num_items = num_work * num_kv_heads, G = int(gridDim.x), b = int(blockIdx.x);
   for (int r = 0; r * G < num_items; ++r) {
-    const int i = r * G + (PERSIST_ORDER && (r & 1) ? G - 1 - b : b);
+    const int i = r * G + ((r & 1) ? G - 1 - b : b);
     Item it;
     if (i < num_items && (PERSIST_ORDER == 1 ? load(it, i / num_kv_heads, i % num_kv_heads)
                                              : load(it, i % num_work, i / num_work)))
@@ -123,10 +123,9 @@ __device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads,
 #endif
 }
 
-// -- PERSISTENT && PERSIST_PUBLISH: the producer's thread 0 hands item n (nullptr: the end of its list) to the consumers
+// -- PERSISTENT: the producer's thread 0 hands item n (nullptr: the end of its list) to the consumers
 //    through slot n % ITEM_SLOTS (ItemSlot: the fields the consumers read); they read it (read_item: every consumer
 //    thread, then lane 0 of each warp marks it read) or look at the next one before that (peek_item)
-#define PUBLISH (PERSISTENT && PERSIST_PUBLISH)
 struct ItemSlot {
   int w, kvh, req, tile, qo_len, kv_len, kv_lo, num_tiles;   // num_tiles -1: the end mark
   int64_t q_base;
@@ -302,9 +301,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #endif
     // -- the gather: all 128 threads (prefill_sm90_gather.cuh); else thread 0 issues the TMA loads
     //    (prefill_sm90_tma_load.cuh) and warps 1..3 convert fp8 tiles (prefill_sm90_fp8.cuh) or transform K tiles
-    int published = 0;                     // (PERSISTENT && PERSIST_PUBLISH) items handed to the consumers
+    int published = 0;                     // (PERSISTENT) items handed to the consumers
     for_each_item([&](const Item& it) {
-      if (PUBLISH && tid == 0) publish_item(sm, published, &it);
+      if (PERSISTENT && tid == 0) publish_item(sm, published, &it);
       ++published;
 #if PAGED == 2
       gather_producer(sm, tid, it.kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, it.pages,
@@ -327,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #endif   // PAGED == 2
       tb += it.num_tiles;
     });
-    if (PUBLISH && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
+    if (PERSISTENT && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
 #undef XFORM_K_TILE
     return;
   }
@@ -389,8 +388,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     fence_proxy_async();                   // cp.async (and transform) writes -> wgmma reads
     named_barrier(1 + wg, 128);
   };
-  // -- item it (PUBLISH: the producer's n-th), its Q staged already (staged: by the previous item) or not; once its Q
-  //    rows are read no more (after its last S), before the epilogue, PUBLISH stages the next item's Q
+  // -- item it (PERSISTENT: the producer's n-th), its Q staged already (staged: by the previous item) or not; once its Q
+  //    rows are read no more (after its last S), before the epilogue, PERSISTENT stages the next item's Q
   bool staged = false;
   const auto consume = [&](const Item& it, int n) {
     const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
@@ -611,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
       release(sm.empty_v(stage(lt)));
     }
 
-#if PUBLISH && PERSIST_QNEXT
+#if PERSISTENT
     {   // (Q is read no more)
       Item next;
       staged = peek_item(sm, n + 1, next);
@@ -650,7 +649,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     }
     tb += num_tiles;
   };
-#if PUBLISH
+#if PERSISTENT
   // -- the producer's items, in order, until its end mark
   for (int n = 0;; ++n) {
     Item it;
@@ -663,7 +662,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
   if (PERSISTENT) allow_next_grid();
 #undef for_each_item
 }
-#undef PUBLISH
 
 extern "C" __global__ void __launch_bounds__(128) cuattn_prefill_sm90_merge(
     const int32_t* __restrict__ merge,       // [num_merge, MERGE_COLS] (request, tile, first slot, pieces)

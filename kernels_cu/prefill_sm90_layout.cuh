@@ -20,13 +20,7 @@
 #define PERSISTENT 0        // ..) with its stages and barrier phases running on across them, so the producer loads the
 #endif                      // next item's first tiles while the consumers finish one (16-bit K/V)
 #ifndef PERSIST_ORDER       // PERSISTENT: the order of the items the CTAs take in turns (prefill_sm90.cu for_each_item_of):
-#define PERSIST_ORDER (CAUSAL ? 1 : 2)   // 1 kv head fastest, 2 work item fastest (0: 2 without the turns' reversal)
-#endif
-#ifndef PERSIST_PUBLISH     // PERSISTENT: the producer hands each item to the consumers through shared memory (ITEM_SLOTS),
-#define PERSIST_PUBLISH 1   // so they stage the next item's Q before this one's epilogue (0: each consumer loads its items)
-#endif
-#ifndef PERSIST_QNEXT       // PERSIST_PUBLISH: the consumers stage the next item's Q before this one's epilogue (where its
-#define PERSIST_QNEXT (HEAD_DIM_QK <= 128)   // copies' addresses fit beside O: wider Q rows spilled 28-76 bytes)
+#define PERSIST_ORDER (CAUSAL ? 1 : 2)   // 1 kv head fastest, 2 work item fastest
 #endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
