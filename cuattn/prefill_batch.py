@@ -24,6 +24,7 @@ from .prefill_spec import PrefillSpec, make_spec, resolve_backend, select_backen
 
 _ENTRY = "cuattn_prefill"
 _NUM_THREADS = 128
+_SCHED_ZEROS = np.zeros(2, np.int32)   # fa3's persistent item counter (prefill_sm90.cu PERSIST_DYNAMIC): zeros, left zero
 
 
 # ---------------------------------------------------------------------------- launch (argument checks: prefill_checks.py)
@@ -242,7 +243,7 @@ class _BatchPrefillBase:
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         mask = plan.mask
-        segments = [("kv_chunk", (wl.chunk,), 0),
+        segments = [("kv_chunk", (wl.chunk,), 0), ("sched", _SCHED_ZEROS, 0),
                     ("qo_indptr", plan.qo_indptr, 0), ("kv_indptr", plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan.mask_indptr, 0),
@@ -276,7 +277,8 @@ class _BatchPrefillBase:
         if getattr(spec, "persistent", False):     # (fa3: prefill_sm90.persists)
             ctas = min(p["grid_work"] * h, sms * spec.ctas_per_sm)
             work = (f"work: {len(wl.work)} items x {h} kv heads = {items} items on {ctas} persistent CTAs "
-                    f"({spec.ctas_per_sm} per SM at most, ~{-(-items // max(ctas, 1))} items each, taken in turns)")
+                    f"({spec.ctas_per_sm} per SM at most, ~{-(-items // max(ctas, 1))} items each, taken from a counter "
+                    f"as they free up" + (", in turns: a logits mask" if spec.variant.has("logits_mask") else "") + ")")
         else:
             work = f"work: {len(wl.work)} items x {h} kv heads = {items} CTAs on {sms} SMs"
         lines.append(work + (f"; grid padded to {p['grid_work']} items (CUDA graph)" if self._bufs.graph else ""))

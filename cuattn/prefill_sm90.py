@@ -36,7 +36,7 @@ SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90 (113 KiB e
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
                                "v_s_row:q v_s_head:q page_rows:i work:p part_o:p part_lse:p "
-                               "kv_chunk:p num_work:i single_qo_len:i "
+                               "kv_chunk:p sched:p num_work:i single_qo_len:i "
                                "single_kv_len:i group:i num_qo_heads:i q_s_tok:q q_s_head:q o_s_tok:q o_s_head:q "
                                "k_scale:f v_scale:f k_scales:p v_scales:p scale_per_head:i scale_log2:f")
 KV_FP8 = {"e4m3": 1, "e5m2": 2}      # the kernel's KV_FP8 define by dtype_kv
@@ -100,7 +100,7 @@ class Sm90PrefillSpec:
         """prefill_sm90.cu's SMEM_BYTES (the kernel checks the two agree at compile time): alignment slack
         + Q + STAGES (K + V) 16-bit tiles + 4 STAGES mbarriers; fp8 staged by the TMA (not the gather): +
         STAGES (K + V) staging tiles + 4 STAGES mbarriers (225 KiB at head_dim 128: within sm_90's 227 KiB); a
-        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers; persistent: + 2 item slots of 48
+        key transform (16-bit K/V only): + STAGES "K tile transformed" mbarriers; persistent: + 2 item slots of 64
         bytes and their 4 mbarriers."""
         kv_cols = self.head_dim_qk + self.head_dim_vo
         total = 1024 + self.block_m * self.head_dim_qk * 2 + self.stages * self.block_n * kv_cols * 2
@@ -110,9 +110,9 @@ class Sm90PrefillSpec:
             bars += 4 * self.stages
         elif self.k_xform:
             bars += self.stages
-        if self.persistent:      # two item slots (48 bytes) and their two mbarriers each
+        if self.persistent:      # two item slots (64 bytes) and their two mbarriers each
             bars += 4
-            total += 2 * 48
+            total += 2 * 64
         return total + 8 * bars
 
 
@@ -158,12 +158,13 @@ def small_tile(head_dim_qk: int, head_dim_vo: int, dtype_kv: str, variant: varia
 
 
 def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Composite) -> bool:
-    """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, each taking work items in turns, the
-    producer handing each to the consumers through shared memory, the next item's K/V tiles and Q loaded while one
-    finishes): 16-bit K/V at head_dim_qk <= 128, but not a custom mask's gather spec. H100, against the one-CTA-an-item
-    grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise
-    (benchmarks/results/prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192
-    and 256: 8-76 bytes, the custom mask's gather: 12), or its fp8 producers count their tiles from 0."""
+    """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, two with 64-row tiles, each taking the next
+    work item from a counter as it frees up, in turns with a logits mask; the producer hands each item to the consumers
+    through shared memory, and the next item's K/V tiles and Q load while one finishes): 16-bit K/V at head_dim_qk <=
+    128, but not a custom mask's gather spec. H100, against the one-CTA-an-item grid: 0.88-0.95x the time at 8 x 2048,
+    0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed step 0.99x (benchmarks/results/
+    prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192 and 256: 8-76 bytes,
+    the custom mask's gather: 12), or its fp8 producers count their tiles from 0 (the gather's spilled persistent)."""
     return not dtype_kv and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
@@ -288,7 +289,7 @@ def gather_args(k, v, k_strides, v_strides, paged: tuple, kv_bytes: int, fn: str
 
 
 META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "part_o", "part_lse",
-        "kv_chunk")   # the plan's pointers
+        "kv_chunk", "sched")   # the plan's pointers
 
 
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,

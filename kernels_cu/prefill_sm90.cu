@@ -8,21 +8,22 @@
 // Grid (num_work, num_kv_heads), or PERSISTENT (prefill_sm90.py persists: 16-bit K/V, head_dim_qk <= 128) at most one
 //   CTA per SM taking the num_work x num_kv_heads items in turns (for_each_item_of): its K/V stages and barrier phases
 //   run on across items (tile t of an item is the CTA's tile tb + t), so the producer loads the next item's first tiles
-//   while the consumers finish one; the producer's thread 0 hands each item to the consumers through shared memory
-//   (publish_item / read_item), and they stage the next item's Q before an item's epilogue. H100:
+//   while the consumers finish one; the producer's thread 0 takes the next item from a global counter as its CTA frees
+//   up (PERSIST_DYNAMIC; the plan's `sched`) and hands it to the other producer threads and the consumers through shared
+//   memory (publish_item / read_item); the consumers stage the next item's Q before an item's epilogue. H100:
 //   0.88-0.95x the one-CTA-an-item grid's time at 8 x 2048, 0.95-0.99x at 1 x 4096 (prefill_sm90_notes.md, session 18).
 // Block 384 (3 warpgroups; NUM_CONSUMERS 1, the 64-row tiles: 256, two CTAs per SM); dynamic smem SMEM_BYTES (below): 1024
 //   (alignment) + BLOCK_M * HEAD_DIM_QK * 2 + STAGES * BLOCK_N * (HEAD_DIM_QK + HEAD_DIM_VO) * 2 + 32 STAGES
 //   (mbarriers) (+ STAGES BLOCK_N (HEAD_DIM_QK + HEAD_DIM_VO) + 32 STAGES with KV_FP8: the fp8 staging
-//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 48 bytes and 4
+//   tiles and their mbarriers; + 8 STAGES with a key transform: READY_K; PERSISTENT: + 2 item slots of 64 bytes and 4
 //   mbarriers), checked against SPEC_SMEM_BYTES.
 //
-// One CTA computes BLOCK_M = 128 (or 64) "packed rows" of one request and one kv head, as prefill.cu does:
+// One CTA computes BLOCK_M = 128 "packed rows" of one request and one kv head, as prefill.cu does:
 // packed row r is query position r / group of qo head kv_head * group + r % group.
 // Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of K and V tiles,
 // BLOCK_N x 64 boxes with the 128-byte swizzle, D_QK / 64 per K tile and D_VO / 64 per V tile, into
 // STAGES smem buffers each, completing on "full" mbarriers; it waits on "empty" mbarriers before
-// reusing a buffer); warpgroups 1 and 2 (or 1 alone) are consumers, 64 query rows each. A consumer stages its Q
+// reusing a buffer); warpgroups 1 and 2 are consumers, 64 query rows each. A consumer stages its Q
 // rows with cp.async (once), then per K/V tile: S = Q K^T by wgmma m64n{BLOCK_N}k16 over D_QK / 16
 // k-steps (A and B from smem), mask, online softmax in registers (base 2, log2 e folded into the
 // scale), P converted to 16-bit in registers as the A operand of O += P V (wgmma m64n{D_VO}k16, V
@@ -124,31 +125,29 @@ __device__ __forceinline__ void for_each_item_of(int num_work, int num_kv_heads,
 }
 
 // -- PERSISTENT: the producer's thread 0 hands item n (nullptr: the end of its list) to the consumers
-//    through slot n % ITEM_SLOTS (ItemSlot: the fields the consumers read); they read it (read_item: every consumer
-//    thread, then lane 0 of each warp marks it read) or look at the next one before that (peek_item)
-struct ItemSlot {
-  int w, kvh, req, tile, qo_len, kv_len, kv_lo, num_tiles;   // num_tiles -1: the end mark
-  int64_t q_base;
-};
-static_assert(sizeof(ItemSlot) <= ITEM_SLOT_BYTES, "prefill_sm90: ItemSlot outgrew its shared-memory slot");
-__device__ __forceinline__ void publish_item(const Smem& sm, int n, const Item* it) {
-  const int slot = n % ITEM_SLOTS;
-  mbar_wait(sm.item_read(slot), ((n / ITEM_SLOTS) & 1) ^ 1);
-  ItemSlot* d = reinterpret_cast<ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
-  if (it == nullptr) {
+//    through slot n % ITEM_SLOTS, the Item itself in shared memory (claim_slot waits until the slot's previous item
+//    has been read, post_slot publishes it); the readers copy it (read_item: then lane 0 of each warp marks it read) or
+//    look at the next one before that (peek_item)
+static_assert(sizeof(Item) <= ITEM_SLOT_BYTES, "prefill_sm90: Item outgrew its shared-memory slot");
+__device__ __forceinline__ Item* claim_slot(const Smem& sm, int n) {
+  mbar_wait(sm.item_read(n % ITEM_SLOTS), ((n / ITEM_SLOTS) & 1) ^ 1);
+  return reinterpret_cast<Item*>(__cvta_shared_to_generic(sm.item_slot(n % ITEM_SLOTS)));
+}
+__device__ __forceinline__ void post_slot(const Smem& sm, int n) {
+  mbar_arrive(sm.item_full(n % ITEM_SLOTS));   // (release: the readers' wait acquires the slot's stores)
+}
+__device__ __forceinline__ void publish_item(const Smem& sm, int n, const Item* it) {   // (nullptr: the end mark)
+  Item* d = claim_slot(sm, n);
+  if (it == nullptr)
     d->num_tiles = -1;
-  } else {
-    *d = ItemSlot{it->w, it->kvh, it->req, it->tile, it->qo_len, it->kv_len, it->kv_lo, it->num_tiles, it->q_base};
-  }
-  mbar_arrive(sm.item_full(slot));         // (release: the consumers' wait acquires the stores)
+  else
+    *d = *it;
+  post_slot(sm, n);
 }
 __device__ __forceinline__ bool peek_item(const Smem& sm, int n, Item& it) {
-  const int slot = n % ITEM_SLOTS;
-  mbar_wait(sm.item_full(slot), (n / ITEM_SLOTS) & 1);
-  const ItemSlot d = *reinterpret_cast<const ItemSlot*>(__cvta_shared_to_generic(sm.item_slot(slot)));
-  it.w = d.w; it.kvh = d.kvh; it.req = d.req; it.tile = d.tile; it.qo_len = d.qo_len; it.kv_len = d.kv_len;
-  it.kv_lo = d.kv_lo; it.num_tiles = d.num_tiles; it.q_base = d.q_base;
-  return d.num_tiles >= 0;
+  mbar_wait(sm.item_full(n % ITEM_SLOTS), (n / ITEM_SLOTS) & 1);
+  it = *reinterpret_cast<const Item*>(__cvta_shared_to_generic(sm.item_slot(n % ITEM_SLOTS)));
+  return it.num_tiles >= 0;
 }
 __device__ __forceinline__ bool read_item(const Smem& sm, int n, Item& it, int lane) {
   const bool more = peek_item(sm, n, it);
@@ -175,6 +174,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     float* __restrict__ part_o,              // [slots, num_kv_heads, BLOCK_M, D_VO] split items' partial rows
     float* __restrict__ part_lse,            // [slots, num_kv_heads, BLOCK_M]
     const int32_t* __restrict__ kv_chunk,    // [1] keys per piece of a split item (0: none split), or nullptr
+    int* __restrict__ sched,                 // [2] zeros (PERSIST_DYNAMIC: the next item, CTAs done; left zero), or nullptr
     int num_work,                            // work items (graph mode: the padded count); the single case: query tiles
     int single_qo_len, int single_kv_len, int group, int num_qo_heads,
     int64_t q_s_tok, int64_t q_s_head, int64_t o_s_tok, int64_t o_s_head,
@@ -237,6 +237,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
   // -- a running count of the K/V tiles the CTA has passed through its stages (PERSISTENT: across items, so the
   //    producer fills the next item's stages while the consumers finish this one); tile t of an item is tb + t
   int tb = 0;
+  // -- PERSIST_DYNAMIC (batch mode): the producer's thread 0 takes the CTAs' next item from a global counter
+  //    (sched[0]; the last CTA to run out, counted in sched[1], zeroes both for the next launch) and publishes it;
+  //    every producer thread reads it back, as the consumers do. Else each CTA's items in turns (for_each_item)
+  const bool DYNAMIC = PERSISTENT && PERSIST_DYNAMIC && !variant::HAS_MASK && sched != nullptr && work != nullptr;
+  (void)DYNAMIC;
 
   if (tid == 0) {
 #pragma unroll
@@ -260,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #pragma unroll
     for (int n = 0; n < ITEM_SLOTS; ++n) {   // (PERSISTENT) the producer's thread 0 publishes, consumer warps read
       mbar_init(sm.item_full(n), 1);
-      mbar_init(sm.item_read(n), 4 * NUM_CONSUMERS);
+      mbar_init(sm.item_read(n), 4 * NUM_CONSUMERS + (DYNAMIC ? 4 : 0));   // (DYNAMIC: producer warps read too)
     }
     mbar_init_fence();
   }
@@ -301,10 +306,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #endif
     // -- the gather: all 128 threads (prefill_sm90_gather.cuh); else thread 0 issues the TMA loads
     //    (prefill_sm90_tma_load.cuh) and warps 1..3 convert fp8 tiles (prefill_sm90_fp8.cuh) or transform K tiles
-    int published = 0;                     // (PERSISTENT) items handed to the consumers
-    for_each_item([&](const Item& it) {
-      if (PERSISTENT && tid == 0) publish_item(sm, published, &it);
-      ++published;
+    const auto produce = [&](const Item& it) {
 #if PAGED == 2
       gather_producer(sm, tid, it.kvh, k_cache, v_cache, k_s_row, k_s_head, v_s_row, v_s_head, page_rows, it.pages,
                       page_size, page_shift, it.kv_lo, it.kv_len, it.num_tiles, tb, [&](int t) { XFORM_K_TILE(it, t); });
@@ -325,8 +327,44 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #endif
 #endif   // PAGED == 2
       tb += it.num_tiles;
-    });
-    if (PERSISTENT && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
+    };
+#if PERSISTENT && PERSIST_DYNAMIC
+    if (DYNAMIC) {
+      const int num_items = num_work * num_kv_heads;
+      for (int n = 0;; ++n) {
+        if (tid == 0) {                    // -- the next item that is not padding, or the end, loaded into the slot
+          Item* d = claim_slot(sm, n);
+          int i;
+          bool more;
+          do {
+            i = atomicAdd(sched, 1);
+            more = i < num_items;
+          } while (more && !(PERSIST_ORDER == 1 ? load_item(*d, i / num_kv_heads, i % num_kv_heads)
+                                                : load_item(*d, i % num_work, i / num_work)));
+          if (!more) {
+            d->num_tiles = -1;
+            if (atomicAdd(sched + 1, 1) == int(gridDim.x) - 1) {   // every CTA has run out: zeros again
+              sched[0] = 0;
+              sched[1] = 0;
+            }
+          }
+          post_slot(sm, n);
+        }
+        Item it;
+        if (!read_item(sm, n, it, tid % 32)) break;
+        produce(it);
+      }
+    } else
+#endif
+    {
+      int published = 0;                   // (PERSISTENT) items handed to the consumers
+      for_each_item([&](const Item& it) {
+        if (PERSISTENT && tid == 0) publish_item(sm, published, &it);
+        ++published;
+        produce(it);
+      });
+      if (PERSISTENT && tid == 0) publish_item(sm, published, nullptr);   // the end of the CTA's list
+    }
 #undef XFORM_K_TILE
     return;
   }

@@ -22,6 +22,9 @@
 #ifndef PERSIST_ORDER       // PERSISTENT: the order of the items the CTAs take in turns (prefill_sm90.cu for_each_item_of):
 #define PERSIST_ORDER (CAUSAL ? 1 : 2)   // 1 kv head fastest, 2 work item fastest
 #endif
+#ifndef PERSIST_DYNAMIC     // PERSISTENT, batch mode: the CTAs take items from a global counter as they free up (0: in
+#define PERSIST_DYNAMIC 1   // turns, a fixed schedule: prefill_sm90.cu for_each_item_of)
+#endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
@@ -73,10 +76,11 @@ constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
 // moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
-// (PERSISTENT: the item loop's state too; the paged RoPE 104 and TMA boxes 56, where 88 / 40 spilled; a mask variant's
+// (PERSISTENT: the item loop's state too, thread 0's item fetch (PERSIST_DYNAMIC): the RoPE gather 112 and boxes 104, TMA
+// boxes 56, where 104 / 88 / 40 spilled; a mask variant's
 // gather 48: the causal custom mask's spilled 76 bytes at 56 since the item loop, none at 40 or 48)
 constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
-                            : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED ? 104 : 88)
+                            : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED == 2 ? 112 : PERSISTENT && PAGED ? 104 : 88)
                             : PERSISTENT && PAGED == 1 ? 56
                             : PAGED == 2 && GATHER_ROWS > 1 && variant::HAS_MASK && !K_XFORM ? 48
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
@@ -108,10 +112,10 @@ typedef LoadTile<D_VO> LoadV;
 static_assert(FP8_STAGED || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_TILE_BYTES), "16-bit: the TMA fills the tiles");
 // -- shared memory (Smem below): Q, STAGES 16-bit K and V tiles, (FP8_STAGED) LOAD_STAGES fp8 K and V staging
 //    tiles, the mbarriers
-// PERSISTENT: ITEM_SLOTS items handed from the producer to the consumers (ItemSlot, 48 bytes each, after the mbarriers),
+// PERSISTENT: ITEM_SLOTS items handed from the producer to the consumers (Item, 64 bytes each, after the mbarriers),
 // each with a "published" and a "read" mbarrier
 constexpr int ITEM_SLOTS = PERSISTENT ? 2 : 0;
-constexpr uint32_t ITEM_SLOT_BYTES = 48;
+constexpr uint32_t ITEM_SLOT_BYTES = 64;
 constexpr int NUM_BARS = 4 * STAGES + (FP8_STAGED ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0) + 2 * ITEM_SLOTS;
 constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) +
                                 (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS +

@@ -46,7 +46,7 @@ def test_sm90_spec_geometry_follows_the_head_dims():
         spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
         assert (spec.head_dim_qk, spec.head_dim_vo, spec.block_n, spec.stages, spec.name) == (dk, dv, bn, st, name)
         assert f"-DHEAD_DIM_QK={dk}" in spec.defines() and f"-DHEAD_DIM_VO={dv}" in spec.defines()
-        slots = (4 * 8 + 2 * 48) * spec.persistent           # the persistent form's item slots
+        slots = (4 * 8 + 2 * 64) * spec.persistent           # the persistent form's item slots
         assert spec.smem_bytes == 1024 + 128 * dk * 2 + st * bn * (dk + dv) * 2 + 32 * st + slots
     assert prefill_sm90.make_spec("f16", False, head_dim_qk=64) == prefill_sm90.make_spec("f16", False, head_dim_qk=64,
                                                                                           head_dim_vo=64)
@@ -168,7 +168,7 @@ def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
     for dk, dv in prefill_sm90.HEAD_DIMS:
         plain = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv, gather=False)
         bn = plain.block_n
-        slots = (4 * 8 + 2 * 48) * plain.persistent           # the persistent form's item slots
+        slots = (4 * 8 + 2 * 64) * plain.persistent           # the persistent form's item slots
         assert plain.smem_bytes == 1024 + 128 * dk * 2 + 2 * bn * (dk + dv) * 2 + 8 * 4 * 2 + slots
         if dk == dv:     # READY_K: STAGES more mbarriers where producer warps transform K; none for q alone
             for v, extra in ((variants.Composite((KEY_SCALE,)), 16), (_query_only(), 0)):

@@ -28,7 +28,7 @@ def test_specs_persist_where_registers_allow():
     assert not prefill_sm90.make_spec("f16", False, mask, paged=True, page_size=1).persistent     # (the gather)
     assert prefill_sm90.make_spec("f16", False, mask).persistent                                    # (contiguous)
     spec = prefill_sm90.make_spec("f16", True, paged=True)
-    assert spec.smem_bytes == dataclasses.replace(spec, persistent=False).smem_bytes + 4 * 8 + 2 * 48   # item slots
+    assert spec.smem_bytes == dataclasses.replace(spec, persistent=False).smem_bytes + 4 * 8 + 2 * 64   # item slots
 
 
 def test_persistent_needs_16_bit_kv():
