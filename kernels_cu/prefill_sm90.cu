@@ -43,7 +43,8 @@
 // tile, kv piece, partial slot) as in prefill.cu (split-KV pieces, cuattn_prefill_sm90_merge)
 // and lengths come from qo_indptr / kv_indptr (ragged: token offsets). K / V rows are addressed
 // through the tensor maps (dims: K's or V's head dim, tokens, kv heads): keys past a request's kv_len
-// are masked in S (the TMA zero-fills rows past the tensor's end).
+// are masked in S and their V rows zeroed before the last P.V (they are the next request's in a ragged batch:
+// 0 x NaN would be NaN; the TMA zero-fills rows past the tensor's end).
 // PAGED = 1: K / V are a paged cache (page CSR kv_indptr / kv_indices / kv_last_page_len) and the
 // tensor maps have dims (head dim, page_size, kv heads, pages), box (64, page_box, 1, 1), page_box =
 // min(page_size, BLOCK_N) dividing both: a tile is BLOCK_N / page_box boxes, each from its own page,
@@ -624,17 +625,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
       const int lt = num_tiles - 1;
       mbar_wait(sm.full_v(stage(lt)), phase(lt));
       if (PAGED == 2) fence_proxy_async();
-#if ZERO_V_TAIL   // (TMA boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
+#if ZERO_V_TAIL   // (TMA tiles and boxes, the fp8 gather; TMA-staged fp8: the converters zero them; 16-bit gather: its copies)
       {   // -- V rows past the request's end hold whatever the cache holds: zeros before P.V (both
           //    consumer warpgroups write the same zeros; each reads after its own writes and barrier)
         const int valid = kv_len - (kv_lo + lt * BLOCK_N);
         if (valid < BLOCK_N) {
-          const uint32_t sVs = sV + stage(lt) * V_TILE_BYTES;
-          for (int i = wt; i < (BLOCK_N - valid) * (D_VO / 8); i += 128) {
-            const int r = valid + i / (D_VO / 8), c = i % (D_VO / 8);      // row, 16-byte chunk (any order within a row)
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sVs + (c / 8) * HALF_BYTES + r * 128 + (c % 8) * 16),
-                         "r"(0) : "memory");
-          }
+          // thread wt: 16-byte chunk c = wt % CH of rows valid + wt / CH, + 128 / CH, .. (any chunk order within a row:
+          // the rows are zeroed whole); one running address, so the loop adds no registers beside P and O
+          constexpr int CH = D_VO / 8, ROW_STEP = 128 / CH;
+          static_assert(128 % CH == 0, "ZERO_V_TAIL: a whole number of rows a pass");
+          const uint32_t end = sV + stage(lt) * V_TILE_BYTES + (wt % CH / 8) * HALF_BYTES + (wt % CH % 8) * 16 + BLOCK_N * 128;
+          for (uint32_t a = end - (BLOCK_N - valid - wt / CH) * 128; a < end; a += ROW_STEP * 128)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
           fence_proxy_async();               // generic stores -> wgmma reads
           named_barrier(1 + wg, 128);
         }

@@ -85,9 +85,11 @@ constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
                             : PAGED == 2 && GATHER_ROWS > 1 && variant::HAS_MASK && !K_XFORM ? 48
                             : (K_XFORM || (PAGED == 2 && GATHER_ROWS > 1)) ? 56 : 40;
 constexpr int CONSUMER_REGS = ((NUM_CONSUMERS + 1) * ENTRY_REGS - PRODUCER_REGS) / NUM_CONSUMERS / 8 * 8;
-// V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0): the consumers
-// zero them before the last P.V
-#define ZERO_V_TAIL ((PAGED == 1 && !KV_FP8) || (PAGED == 2 && KV_FP8))
+// V rows past the request's end hold what the cache holds (the TMA box producer; the fp8 gather's row 0; contiguous K/V:
+// the next request's rows in a ragged batch, or whatever follows the last one in the buffer): the consumers zero them
+// before the last P.V, so a NaN or inf there cannot reach another request's output as 0 x NaN (the TMA-staged fp8
+// converters and the 16-bit gather write zeros there themselves)
+#define ZERO_V_TAIL ((PAGED != 2 && !KV_FP8) || (PAGED == 2 && KV_FP8))
 constexpr int MAX_BOXES = BLOCK_N / 16;             // PAGED: TMA boxes per tile at the smallest page (16)
 constexpr int CONVERT_WARPS = 3;                    // FP8_STAGED: producer warps 1..3
 // fp8 K/V staged by the TMA and converted smem -> smem (prefill_sm90_fp8.cuh); the gather (PAGED 2) converts

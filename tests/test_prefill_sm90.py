@@ -332,6 +332,45 @@ def test_fa3_ragged_batch_matches_oracle(causal, dtype, launches):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("backend,causal,masked", [("fa3", False, False), ("fa3", True, False), ("fa3", False, True),
+                                                   ("fa2", True, False)])
+def test_ragged_nan_in_one_request_or_past_the_last_stays_there(backend, causal, masked):
+    """A request's last tile reads keys past its end (the next request's, or what follows the last one in the
+    buffer): masked in S, and their V rows zeroed before P.V, so a NaN there reaches no other request's output
+    (0 x NaN). Request 1's own K and V hold a NaN (its output is not checked), the buffer's rows past the last
+    request are NaN; requests 0 and 2 (lengths no multiple of a tile) must match the oracle, every element finite."""
+    rng = np.random.default_rng()
+    hq, hkv, dt = 16, 4, np.float16
+    qo_lens, kv_lens = [33, 70, 5], [100, 157, 61]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    q = rand(rng, (qo_indptr[-1], hq, 128), dt)
+    k, v = rand(rng, (kv_indptr[-1] + 64, hkv, 128), dt), rand(rng, (kv_indptr[-1] + 64, hkv, 128), dt)
+    k[kv_indptr[-1]:], v[kv_indptr[-1]:] = np.nan, np.nan
+    k[kv_indptr[1] + 5, 1], v[kv_indptr[1] + 3] = np.nan, np.nan
+    masks = [rng.random((n, m)) < 0.7 for n, m in zip(qo_lens, kv_lens)] if masked else None
+    if masked:
+        for m in masks:
+            m[:, 0] = True                     # no fully masked row
+    out = _nan_like((qo_indptr[-1], hq, 128), dt)
+    w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+    w.plan(qo_indptr, kv_indptr, hq, hkv, 128, causal=causal, q_data_type="float16",
+           custom_mask=None if masks is None else np.concatenate([m.ravel() for m in masks]))
+    w.run(_to_dev(q), _to_dev(k), _to_dev(v), out=out)
+    assert w.backend == backend
+    ks = [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
+    vs = [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(3)]
+    got = _from_dev(out, dt)
+    for b in (0, 2):
+        rows = slice(qo_indptr[b], qo_indptr[b + 1])
+        ref_o, _ = oracle_batch(q[rows], ks[b:b + 1], vs[b:b + 1], np.array([0, qo_lens[b]]), causal,
+                                masks=None if masks is None else masks[b:b + 1])
+        assert np.isfinite(got[rows].astype(np.float32)).all(), f"request {b}: NaN from another request's rows"
+        assert rel_err(got[rows], ref_o) < TOL["float16"]
+
+
+@pytest.mark.gpu
+@sm90
 def test_fa3_close_to_fa2_and_auto_reports_its_choice():
     rng = np.random.default_rng()
     q, k, v = (_to_dev(rand(rng, s, np.float16)) for s in ((300, 32, 128), (700, 8, 128), (700, 8, 128)))
