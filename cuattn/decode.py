@@ -29,6 +29,8 @@ from .decode_kernel import (  # noqa: F401  (re-exported: decode.DecodeSpec, dec
 #   tma: True / False forces the TMA kernel on or off (None: wherever it has a kernel).
 _TUNING_DEFAULTS = {"num_stages": 0, "num_warps": 0, "fuse_merge": True, "l2_prefetch": 128, "tma": None}
 
+SHORT_STAGES_MAX = 512   # keys: batches of requests no longer than this take 2 stages (plan(), below)
+
 _ALIGN = {"q": 16, "out": 8, "lse": 4}      # bytes the kernels move at a time through run()'s arrays
 
 
@@ -58,6 +60,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._bufs: _buffers.DeviceBuffers | None = None
         self._plan: _plan.Plan | None = None     # the last plan()'s
         self._graph_warps = 0      # use_cuda_graph: the warps per CTA of the first plan (captured kernel)
+        self._graph_stages = -1    # use_cuda_graph: the first plan's stage count (-1: no plan yet; 0: the default)
         # Benchmark/test overrides, not API (benchmarks/bench_decode.py --variants, tests/test_decode.py):
         # keys of _TUNING_DEFAULTS; read only through _tuned().
         self._tuning: dict[str, Any] = {}
@@ -233,10 +236,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise UnsupportedError(f"{fn}: the TMA decode kernel needs an sm_90 GPU, page_size % {_TMA_ALIGN} "
                                    f"== 0 and a 16-bit or fp8 cache, got {jit.device_arch(device)}, page_size="
                                    f"{p.page_size} and kv_data_type={p.kv_dtype}")
-        if warps != p.run_spec.num_warps or tma:
+        # -- short requests only (<= SHORT_STAGES_MAX keys each), at least 3 CTAs per SM of them: 2 stages, so 3 CTAs
+        #    share an SM instead of 2 (the TMA kernel, 4 warps, hd128, 16-bit K/V; H100, one process: bs128x256 52.9 ->
+        #    51.6 us, bs256x256 98.5 -> 96.8, bs64x512 52.3 -> 50.9, bs256x512 185.9 -> 184.9, but bs128x1024 185.7 ->
+        #    187.5; benchmarks/results/decode_notes.md, session 19). Not with fixed_split_size / disable_split_kv (one
+        #    kernel whatever the batch); graph mode keeps the first plan's choice.
+        stages = p.run_spec.num_stages
+        if self._use_cuda_graph and self._graph_stages >= 0:
+            stages = self._graph_stages
+        elif (not stages and tma and warps == 4 and p.run_spec.head_dim == 128 and p.run_spec.kv_bytes == 2
+              and fixed_split_size is None and not disable_split_kv and 0 < hi <= SHORT_STAGES_MAX
+              and p.batch * heads_work >= 3 * _num_sms(device)):
+            stages = 2
+        if self._use_cuda_graph:
+            self._graph_stages = stages
+        if warps != p.run_spec.num_warps or tma or stages != p.run_spec.num_stages:
             s = p.run_spec
-            p.run_spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, s.num_stages, warps, s.l2_prefetch, tma,
-                                    s.variant)
+            p.run_spec = _make_spec(s.head_dim, s.dtype_q, s.dtype_kv, stages, warps, s.l2_prefetch, tma, s.variant)
         if disable_split_kv or not bound.composite.use_softmax:    # weights without softmax: never split
             chunk, why = 0, "disable_split_kv" if disable_split_kv else "the variant has no softmax to merge"
         elif fixed_split_size is not None:

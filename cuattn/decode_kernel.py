@@ -107,6 +107,7 @@ def shipped_specs() -> list[DecodeSpec]:
     dts = [(q, kv) for q in ("f16", "bf16") for kv in ("f16", "bf16", "e4m3", "e5m2")]
     return [DecodeSpec(d, q, kv, tma=tma) for tma in (False, True) for d in HEAD_DIMS for q, kv in dts] + \
         [DecodeSpec(128, q, kv, num_warps=8, tma=tma) for tma in (False, True) for q, kv in dts] + \
+        [DecodeSpec(128, q, kv, num_stages=2, tma=True) for q, kv in dts if kv in ("f16", "bf16")] + \
         [DecodeSpec(128, q, "f32") for q in ("f16", "bf16")]
 
 

@@ -332,6 +332,26 @@ def test_batch_decode_gpu_merge_and_warp_variants_agree(variant):
     assert rel_err(outs[1], outs[0]) < 2e-3
 
 
+@pytest.mark.gpu
+def test_batch_decode_gpu_short_requests_take_two_stages_where_chosen():
+    """A large batch of short requests (<= 512 keys each, >= 3 CTAs per SM of them) runs the 2-stage TMA kernel on an
+    sm_90 (3 CTAs per SM): against the oracle, with NaN / inf in every slot no request owns, bf16 and fp16."""
+    import cupy
+    rng = np.random.default_rng(19)
+    for dtype, layout in (("float16", "NHD"), ("bfloat16", "HND")):
+        lens = rng.integers(1, 513, 64).tolist()
+        case = make_case(0, 0, 16, 32, 8, 128, layout, dtype, kv_lens=lens, seed=len(dtype))
+        _poison_past_the_end(case, 16, layout)
+        w = planned(case, 32, 8, 128, 16, dtype, layout)
+        assert (w._spec.num_stages == 2) == (jit.device_arch(0) == decode._TMA_ARCH), w.describe()
+        out, lse = w.run(to_cupy(case["q"]), cache_arg(case, "one", to_cupy), return_lse=True)
+        ref_o, ref_lse = oracle(case)
+        got = from_cupy(out, DTYPES[dtype])
+        assert np.isfinite(got.astype(np.float32)).all()
+        assert rel_err(got, ref_o) < TOL
+        assert rel_err(cupy.asnumpy(lse), ref_lse) < LSE_TOL
+
+
 def _poison_past_the_end(case, page_size, layout):
     """NaN / inf in every cache slot no request owns (past last_page_len, and the spare pages):
     the TMA kernel reads whole pages, so it must not let them reach the output."""

@@ -212,7 +212,36 @@ def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
     assert c._kinds == ["prefill", "decode"]
 
 
-# ============================================================================ GPU
+def test_decode_takes_two_stages_for_large_batches_of_short_requests(monkeypatch):
+    """The decode plan's stage rule (decode.SHORT_STAGES_MAX): 2 stages (3 CTAs per SM) on the sm_90 TMA kernel at hd128
+    with a 16-bit cache when every request is short and they fill 3 CTAs per SM; else the default; not with a fixed
+    split (one kernel whatever the batch); graph mode keeps the first plan's choice."""
+    from cuattn import arrays, decode, jit, plan
+    fake = _CountingCupy()
+    monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
+    monkeypatch.setattr(arrays, "gpu_available", lambda: True)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(jit, "get_launcher", lambda *a, **k: None)
+
+    def stages(batch, kv, w=None, kv_type="float16", head_dim=128, **kw):
+        w = w or cuattn.BatchDecodeWithPagedKVCacheWrapper()
+        pages = -(-kv // 16)
+        w.plan((np.arange(batch + 1) * pages).astype(np.int32), np.arange(batch * pages, dtype=np.int32),
+               np.full(batch, kv - (pages - 1) * 16, np.int32), 32, 8, head_dim, 16, kv_data_type=kv_type, **kw)
+        return w._spec.num_stages, w
+    assert stages(128, 256)[0] == 2 and stages(64, decode.SHORT_STAGES_MAX)[0] == 2
+    assert stages(128, decode.SHORT_STAGES_MAX + 1)[0] == 0        # a longer request
+    assert stages(32, 256)[0] == 0                                 # 256 CTAs: fewer than 3 per SM
+    assert stages(128, 256, fixed_split_size=1024)[0] == 0 and stages(128, 256, disable_split_kv=True)[0] == 0
+    assert stages(128, 256, kv_type="float8_e4m3fn")[0] == 0 and stages(128, 256, head_dim=64)[0] == 0
+    _, g = stages(128, 256, w=cuattn.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True))
+    assert stages(8, 4096, w=g)[0] == 2                            # graph mode: the first plan's kernel
+    _, g = stages(16, 4096, w=cuattn.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True))
+    assert stages(128, 256, w=g)[0] == 0
+
+
 # ============================================================================ GPU
 
 
