@@ -353,3 +353,26 @@ def test_int_reductions_equal_numpys_on_short_and_long_arrays(values, dtype):
     assert plan.int_bounds(a) == (lo, hi) and plan.int_bounds(a, True) == (lo, hi, total)
     assert plan.int_top(a) == (hi, total) and plan.int_min(a) == lo
     assert all(type(v) is int for v in plan.int_bounds(a, True) + plan.int_top(a) + (plan.int_min(a),))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pages=st.lists(st.integers(-2, 4), min_size=1, max_size=40), lpl=st.lists(st.integers(-1, 6), min_size=1,
+       max_size=40), page_size=st.integers(1, 5), dtype=st.sampled_from([np.int32, np.int64, np.uint32]))
+def test_validate_page_table_of_a_short_table_equals_the_numpy_path(pages, lpl, page_size, dtype):
+    """A table of <= plan.SHORT requests is checked as Python ints: the NumPy path's kv_lens, or its first error."""
+    from cuattn import page
+    n = min(len(pages), len(lpl))
+    ip = np.concatenate([[0], np.cumsum(pages[:n])])
+    last = np.array(lpl[:n])
+    if dtype == np.uint32:
+        ip, last = np.maximum.accumulate(ip), np.abs(last)
+    indptr, last = ip.astype(dtype), last.astype(dtype)
+
+    def outcome(f):
+        try:
+            return f().tolist()
+        except ValueError as e:
+            return str(e)
+    got = outcome(lambda: validate_page_table("f", indptr, last, page_size, int(indptr[-1]), prefix="kv_"))
+    assert got == outcome(lambda: page._kv_lens("f", indptr, last, page_size, int(indptr[-1]), "kv_"))
+
