@@ -121,6 +121,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
         self._iota_last = (0, None, b"")
+        self._names = [(f"qo_indptr_arr[{i}]", f"paged_kv_indptr_arr[{i}]") for i in range(self._num_levels)]   # (plan())
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -136,9 +137,10 @@ class MultiLevelCascadeAttentionWrapper:
         fn = "MultiLevelCascadeAttentionWrapper.plan"
         arrs = {"qo_indptr_arr": qo_indptr_arr, "paged_kv_indptr_arr": paged_kv_indptr_arr,
                 "paged_kv_indices_arr": paged_kv_indices_arr, "paged_kv_last_page_len": paged_kv_last_page_len}
+        n_lv = self._num_levels
         for name, a in arrs.items():
-            if not isinstance(a, (list, tuple)) or len(a) != self._num_levels:
-                raise ValueError(f"{fn}: {name} must be a list of num_levels={self._num_levels} arrays, got "
+            if not isinstance(a, (list, tuple)) or len(a) != n_lv:
+                raise ValueError(f"{fn}: {name} must be a list of num_levels={n_lv} arrays, got "
                                  f"{type(a).__name__} of length {len(a) if hasattr(a, '__len__') else '?'}")
         if pos_encoding_mode not in ("NONE", None) or window_left not in (-1, None) or \
                 logits_soft_cap not in (None, 0, 0.0) or use_fp16_qk_reduction or rope_scale or rope_theta:
@@ -147,15 +149,15 @@ class MultiLevelCascadeAttentionWrapper:
         totals = set()
         common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
                       fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
-        for i in range(self._num_levels):
-            qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
+        for i, (qo_name, kv_name) in enumerate(self._names):
+            qo = host_ints(qo_indptr_arr[i], qo_name, fn)
             n = len(qo)
             rows = int(qo[-1]) if n else 0
             totals.add(rows)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
             #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
-            kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
+            kv_indptr = host_ints(paged_kv_indptr_arr[i], kv_name, fn)
             kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
                 qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
             if kind != self._kinds[i]:
@@ -169,7 +171,7 @@ class MultiLevelCascadeAttentionWrapper:
             else:
                 self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
                                      num_kv_heads, head_dim, page_size,
-                                     causal=bool(causal) and i == self._num_levels - 1, **common)
+                                     causal=bool(causal) and i == n_lv - 1, **common)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
