@@ -147,8 +147,6 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
-        common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                      fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
         for i, (qo_name, kv_name) in enumerate(self._names):
             qo = host_ints(qo_indptr_arr[i], qo_name, fn)
             n = len(qo)
@@ -165,13 +163,22 @@ class MultiLevelCascadeAttentionWrapper:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
                 self._levels[i], self._kinds[i] = self._make[kind](), kind
+            # -- the levels' plan() arguments positional (~1-2 µs less than keywords per cascade plan): decode's
+            #    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale;
+            #    prefill's head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+            #    use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+            #    kv_data_type (the variant options at their defaults: checked above)
             if kind == "decode":
                 self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size, **common)
+                                     num_kv_heads, head_dim, page_size, "NONE", -1, None, q_data_type, kv_data_type,
+                                     None, sm_scale, fixed_split_size=fixed_split_size,
+                                     disable_split_kv=disable_split_kv)
             else:
                 self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size,
-                                     causal=bool(causal) and i == n_lv - 1, **common)
+                                     num_kv_heads, head_dim, page_size, None, None, None,
+                                     bool(causal) and i == n_lv - 1, "NONE", False, -1, None, sm_scale, None, None,
+                                     q_data_type, kv_data_type, fixed_split_size=fixed_split_size,
+                                     disable_split_kv=disable_split_kv)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
