@@ -121,6 +121,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._states = None        # (out, lse) of every level but the last, on the GPU (plan())
         self._planned = False
         self._iota_last = (0, None, b"")
+        self._names = [(f"qo_indptr_arr[{i}]", f"paged_kv_indptr_arr[{i}]") for i in range(self._num_levels)]   # (plan())
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -136,26 +137,25 @@ class MultiLevelCascadeAttentionWrapper:
         fn = "MultiLevelCascadeAttentionWrapper.plan"
         arrs = {"qo_indptr_arr": qo_indptr_arr, "paged_kv_indptr_arr": paged_kv_indptr_arr,
                 "paged_kv_indices_arr": paged_kv_indices_arr, "paged_kv_last_page_len": paged_kv_last_page_len}
+        n_lv = self._num_levels
         for name, a in arrs.items():
-            if not isinstance(a, (list, tuple)) or len(a) != self._num_levels:
-                raise ValueError(f"{fn}: {name} must be a list of num_levels={self._num_levels} arrays, got "
+            if not isinstance(a, (list, tuple)) or len(a) != n_lv:
+                raise ValueError(f"{fn}: {name} must be a list of num_levels={n_lv} arrays, got "
                                  f"{type(a).__name__} of length {len(a) if hasattr(a, '__len__') else '?'}")
         if pos_encoding_mode not in ("NONE", None) or window_left not in (-1, None) or \
                 logits_soft_cap not in (None, 0, 0.0) or use_fp16_qk_reduction or rope_scale or rope_theta:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
-        common = dict(sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                      fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
-        for i in range(self._num_levels):
-            qo = host_ints(qo_indptr_arr[i], f"qo_indptr_arr[{i}]", fn)
+        for i, (qo_name, kv_name) in enumerate(self._names):
+            qo = host_ints(qo_indptr_arr[i], qo_name, fn)
             n = len(qo)
             rows = int(qo[-1]) if n else 0
             totals.add(rows)
             # -- one query per group (a decode step's own tokens): the decode kernel (causal changes nothing
             #    for one bottom-right query); else a paged prefill. (qo == 0, 1, ..., n - 1: the ends first,
             #    then the bytes against a kept 0..n-1 of qo's dtype: a memcmp, not an elementwise compare)
-            kv_indptr = host_ints(paged_kv_indptr_arr[i], f"paged_kv_indptr_arr[{i}]", fn)
+            kv_indptr = host_ints(paged_kv_indptr_arr[i], kv_name, fn)
             kind = "decode" if n > 1 and rows == n - 1 and len(kv_indptr) == n and qo[0] == 0 and \
                 qo.tobytes() == self._iota(n, qo.dtype) else "prefill"
             if kind != self._kinds[i]:
@@ -163,13 +163,22 @@ class MultiLevelCascadeAttentionWrapper:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
                 self._levels[i], self._kinds[i] = self._make[kind](), kind
+            # -- the levels' plan() arguments positional (~1-2 µs less than keywords per cascade plan): decode's
+            #    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale;
+            #    prefill's head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+            #    use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+            #    kv_data_type (the variant options at their defaults: checked above)
             if kind == "decode":
                 self._levels[i].plan(kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size, **common)
+                                     num_kv_heads, head_dim, page_size, "NONE", -1, None, q_data_type, kv_data_type,
+                                     None, sm_scale, fixed_split_size=fixed_split_size,
+                                     disable_split_kv=disable_split_kv)
             else:
                 self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size,
-                                     causal=bool(causal) and i == self._num_levels - 1, **common)
+                                     num_kv_heads, head_dim, page_size, None, None, None,
+                                     bool(causal) and i == n_lv - 1, "NONE", False, -1, None, sm_scale, None, None,
+                                     q_data_type, kv_data_type, fixed_split_size=fixed_split_size,
+                                     disable_split_kv=disable_split_kv)
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")

@@ -15,7 +15,7 @@ import numpy as np
 from . import arrays, fp8, jit, reference
 from .errors import CacheFullError
 from .arrays import Tensor
-from .plan import int_bounds, int_min
+from .plan import SHORT, int_bounds, int_min
 
 _SOURCE = "page.cu"
 KV_LAYOUTS = ("NHD", "HND")
@@ -163,11 +163,48 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
     if batch < 0 or last_page_len.shape != (batch,) or indptr.dtype.kind not in "iu" \
             or last_page_len.dtype.kind not in "iu" or page_size < 1 or indptr[0] != 0 or indptr[-1] != num_indices:
         _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
+    if 0 < batch <= SHORT:    # a short table (a cascade's shared level, a small batch): as Python ints
+        kv_lens = _short_kv_lens(indptr.tolist(), last_page_len.tolist(), page_size)
+        if kv_lens is None:        # a check failed: its error, in the order of the checks
+            _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
+            ip = indptr.astype(np.int64)
+            _lpl_error(fn, ip[1:] - ip[:-1], last_page_len.astype(np.int64), page_size, prefix)
+    else:
+        kv_lens = _kv_lens(fn, indptr, last_page_len, page_size, num_indices, prefix)
+    if indices is not None and len(indices):
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or (num_pages is not None and hi >= num_pages):
+            limit = f"in 0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
+            raise ValueError(f"{fn}: {prefix}indices must be {limit}, got values in {lo}..{hi}")
+    return kv_lens
+
+
+def _short_kv_lens(ip: list, lpl: list, page_size: int) -> np.ndarray | None:
+    """``_kv_lens`` of a short table as lists (~3x cheaper than NumPy calls at batch 1-32), or None where a check
+    fails: a decreasing indptr, or a last_page_len out of 1..page_size where its request has pages."""
+    kv, prev = [], ip[0]
+    for end, last in zip(ip[1:], lpl):
+        pages = end - prev
+        if pages > 0:
+            if last < 1 or last > page_size:
+                return None
+            kv.append((pages - 1) * page_size + last)
+        elif pages:
+            return None
+        else:
+            kv.append(0)
+        prev = end
+    return np.array(kv, np.int64)
+
+
+def _kv_lens(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, num_indices: int,
+             prefix: str) -> np.ndarray:
+    """Each request's kv_len (int64) of a table whose indptr passed the first checks (NumPy calls)."""
     ip = indptr.astype(np.int64)
     pages = ip[1:] - ip[:-1]                          # (np.diff costs ~5 µs more)
     lpl = last_page_len.astype(np.int64)
     kv_lens = (pages - 1) * page_size + lpl
-    if batch:       # (plan.int_min / int_bounds: a short table's through a list, no NumPy reductions)
+    if len(pages):  # (plan.int_min / int_bounds: a short table's through a list, no NumPy reductions)
         min_pages = int_min(pages)
         if min_pages < 0:
             _page_table_error(fn, indptr, last_page_len, page_size, num_indices, prefix)
@@ -176,11 +213,6 @@ def validate_page_table(fn: str, indptr: np.ndarray, last_page_len: np.ndarray, 
             _lpl_error(fn, pages, lpl, page_size, prefix)
         if min_pages == 0:
             kv_lens[pages == 0] = 0
-    if indices is not None and len(indices):
-        lo, hi = int(indices.min()), int(indices.max())
-        if lo < 0 or (num_pages is not None and hi >= num_pages):
-            limit = f"in 0..{num_pages - 1} (num_pages of the cache)" if num_pages is not None else ">= 0"
-            raise ValueError(f"{fn}: {prefix}indices must be {limit}, got values in {lo}..{hi}")
     return kv_lens
 
 

@@ -371,6 +371,51 @@ def choose_prefill_chunk(extents: np.ndarray, num_kv_heads: int, num_sms: int, c
     return 0 if chunk and chunk >= top else chunk
 
 
+_SCHEDULES: dict[tuple, tuple] = {}      # prefill_schedule's results for short batches, by every argument's value
+
+
+def prefill_schedule(qo_lens: np.ndarray, kv_lens: np.ndarray, qo_range: tuple | None, group: int, block_m: int,
+                     block_n: int, causal: bool, num_kv_heads: int, num_sms: int, slots: int, max_slots: int | None,
+                     fixed_split_size, disable_split_kv: bool, use_softmax: bool) -> tuple:
+    """(why, work list) of a prefill-style plan: its query tiles (``prefill_items``), the split-KV
+    choice (none without softmax or with ``disable_split_kv``, ``fixed_split_size``'s, else ``choose_prefill_chunk``'s
+    for ``slots`` resident CTAs on ``num_sms`` SMs and ``max_slots`` partial slots, None: the workspace grows)
+    and the work list. A short batch's (<= SHORT requests: a cascade's shared levels, a small step) is kept per
+    the values of all these arguments, whose pure function it is (its arrays read-only): a dictionary look-up
+    instead of ~20 NumPy calls."""
+    if len(qo_lens) > SHORT:
+        return _prefill_schedule(qo_lens, kv_lens, qo_range, group, block_m, block_n, causal, num_kv_heads, num_sms,
+                                 slots, max_slots, fixed_split_size, disable_split_kv, use_softmax)
+    key = (tuple(qo_lens.tolist()), tuple(kv_lens.tolist()), group, block_m, block_n, bool(causal), num_kv_heads,
+           num_sms, slots, max_slots, fixed_split_size, bool(disable_split_kv), bool(use_softmax))
+    hit = _SCHEDULES.get(key)
+    if hit is None:         # (from arrays of the key's values: nothing kept aliases the caller's arrays)
+        hit = _prefill_schedule(np.array(key[0], np.int64), np.array(key[1], np.int64), qo_range, *key[2:])
+        for a in (hit[1].work, hit[1].merge, hit[1].extents):
+            a.flags.writeable = False
+        if len(_SCHEDULES) >= 64:
+            _SCHEDULES.clear()
+        _SCHEDULES[key] = hit
+    return hit
+
+
+def _prefill_schedule(qo_lens, kv_lens, qo_range, group, block_m, block_n, causal, num_kv_heads, num_sms, slots,
+                      max_slots, fixed_split_size, disable_split_kv, use_softmax) -> tuple:
+    items = prefill_items(qo_lens, kv_lens, group, block_m, causal, qo_range)
+    ext = items[2]
+    # -- the extents' range (and sum, for the scheduler's choice), read once: the split choice and the work list
+    stats = int_bounds(ext, fixed_split_size is None and not disable_split_kv) if len(ext) else (0, 0, 0)
+
+    def auto():
+        c = choose_prefill_chunk(ext, num_kv_heads, num_sms, slots // num_sms, block_n, max_slots, stats[1], stats[2])
+        return c, split_reason(len(ext) * num_kv_heads, slots, c)
+    if use_softmax:
+        chunk, why = split_choice(disable_split_kv, fixed_split_size, block_n, auto)
+    else:                                     # weights without softmax: never split (nothing to merge)
+        chunk, why = 0, "the variant has no softmax to merge"
+    return why, prefill_work_list(qo_lens, kv_lens, group, block_m, block_n, causal, chunk, items, stats[:2])
+
+
 # ---------------------------------------------------------------------------- the plan
 
 
@@ -471,14 +516,14 @@ def max_index(ids: np.ndarray) -> int | None:
     return int(np.maximum.reduce(ids))
 
 
-_SHORT = 32      # int_bounds: arrays up to this long are reduced as a Python list
+SHORT = 32      # int_bounds: arrays up to this long are reduced as a Python list
 
 
 def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
     """(min, max) of a non-empty 1-D array as Python ints, and its sum with ``total``. A short array (a shared
     prefix's few query tiles, a small batch) goes through a list: a NumPy reduction costs ~0.7 µs whatever the
-    size, a list of up to _SHORT ints and all three of min / max / sum ~0.4."""
-    if len(a) <= _SHORT:
+    size, a list of up to SHORT ints and all three of min / max / sum ~0.4."""
+    if len(a) <= SHORT:
         v = a.tolist()
         lo, hi = int(min(v)), int(max(v))
         return (lo, hi, int(sum(v))) if total else (lo, hi)
@@ -488,7 +533,7 @@ def int_bounds(a: np.ndarray, total: bool = False) -> tuple:
 
 def int_top(a: np.ndarray) -> tuple:
     """(max, sum) of a non-empty 1-D array as Python ints (a short one through a list, as ``int_bounds``)."""
-    if len(a) <= _SHORT:
+    if len(a) <= SHORT:
         v = a.tolist()
         return int(max(v)), int(sum(v))
     return int(np.maximum.reduce(a)), int(np.add.reduce(a))
@@ -496,7 +541,7 @@ def int_top(a: np.ndarray) -> tuple:
 
 def int_min(a: np.ndarray) -> int:
     """The minimum of a non-empty 1-D array as a Python int (a short one through a list, as ``int_bounds``)."""
-    return int(min(a.tolist())) if len(a) <= _SHORT else int(np.minimum.reduce(a))
+    return int(min(a.tolist())) if len(a) <= SHORT else int(np.minimum.reduce(a))
 
 
 def config_key(*args) -> tuple | None:

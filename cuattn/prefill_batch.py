@@ -221,25 +221,12 @@ class _BatchPrefillBase:
             _, backend, spec = hit
             self.backend = backend
         h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
-        items = _plan.prefill_items(plan.qo_lens, plan.kv_lens, group, spec.block_m, plan.causal, plan.qo_range)
-        ext = items[2]
-        # -- the extents' range (and sum, for the scheduler's choice), read once: the split choice and the work list
-        auto_split = fixed_split_size is None and not disable_split_kv
-        stats = _plan.int_bounds(ext, auto_split) if len(ext) else (0, 0, 0)
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
-        max_slots = bufs.max_partial(slot_floats)
         sms = _plan.num_sms(device)
-        slots = sms * (2 if backend == "fa2" else spec.ctas_per_sm)       # resident CTAs
-
-        def auto():
-            c = _plan.choose_prefill_chunk(ext, h_kv, sms, slots // sms, spec.block_n, max_slots, stats[1], stats[2])
-            return c, _plan.split_reason(len(ext) * h_kv, slots, c)
-        if composite.use_softmax:
-            chunk, why = _plan.split_choice(disable_split_kv, fixed_split_size, spec.block_n, auto)
-        else:                                     # weights without softmax: never split (nothing to merge)
-            chunk, why = 0, "the variant has no softmax to merge"
-        wl = _plan.prefill_work_list(plan.qo_lens, plan.kv_lens, group, spec.block_m, spec.block_n,
-                                     plan.causal, chunk, items, stats[:2])
+        why, wl = _plan.prefill_schedule(
+            plan.qo_lens, plan.kv_lens, plan.qo_range, group, spec.block_m, spec.block_n, plan.causal, h_kv, sms,
+            sms * (2 if backend == "fa2" else spec.ctas_per_sm), bufs.max_partial(slot_floats),   # (resident CTAs)
+            fixed_split_size, disable_split_kv, composite.use_softmax)
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
         mask = plan.mask

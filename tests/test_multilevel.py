@@ -89,6 +89,29 @@ def test_cascade_causal_applies_to_the_last_level_on_cpu():
         assert rel_err(out[i:i + 1], dense_attention(q[i:i + 1], k, v)[0]) < TOL
 
 
+def test_cascade_levels_are_planned_with_the_cascades_arguments():
+    """Every level's plan carries the cascade's sm_scale, dtypes and split arguments (the levels' plan() takes them
+    positionally); causal only the last level's; a level a direct plan() of the same kind, same arguments."""
+    tables, _, _, _ = make_cascade(5, CASES["3-level decode"], 8, 2, 64, 16)
+    w = cuattn.MultiLevelCascadeAttentionWrapper(3)
+    w.plan(*([t[i] for t in tables] for i in range(4)), 8, 2, 64, 16, causal=True, sm_scale=0.3,
+           q_data_type="bfloat16", kv_data_type="bfloat16", fixed_split_size=100)
+    for i, lv in enumerate(w._levels):
+        p = lv._plan
+        assert (p.sm_scale, str(p.q_dtype), str(p.kv_dtype)) == (0.3, "bfloat16", "bfloat16")
+        if i < 2:
+            assert isinstance(lv, cuattn.BatchPrefillWithPagedKVCacheWrapper) and p.causal == (i == 2)
+            direct = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+            direct.plan(*tables[i], 8, 2, 64, 16, causal=False, sm_scale=0.3, q_data_type="bfloat16",
+                        kv_data_type="bfloat16", fixed_split_size=100)
+        else:
+            assert isinstance(lv, cuattn.BatchDecodeWithPagedKVCacheWrapper)
+            direct = cuattn.BatchDecodeWithPagedKVCacheWrapper()
+            direct.plan(*tables[i][1:], 8, 2, 64, 16, sm_scale=0.3, q_data_type="bfloat16", kv_data_type="bfloat16",
+                        fixed_split_size=100)
+        assert lv.describe() == direct.describe()
+
+
 def test_merge_state_in_place_with_mask_on_cpu():
     rng = np.random.default_rng(3)
     v, vo = (rng.standard_normal((6, 4, 64)).astype(np.float16) for _ in range(2))

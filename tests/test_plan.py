@@ -353,3 +353,51 @@ def test_int_reductions_equal_numpys_on_short_and_long_arrays(values, dtype):
     assert plan.int_bounds(a) == (lo, hi) and plan.int_bounds(a, True) == (lo, hi, total)
     assert plan.int_top(a) == (hi, total) and plan.int_min(a) == lo
     assert all(type(v) is int for v in plan.int_bounds(a, True) + plan.int_top(a) + (plan.int_min(a),))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pages=st.lists(st.integers(-2, 4), min_size=1, max_size=40), lpl=st.lists(st.integers(-1, 6), min_size=1,
+       max_size=40), page_size=st.integers(1, 5), dtype=st.sampled_from([np.int32, np.int64, np.uint32]))
+def test_validate_page_table_of_a_short_table_equals_the_numpy_path(pages, lpl, page_size, dtype):
+    """A table of <= plan.SHORT requests is checked as Python ints: the NumPy path's kv_lens, or its first error."""
+    from cuattn import page
+    n = min(len(pages), len(lpl))
+    ip = np.concatenate([[0], np.cumsum(pages[:n])])
+    last = np.array(lpl[:n])
+    if dtype == np.uint32:
+        ip, last = np.maximum.accumulate(ip), np.abs(last)
+    indptr, last = ip.astype(dtype), last.astype(dtype)
+
+    def outcome(f):
+        try:
+            return f().tolist()
+        except ValueError as e:
+            return str(e)
+    got = outcome(lambda: validate_page_table("f", indptr, last, page_size, int(indptr[-1]), prefix="kv_"))
+    assert got == outcome(lambda: page._kv_lens("f", indptr, last, page_size, int(indptr[-1]), "kv_"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(qo=st.lists(st.integers(0, 300), min_size=1, max_size=40), kv=st.lists(st.integers(0, 40000), min_size=40,
+       max_size=40), group=st.sampled_from([1, 4, 8]), block=st.sampled_from([(64, 64), (128, 128), (128, 64)]),
+       causal=st.booleans(), heads=st.sampled_from([1, 8]), sms=st.sampled_from([8, 132]),
+       max_slots=st.sampled_from([None, 40]), split=st.sampled_from([(None, False), (700, False), (None, True)]),
+       softmax=st.booleans())
+def test_prefill_schedule_of_a_short_batch_is_kept_and_equals_the_computed_one(qo, kv, group, block, causal, heads,
+                                                                               sms, max_slots, split, softmax):
+    """A short batch's schedule (<= plan.SHORT requests) is kept per its arguments' values, read-only, and is what
+    the schedule computes for them (a longer batch's is computed every time)."""
+    qo_lens, kv_lens = np.array(qo, np.int64), np.array(kv[:len(qo)], np.int64)
+    if causal:
+        kv_lens = np.maximum(kv_lens, qo_lens)
+    qo_range = (int(qo_lens.min()), int(qo_lens.max()))
+    args = (group, *block, causal, heads, sms, 2 * sms, max_slots, *split, softmax)
+    plan._SCHEDULES.clear()
+    why, wl = plan.prefill_schedule(qo_lens, kv_lens, qo_range, *args)
+    want_why, want = plan._prefill_schedule(qo_lens.copy(), kv_lens.copy(), qo_range, *args)
+    assert why == want_why and (wl.num_slots, wl.chunk) == (want.num_slots, want.chunk)
+    for a, b in ((wl.work, want.work), (wl.merge, want.merge), (wl.extents, want.extents)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    again = plan.prefill_schedule(qo_lens.copy(), kv_lens.copy(), qo_range, *args)
+    short = len(qo) <= plan.SHORT
+    assert (again[1] is wl) == short and wl.work.flags.writeable != short
