@@ -27,13 +27,13 @@ class Params:
     def pack(self, **values) -> tuple:
         """The values in signature order; every parameter named once (a missing or unknown name is a
         programming error: KeyError naming it)."""
-        extra = set(values) - set(self.names)
-        if extra:
-            raise KeyError(f"{self.entry}: unknown parameter(s) {sorted(extra)}")
         try:
-            return tuple(values[n] for n in self.names)
+            out = tuple([values[n] for n in self.names])
         except KeyError as e:
             raise KeyError(f"{self.entry}: parameter {e.args[0]} not given") from None
+        if len(values) != len(out):      # (every name found: more values than names means unknown ones)
+            raise KeyError(f"{self.entry}: unknown parameter(s) {sorted(set(values) - set(self.names))}")
+        return out
 
     def group(self, first: str, last: str, **values) -> tuple:
         """The values of the contiguous parameters ``first`` .. ``last`` (a run()'s prebuilt groups)."""
