@@ -121,7 +121,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             _check_kv_dtype(plan, ka.dtype, va.dtype, "k and v", fn)
             if self._kv_layout == "HND":
                 ka, va = ka.transpose(1, 0, 2), va.transpose(1, 0, 2)
-            kvp = plan["kv_indptr"]
+            kvp = plan.kv_indptr
             return self._reference_run(ctx, plan, q, lambda b: (_host_kv(ka[kvp[b]:kvp[b + 1]], plan, scales[0], 1),
                                                                 _host_kv(va[kvp[b]:kvp[b + 1]], plan, scales[1], 1)),
                                        return_lse, fn, scale, vargs, out, lse)
@@ -136,18 +136,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         k_tok, k_head = tok, head
         if self._rope.active:       # fused RoPE: q and the keys rotated once, contiguous NHD (prefill_rope.py)
             (qk, kt), k_tok, k_head = self._rope.rotate(ctx, plan, qk, kt, tok, head), 0, 1
-        if plan["backend"] == "fa3":
+        if plan.backend == "fa3":
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kt, v=vt, k_strides=(kt.strides[k_tok], kt.strides[k_head]),
+                prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kt, v=vt, k_strides=(kt.strides[k_tok], kt.strides[k_head]),
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[k_tok], out=ot,
-                                    lse_ptr=lse_ptr, num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"],
-                                    group=plan["group"], sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"],
+                                    lse_ptr=lse_ptr, num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads,
+                                    group=plan.group, sm_scale=scale, variant_args=vargs, fn=fn, meta=plan.meta,
                                     pdl=pdl, scales=scales)
         else:
-            _launch(ctx, plan["spec"], q=qk, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
-                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
+            _launch(ctx, plan.spec, q=qk, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
+                    num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
                     k_strides=(kt.strides[k_tok], kt.strides[k_head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                    sm_scale=scale, variant_args=vargs, meta=plan["meta"], pdl=pdl, scales=scales)
+                    sm_scale=scale, variant_args=vargs, meta=plan.meta, pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
@@ -156,10 +156,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
-        if tuple(vs) != tuple(ks)[:-1] + (plan["head_dim_vo"],):
+        if tuple(vs) != tuple(ks)[:-1] + (plan.head_dim_vo,):
             raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} with head_dim_vo={plan['head_dim_vo']} "
                              f"last, got {tuple(vs)}")
-        if hkv != plan["num_kv_heads"] or d != plan["head_dim"] or nnz < plan["kv_indptr"][-1]:
+        if hkv != plan.num_kv_heads or d != plan.head_dim or nnz < plan.kv_indptr[-1]:
             raise ValueError(f"{fn}: k must have num_kv_heads={plan['num_kv_heads']}, head_dim={plan['head_dim']} "
                              f"and >= kv_indptr[-1]={plan['kv_indptr'][-1]} tokens, got shape {tuple(ks)} "
                              f"({self._kv_layout})")
@@ -245,11 +245,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                        paged_kv_host((split[1],) * 2, self._kv_layout, fn)[0]))
             self._check_cache(kp.shape[0], kp.shape[1], kp.shape[2], kp.shape[3], plan, fn)
             if split is not None:
-                self._check_cache(*vp.shape, plan, fn, "v_cache", plan["head_dim_vo"])
+                self._check_cache(*vp.shape, plan, fn, "v_cache", plan.head_dim_vo)
             _check_kv_dtype(plan, kp.dtype, vp.dtype, "paged_kv_cache", fn)
 
             def gather(b):
-                kb, vb = reference.gather_paged_kv(kp, vp, plan["kv_indices"], plan["kv_indptr"], plan["last_page_len"], b)
+                kb, vb = reference.gather_paged_kv(kp, vp, plan.kv_indices, plan.kv_indptr, plan.last_page_len, b)
                 return _host_kv(kb, plan, scales[0], 1), _host_kv(vb, plan, scales[1], 1)
             return self._reference_run(ctx, plan, q, gather, return_lse, fn, scale, vargs, out, lse)
         self._gpu_plan(ctx, plan, fn)
@@ -259,7 +259,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         vv = kv if split is None else paged_kv_tensors((split[1],) * 2, self._kv_layout, fn)
         if split is not None:
             self._check_cache(vv.num_pages, vv.page_size, vv.num_kv_heads, vv.head_dim, plan, fn, "v_cache",
-                              plan["head_dim_vo"])
+                              plan.head_dim_vo)
             if vv.stride_page * kv.stride_slot != kv.stride_page * vv.stride_slot:
                 raise UnsupportedError(f"{fn}: k_cache and v_cache share row offsets (page * page stride / slot "
                                        f"stride + slot): their page / slot stride ratios must be equal, got "
@@ -268,13 +268,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
-        if plan["backend"] == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
+        if plan.backend == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
             with arrays.cupy_module().cuda.Device(ctx.device):
-                prefill_sm90.launch(ctx, plan["run_spec"], q=qk, k=kv.k, v=vv.v, k_strides=strides,
+                prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kv.k, v=vv.v, k_strides=strides,
                                     v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page),
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
-                                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                                    sm_scale=scale, variant_args=vargs, fn=fn, meta=plan["meta"], pdl=pdl,
+                                    num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
+                                    sm_scale=scale, variant_args=vargs, fn=fn, meta=plan.meta, pdl=pdl,
                                     paged=(kv.page_size, kv.num_pages, vv.num_pages), scales=scales)
         else:
             if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
@@ -283,10 +283,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"+ slot in int32 and the slot stride in bytes in int32; page stride "
                                        f"{kv.stride_page} must be a multiple of slot stride {kv.stride_slot}, "
                                        f"num_pages * ratio < 2**31 and slot stride bytes < 2**31")
-            _launch(ctx, plan["spec"], q=qk, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
-                    num_work=plan["grid_work"], num_kv_heads=plan["num_kv_heads"], group=plan["group"],
-                    k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan["meta"],
-                    page_size=plan["page_size"], pdl=pdl, scales=scales)
+            _launch(ctx, plan.spec, q=qk, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
+                    num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
+                    k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan.meta,
+                    page_size=plan.page_size, pdl=pdl, scales=scales)
         self._merge(ctx, plan, ot, lse_ptr)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
@@ -294,12 +294,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     forward = run
 
     def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn, name="paged_kv_cache", want_dim=None):
-        want_dim = plan["head_dim"] if want_dim is None else want_dim
-        if page_size != plan["page_size"] or heads != plan["num_kv_heads"] or head_dim != want_dim:
+        want_dim = plan.head_dim if want_dim is None else want_dim
+        if page_size != plan.page_size or heads != plan.num_kv_heads or head_dim != want_dim:
             raise ValueError(f"{fn}: {name} must have page_size={plan['page_size']}, num_kv_heads="
                              f"{plan['num_kv_heads']}, head_dim={want_dim} ({self._kv_layout}), got "
                              f"page_size={page_size}, num_kv_heads={heads}, head_dim={head_dim}")
-        if plan["max_page"] >= num_pages:
+        if plan.max_page >= num_pages:
             raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "
                              f"{plan['max_page']}")
 

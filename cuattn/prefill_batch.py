@@ -178,11 +178,11 @@ class _BatchPrefillBase:
 
     def _run_backend(self, ctx, fn, plan, paged: bool) -> str:
         """Resolves the backend of a GPU run on this device; ``self.backend`` reports it."""
-        self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan["head_dim"],
-                                       dtype=plan["spec"].dtype, custom_mask=plan["mask"] is not None,
-                                       paged=paged, rope=plan["bound"].composite.has_qk_transform,
-                                       page_size=plan.get("page_size"), dtype_kv=plan["spec"].dtype_kv,
-                                       head_dim_vo=plan["head_dim_vo"])
+        self.backend = resolve_backend(self._backend_req, fn, arch=jit.device_arch(ctx.device), head_dim=plan.head_dim,
+                                       dtype=plan.spec.dtype, custom_mask=plan.mask is not None,
+                                       paged=paged, rope=plan.bound.composite.has_qk_transform,
+                                       page_size=plan.get("page_size"), dtype_kv=plan.spec.dtype_kv,
+                                       head_dim_vo=plan.head_dim_vo)
         return self.backend
 
     def _require_plan(self, fn):
@@ -212,10 +212,10 @@ class _BatchPrefillBase:
         hit = self._backend_memo.get(key)
         if hit is None or hit[0] is not plan.spec:
             backend = self._run_backend(arrays.Context("cupy", device, None), fn, plan, paged)
-            spec = plan["spec"] if backend == "fa2" else prefill_sm90.make_spec(
-                plan["spec"].dtype, plan["causal"], composite, paged, plan["spec"].dtype_kv,
-                plan["head_dim"], plan["head_dim_vo"], plan.page_size if paged else None,
-                small=plan["spec"].block_m == 64)         # (fa2's 64-row tiles: every request within 64 packed rows)
+            spec = plan.spec if backend == "fa2" else prefill_sm90.make_spec(
+                plan.spec.dtype, plan.causal, composite, paged, plan.spec.dtype_kv,
+                plan.head_dim, plan.head_dim_vo, plan.page_size if paged else None,
+                small=plan.spec.block_m == 64)         # (fa2's 64-row tiles: every request within 64 packed rows)
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec))
         else:
             _, backend, spec = hit
@@ -274,10 +274,10 @@ class _BatchPrefillBase:
     def _merge(self, ctx, plan, ot, lse_ptr) -> None:
         """After the attention kernel: merge the pieces of split items (graph mode: always launched,
         over the merge rows' capacity, so a replay after a plan that splits merges too)."""
-        if plan["grid_merge"] and (plan["work_list"].split or self._bufs.graph):
-            entry = "cuattn_prefill_merge" if plan["backend"] == "fa2" else "cuattn_prefill_sm90_merge"
-            _launch_merge(ctx, plan["run_spec"], entry, plan["meta"], plan["grid_merge"], plan["num_kv_heads"],
-                          plan["group"], ot, lse_ptr)
+        if plan.grid_merge and (plan.work_list.split or self._bufs.graph):
+            entry = "cuattn_prefill_merge" if plan.backend == "fa2" else "cuattn_prefill_sm90_merge"
+            _launch_merge(ctx, plan.run_spec, entry, plan.meta, plan.grid_merge, plan.num_kv_heads,
+                          plan.group, ot, lse_ptr)
         self._f32q.finish(ctx)      # fp32 q: the 16-bit output into the caller's out
 
     def _gpu_plan(self, ctx, plan, fn) -> None:
@@ -290,53 +290,53 @@ class _BatchPrefillBase:
 
     def _run_checks(self, fn, q, plan):
         qt = arrays.device_tensor(q, "q", fn)
-        _check_q(qt.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
-        if arrays.logical_dtype(qt.dtype) != plan["q_dtype"]:
+        _check_q(qt.shape, fn, plan.num_qo_heads, plan.head_dim, int(plan.qo_indptr[-1]))
+        if arrays.logical_dtype(qt.dtype) != plan.q_dtype:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
         return qt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
-        rows = int(plan["qo_indptr"][-1])
+        rows = int(plan.qo_indptr[-1])
         if lse is None and return_lse:
-            lse = arrays.empty(ctx, (rows, plan["num_qo_heads"]), np.float32)
-        out, ot, lse, lse_ptr = _check_out(ctx, out, lse, rows, plan["num_qo_heads"], plan["head_dim_vo"], qt.dtype, fn)
+            lse = arrays.empty(ctx, (rows, plan.num_qo_heads), np.float32)
+        out, ot, lse, lse_ptr = _check_out(ctx, out, lse, rows, plan.num_qo_heads, plan.head_dim_vo, qt.dtype, fn)
         qk, ok = self._f32q.begin(ctx, qt.ptr, qt.strides, ot.ptr, ot.strides) if self._f32q.active else (qt, ot)
         return out, qk, ok, lse, lse_ptr      # qk, ok: what the kernel reads and writes (fp32 q: 16-bit copies)
 
     def _variant_args(self, plan, args, return_lse, lse, fn, on_gpu: bool, sm_scale=None):
         """(sm_scale, the kernels' variant arguments or, on the NumPy path, the parameter values)
         from the plan's variant and run()'s extra positional arguments."""
-        bound = plan["bound"]
+        bound = plan.bound
         bound.check_lse(return_lse, lse, fn)
         # -- the plan's custom mask: on a GPU run, the bits and byte offsets plan() uploaded
         #    (a NumPy plan has none: _gpu_plan refuses that run)
-        meta = plan["meta"] or {}
-        dev = {} if not on_gpu or plan["mask"] is None else {
+        meta = plan.meta or {}
+        dev = {} if not on_gpu or plan.mask is None else {
             "custom_mask": variants.Pointer(meta.get("mask", 0)), "mask_indptr": variants.Pointer(meta.get("mask_indptr", 0))}
         if on_gpu and not args and not bound.runtime and sm_scale is None:    # the plan's own: built once
             if plan.fixed_vargs is None:
-                plan.fixed_vargs = prefill_rope.kernel_bound(plan).kernel_args(plan["sm_scale"], {**bound.fixed, **dev}, fn)
-            return plan["sm_scale"], plan["fixed_vargs"]
+                plan.fixed_vargs = prefill_rope.kernel_bound(plan).kernel_args(plan.sm_scale, {**bound.fixed, **dev}, fn)
+            return plan.sm_scale, plan.fixed_vargs
         values = {**bound.values(tuple(args), fn), **dev}
-        bound.check_sinks(values, plan["num_qo_heads"], fn)
-        bound.check_custom_mask(values, plan["qo_lens"], plan["kv_lens"], fn)
-        scale = plan["sm_scale"] if sm_scale is None else float(sm_scale)
+        bound.check_sinks(values, plan.num_qo_heads, fn)
+        bound.check_custom_mask(values, plan.qo_lens, plan.kv_lens, fn)
+        scale = plan.sm_scale if sm_scale is None else float(sm_scale)
         return scale, (prefill_rope.kernel_bound(plan).kernel_args(scale, values, fn) if on_gpu
                        else bound.host_values(values, fn))
 
     def _reference_run(self, ctx, plan, q, gather, return_lse, fn, scale, values, out_arg, lse_arg):
         qa = arrays.host_array(q, "q", fn)
-        _check_q(qa.shape, fn, plan["num_qo_heads"], plan["head_dim"], int(plan["qo_indptr"][-1]))
-        if qa.dtype != plan["q_dtype"]:
+        _check_q(qa.shape, fn, plan.num_qo_heads, plan.head_dim, int(plan.qo_indptr[-1]))
+        if qa.dtype != plan.q_dtype:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qa.dtype}")
         rows = qa.shape[0]
-        out = np.zeros((rows, plan["num_qo_heads"], plan["head_dim_vo"]), np.float32)
-        lse = np.full((rows, plan["num_qo_heads"]), -np.inf, np.float32)
-        qo = plan["qo_indptr"]
-        for b in range(plan["batch"]):       # (a custom mask: the variant's NumPy hook reads the packed bits)
+        out = np.zeros((rows, plan.num_qo_heads, plan.head_dim_vo), np.float32)
+        lse = np.full((rows, plan.num_qo_heads), -np.inf, np.float32)
+        qo = plan.qo_indptr
+        for b in range(plan.batch):       # (a custom mask: the variant's NumPy hook reads the packed bits)
             k, v = gather(b)
-            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan["causal"],
-                                       variant=plan["bound"].composite, values=values, batch_idx=b, fn=fn)
+            o, s = reference.attention(qa[qo[b]:qo[b + 1]], k, v, sm_scale=scale, causal=plan.causal,
+                                       variant=plan.bound.composite, values=values, batch_idx=b, fn=fn)
             out[qo[b]:qo[b + 1]] = o
             lse[qo[b]:qo[b + 1]] = s
         return arrays.host_results(ctx, out, lse, out_arg, lse_arg, return_lse, qa.dtype, fn)

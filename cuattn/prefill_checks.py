@@ -86,14 +86,14 @@ def _check_out(ctx, out, lse, rows: int, num_qo_heads: int, head_dim: int, dtype
 def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
     """K and V have the plan's kv_data_type, or its raw view (uint8 for fp8, uint16 for bf16) (both paths)."""
     for dt in (k_dtype, v_dtype):
-        if not arrays.same_storage(np.dtype(dt), plan["kv_dtype"]):
+        if not arrays.same_storage(np.dtype(dt), plan.kv_dtype):
             raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan) or its raw "
                              f"view, got {dt}")
 
 
 def _split_pair(paged_kv_cache, plan, fn: str):
     """The (k_cache, v_cache) pair of a plan with head_dim_vo != head_dim_qk (None otherwise)."""
-    if plan["head_dim_vo"] == plan["head_dim"]:
+    if plan.head_dim_vo == plan.head_dim:
         return None
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"{fn}: paged_kv_cache must be a (k_cache, v_cache) pair when head_dim_vo="
@@ -119,15 +119,15 @@ def _kv_short(q_dt, kv_dt, bound, fn: str) -> str:
 
 def _scales(plan, k_scale, v_scale, fn: str, on_gpu: bool):
     """(k, v) fp8.Scale of run()'s k_scale / v_scale (None: 1.0), checked as decode checks them."""
-    return (fp8.parse_scale(k_scale, "k_scale", plan["num_kv_heads"], fn, on_gpu=on_gpu),
-            fp8.parse_scale(v_scale, "v_scale", plan["num_kv_heads"], fn, on_gpu=on_gpu))
+    return (fp8.parse_scale(k_scale, "k_scale", plan.num_kv_heads, fn, on_gpu=on_gpu),
+            fp8.parse_scale(v_scale, "v_scale", plan.num_kv_heads, fn, on_gpu=on_gpu))
 
 
 def _host_kv(x: np.ndarray, plan, scale, head_axis: int) -> np.ndarray:
     """A host K or V slice as the reference reads it: uint8 viewed as the plan's fp8 type; real values
     (float32, times the per-head scale) for an fp8 cache or a scale other than 1."""
-    if x.dtype == np.uint8 and fp8.is_fp8(plan["kv_dtype"]):
-        x = x.view(plan["kv_dtype"])
-    if fp8.is_fp8(plan["kv_dtype"]) or np.any(scale.host != 1):
+    if x.dtype == np.uint8 and fp8.is_fp8(plan.kv_dtype):
+        x = x.view(plan.kv_dtype)
+    if fp8.is_fp8(plan.kv_dtype) or np.any(scale.host != 1):
         return fp8.dequantize(x, scale.host, head_axis)
     return x
