@@ -181,7 +181,7 @@ def ceilings(reps):
         dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
         cp.cuda.get_current_stream().ptr), reps)
     copy_tbs = 2 * src.nbytes / (copy_us * 1e-6) / 1e12
-    del x, src, dst
+    x = src = dst = None
     return read_tbs, copy_tbs
 
 
@@ -395,7 +395,7 @@ def main():
                     rows.append(time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
                                           lpl, cache, q, reps, flush, read_tbs, copy_tbs, fi, have_fi, rotation,
                                           fp8_case))
-                del cache, q, rotation, cache8
+                cache = q = rotation = cache8 = None
                 cp.get_default_memory_pool().free_all_blocks()
     return finish(args, env, read_tbs, copy_tbs, rows, reps, empty_us)
 
@@ -453,7 +453,7 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
         fp8_s = (f" {us8:8.1f} {us / us8:5.2f} {100 * fp8_row['fp8_of_read']:5.1f}%"
                  + (f" {fi8:8.1f} {fi8 / us8:6.2f}" if fi8 else f" {'-':>8} {'-':>6}")
                  + (f"  err8 {err8:.1e}" if err8 is not None else ""))
-        del w8
+        w8 = None
     row = dict(variant=variant, spec=w._spec.name, flush=args.flush, heads=heads, batch=batch, kv_len=kv_len, us=us,
                tbs=tbs, of_read=tbs / read_tbs,
                of_copy=tbs / copy_tbs, split=bool(w._work.split), n_work=len(w._work.work),
@@ -468,7 +468,7 @@ def time_case(args, variant, vw, heads, batch, kv_len, hq, hkv, indptr, indices,
           f"{100 * tbs / read_tbs:5.1f}% "
           f"{100 * tbs / copy_tbs:5.1f}% {str(row['split'])[0]:>5} {fi_s}{fp8_s}"
           f"{f'  {err:.1e}' if err is not None else ''}  {w._spec.name}", flush=True)
-    del out, w
+    out = w = None
     return row
 
 

@@ -215,7 +215,7 @@ def main():
     big.view(cp.uint32)[:] = 1
     read_us = timed(lambda: _READ((sms * 8,), (512,), (big, np.int64(big.nbytes // 16), sink)))
     read_tbs = big.nbytes / read_us / 1e6
-    del big
+    big = None
     print(f"{gpu} sms={sms} read-only ceiling {read_tbs:.3f} TB/s", flush=True)
     rows = []
     print(f"{'mode':>9} {'warps':>5} {'CTA/SM':>6} {'MB':>6} {'us':>8} {'TB/s':>6} {'%read':>6}", flush=True)
@@ -249,7 +249,7 @@ def main():
                 rows.append(row)
                 print(f"{MODES[mode]:>9} {nw:>5} {cps:>6} {nbytes / 1e6:6.0f} {us:8.1f} {tbs:6.3f} "
                       f"{100 * tbs / read_tbs:5.1f}%", flush=True)
-        del cache, idx
+        cache = idx = None
         cp.get_default_memory_pool().free_all_blocks()
     if args.out:
         with open(args.out, "w") as f:

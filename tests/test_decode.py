@@ -501,8 +501,9 @@ def test_batch_decode_gpu_skewed_batch_and_empty_request():
 def test_batch_decode_gpu_plan_reused_across_layers_and_replans():
     for step, lens in enumerate(([100, 2000], [101, 2001, 5])):
         case = make_case(0, 0, 16, 32, 8, 128, "HND", "bfloat16", kv_lens=lens, seed=step)
-        w = planned(case, 32, 8, 128, 16, "bfloat16", "HND") if step == 0 else w
-        if step:
+        if step == 0:
+            w = planned(case, 32, 8, 128, 16, "bfloat16", "HND")
+        else:
             w.plan(case["indptr"], case["indices"], case["lpl"], 32, 8, 128, 16, q_data_type="bfloat16")
         ref_o, _ = oracle(case)
         for _layer in range(2):
