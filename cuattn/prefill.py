@@ -110,6 +110,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         """
         fn = f"{self._fn}.run"
         plan = self._require_plan(fn)
+        key = self._replay_key(plan, (q, k, v), out, lse, return_lse, not args and k_scale is None and v_scale is None,
+                               enable_pdl)
+        if key is not None:
+            hit = self._replay(plan, key, out, lse, return_lse, stream, fn)
+            if hit is not None:
+                return hit
         ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
         arrays.writable(out, "out", fn)
         arrays.writable(lse, "lse", fn)
@@ -132,6 +138,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         _check_kv_dtype(plan, kt.dtype, vt.dtype, "k and v", fn)
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
+        record = [] if key is not None else None
         tok, head = (0, 1) if self._kv_layout == "NHD" else (1, 0)
         k_tok, k_head = tok, head
         if self._rope.active:       # fused RoPE: q and the keys rotated once, contiguous NHD (prefill_rope.py)
@@ -142,13 +149,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                                     v_strides=(vt.strides[tok], vt.strides[head]), kv_tokens=kt.shape[k_tok], out=ot,
                                     lse_ptr=lse_ptr, num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads,
                                     group=plan.group, sm_scale=scale, variant_args=vargs, fn=fn, meta=plan.meta,
-                                    pdl=pdl, scales=scales)
+                                    pdl=pdl, scales=scales, record=record)
         else:
             _launch(ctx, plan.spec, q=qk, k_ptr=kt.ptr, v_ptr=vt.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
                     k_strides=(kt.strides[k_tok], kt.strides[k_head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
-                    sm_scale=scale, variant_args=vargs, meta=plan.meta, pdl=pdl, scales=scales)
-        self._merge(ctx, plan, ot, lse_ptr)
+                    sm_scale=scale, variant_args=vargs, meta=plan.meta, pdl=pdl, scales=scales, record=record)
+        self._merge(ctx, plan, ot, lse_ptr, record)
+        self._keep_record(plan, key, record)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
@@ -232,6 +240,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _run_paged(self, q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
                    sm_scale, fn):
         plan = self._require_plan(fn)
+        key = self._replay_key(plan, (q, *paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else
+                               (q, paged_kv_cache), out, lse, return_lse,
+                               not args and k_scale is None and v_scale is None and sm_scale is None, enable_pdl)
+        if key is not None:
+            hit = self._replay(plan, key, out, lse, return_lse, stream, fn)
+            if hit is not None:
+                return hit
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
         ctx = arrays.context_of(fn, {"q": q, **{f"paged_kv_cache[{k}]": v for k, v in cache.items()}}, stream)
         arrays.writable(out, "out", fn)
@@ -268,6 +283,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
+        record = [] if key is not None else None
         if plan.backend == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kv.k, v=vv.v, k_strides=strides,
@@ -275,7 +291,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                     kv_tokens=kv.num_pages * kv.page_size, out=ot, lse_ptr=lse_ptr,
                                     num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
                                     sm_scale=scale, variant_args=vargs, fn=fn, meta=plan.meta, pdl=pdl,
-                                    paged=(kv.page_size, kv.num_pages, vv.num_pages), scales=scales)
+                                    paged=(kv.page_size, kv.num_pages, vv.num_pages), scales=scales, record=record)
         else:
             if (kv.stride_page % kv.stride_slot or kv.num_pages * (kv.stride_page // kv.stride_slot) >= 2 ** 31
                     or kv.stride_slot * kv.dtype.itemsize >= 2 ** 31):
@@ -286,8 +302,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             _launch(ctx, plan.spec, q=qk, k_ptr=kv.k.ptr, v_ptr=vv.v.ptr, out=ot, lse_ptr=lse_ptr,
                     num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
                     k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan.meta,
-                    page_size=plan.page_size, pdl=pdl, scales=scales)
-        self._merge(ctx, plan, ot, lse_ptr)
+                    page_size=plan.page_size, pdl=pdl, scales=scales, record=record)
+        self._merge(ctx, plan, ot, lse_ptr, record)
+        self._keep_record(plan, key, record)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 

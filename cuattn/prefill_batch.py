@@ -46,7 +46,7 @@ MERGE_PARAMS = {entry: Params.define(entry, "merge:p qo_indptr:p part_o:p part_l
 
 def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: int, num_kv_heads: int,
             group: int, k_strides, v_strides, sm_scale: float, variant_args: tuple, single=(0, 0), meta=None,
-            page_size: int = 1, pdl: bool = False, scales=(fp8.ONE, fp8.ONE)) -> None:
+            page_size: int = 1, pdl: bool = False, scales=(fp8.ONE, fp8.ONE), record: list | None = None) -> None:
     """One launch; ``meta`` = the plan's device pointers by name (META) for batch mode, or None for
     the single-request case (lengths in single); ``variant_args`` = variants.Bound.kernel_args
     (sm_scale first; a custom mask's arrays among them); ``scales`` = run()'s (k, v) fp8.Scale."""
@@ -65,11 +65,13 @@ def _launch(ctx, spec: PrefillSpec, *, q, k_ptr, v_ptr, out, lse_ptr, num_work: 
         k_scale=scales[0].value, v_scale=scales[1].value, k_scales=scales[0].ptr, v_scales=scales[1].ptr,
         scale_per_head=int(scales[0].per_head) | 2 * int(scales[1].per_head),
         scale_log2=spec.variant.scale_log2(sm_scale)) + tuple(variant_args)
+    if record is not None:          # (prefill_sm90.launch's record)
+        record.append((launch, (num_work, num_kv_heads), _NUM_THREADS, args, pdl))
     launch((num_work, num_kv_heads), _NUM_THREADS, ctx.stream, *args, pdl=pdl)
 
 
 def _launch_merge(ctx, spec, entry: str, meta: dict, num_merge: int, num_kv_heads: int, group: int, out,
-                  lse_ptr: int) -> None:
+                  lse_ptr: int, record: list | None = None) -> None:
     """The merge of split items' pieces (``entry`` of ``spec``'s module): grid (merge rows, kv heads, row
     chunks), one row of the tile per dim_vo / 4 threads of a 128-thread CTA (prefill_tile.cuh merge_pieces).
     (The earlier grid, one CTA per (merge row, kv head) looping over the tile's rows, took 16 us a piece at
@@ -77,10 +79,13 @@ def _launch_merge(ctx, spec, entry: str, meta: dict, num_merge: int, num_kv_head
     if num_merge == 0 or num_kv_heads == 0:
         return
     launch = jit.get_launcher(spec, entry, ctx.device, MERGE_PARAMS[entry].kinds)
-    launch((num_merge, num_kv_heads, max(1, spec.block_m * spec.dim_vo // 512)), 128, ctx.stream,
-           *MERGE_PARAMS[entry].pack(merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"],
-                                     part_lse=meta["part_lse"], o=out.ptr, lse=lse_ptr, group=group,
-                                     o_s_tok=out.strides[0], o_s_head=out.strides[1]))
+    grid = (num_merge, num_kv_heads, max(1, spec.block_m * spec.dim_vo // 512))
+    args = MERGE_PARAMS[entry].pack(merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"],
+                                    part_lse=meta["part_lse"], o=out.ptr, lse=lse_ptr, group=group,
+                                    o_s_tok=out.strides[0], o_s_head=out.strides[1])
+    if record is not None:          # (prefill_sm90.launch's record)
+        record.append((launch, grid, 128, args, False))
+    launch(grid, 128, ctx.stream, *args)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -100,6 +105,7 @@ class _BatchPrefillBase:
         self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
+        self._last_run = None     # (plan, key, launches) of the last plain GPU run() (_replay)
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
@@ -271,14 +277,51 @@ class _BatchPrefillBase:
         lines.append(work + (f"; grid padded to {p['grid_work']} items (CUDA graph)" if self._bufs.graph else ""))
         return "\n".join(lines + _plan.describe_split(wl, spec.block_n, p["split_why"]))
 
-    def _merge(self, ctx, plan, ot, lse_ptr) -> None:
+    def _merge(self, ctx, plan, ot, lse_ptr, record: list | None = None) -> None:
         """After the attention kernel: merge the pieces of split items (graph mode: always launched,
         over the merge rows' capacity, so a replay after a plan that splits merges too)."""
         if plan.grid_merge and (plan.work_list.split or self._bufs.graph):
             entry = "cuattn_prefill_merge" if plan.backend == "fa2" else "cuattn_prefill_sm90_merge"
             _launch_merge(ctx, plan.run_spec, entry, plan.meta, plan.grid_merge, plan.num_kv_heads,
-                          plan.group, ot, lse_ptr)
+                          plan.group, ot, lse_ptr, record)
         self._f32q.finish(ctx)      # fp32 q: the 16-bit output into the caller's out
+
+    # -- run()'s replay: a plain GPU call (no run-time variant arguments, scales or sm_scale; out given, and lse when
+    #    wanted; no fp32 q, no fused-RoPE prepass) records its launches; the next call whose arrays all have the same
+    #    pointers and layouts (arrays.pointer_layout: CuPy and CUDA torch arrays) on the same plan object replays them
+    #    on its own stream, after the capture check, without the checks and packing the first call did (they would
+    #    come out the same: every input they read is in the key). A new plan() is a new object: no replay across it.
+    def _replay_key(self, plan, arrs: tuple, out, lse, return_lse: bool, plain: bool, enable_pdl) -> tuple | None:
+        if not plain or out is None or (return_lse and lse is None) or plan.bound.runtime:
+            return None
+        key = [return_lse, enable_pdl]
+        for x in (*arrs, out, lse):
+            if x is None:
+                key.append(None)
+                continue
+            pl = arrays.pointer_layout(x)
+            if pl is None:
+                return None
+            key.append(pl)
+        return tuple(key)
+
+    def _replay(self, plan, key: tuple, out, lse, return_lse: bool, stream, fn: str):
+        """run()'s result by replaying the recorded launches, or None when the last record is not this call's."""
+        rec = self._last_run
+        if rec is None or rec[0] is not plan or rec[1] != key:
+            return None
+        fw, device = key[2][1][0], key[2][1][4]
+        s = arrays.resolve_stream(fw, device, stream)
+        _buffers.refuse_capture(fn, self._bufs.graph, s)
+        for launcher, grid, threads, args, pdl in rec[2]:
+            launcher(grid, threads, s, *args, pdl=pdl)
+        return (out, lse) if return_lse else out
+
+    def _keep_record(self, plan, key: tuple | None, record: list | None) -> None:
+        """Keep a plain call's launches for ``_replay`` (not when a step was not a recorded launch)."""
+        ok = key is not None and record is not None and None not in record and not self._f32q.active \
+            and not self._rope.active
+        self._last_run = (plan, key, tuple(record)) if ok else None
 
     def _gpu_plan(self, ctx, plan, fn) -> None:
         """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph

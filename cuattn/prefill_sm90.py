@@ -295,16 +295,19 @@ META = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "work", "par
 def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_tokens: int, out, lse_ptr: int,
            num_work: int, num_kv_heads: int, group: int, sm_scale: float, fn: str, variant_args: tuple,
            single=(0, 0), meta: dict | None = None, pdl: bool = False, paged: tuple | None = None,
-           scales=(fp8.ONE, fp8.ONE)) -> None:
+           scales=(fp8.ONE, fp8.ONE), record: list | None = None) -> None:
     """One launch. k / v: device tensors (K with spec.head_dim_qk columns, V with spec.head_dim_vo; of
     ``spec.kv_bytes`` elements: an fp8 cache may be uint8); k_strides / v_strides = (token, head) element
     strides, or (slot, head, page) when paged; ``meta`` = the plan's device pointers by parameter name
     (qo_indptr, kv_indptr, work, part_o, part_lse, kv_chunk; the page table when paged) in batch mode, None
     for a single request. ``paged`` = (page_size, K's num_pages, V's num_pages): k / v are a paged cache's
-    K and V. ``scales`` = run()'s (k, v) fp8.Scale."""
+    K and V. ``scales`` = run()'s (k, v) fp8.Scale. ``record``: each launch appended as (launcher, grid, threads,
+    arguments, pdl), None for work that is not a launch (prefill_batch's run replay)."""
     if num_work == 0 or num_kv_heads == 0:
         return
     if kv_tokens == 0:    # no key at all (no tensor map of an empty array): output 0, LSE -inf
+        if record is not None:
+            record.append(None)
         from . import arrays
         cp = arrays.cupy_module()
         with cp.cuda.Device(ctx.device), ctx.stream:
@@ -342,7 +345,10 @@ def launch(ctx, spec: Sm90PrefillSpec, *, q, k, v, k_strides, v_strides, kv_toke
                        scale_log2=spec.variant.scale_log2(sm_scale))
     grid = ((min(num_work * num_kv_heads, _num_sms(ctx.device) * spec.ctas_per_sm), 1) if spec.persistent
             else (num_work, num_kv_heads))
-    launcher(grid, spec.num_threads, ctx.stream, *args, *variant_args, pdl=pdl)
+    args += tuple(variant_args)
+    if record is not None:
+        record.append((launcher, grid, spec.num_threads, args, pdl))
+    launcher(grid, spec.num_threads, ctx.stream, *args, pdl=pdl)
 
 
 @functools.lru_cache(maxsize=None)

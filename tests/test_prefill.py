@@ -502,3 +502,71 @@ def test_batch_prefill_gpu_pdl_waits_for_the_previous_kernel(kind, backend):
         out, lse = w.run(q_dev, *kv_dev, return_lse=True, enable_pdl=True)
         assert rel_err(cp.asnumpy(out), ref_o) < TOL["float16"]
         assert rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,backend", [("ragged", "auto"), ("paged", "auto"), ("paged", "fa2")])
+def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch):
+    """run()'s replay of a plain call's recorded launches (prefill_batch._replay): the same arrays again replay (and
+    read their new contents); another q, cache or out array, lse added, or a new plan take the checked path.
+    Every output against the oracle, out poisoned before each call."""
+    import cupy as cp
+    from cuattn import prefill_batch
+    rng = np.random.default_rng()
+    hq, hkv, d = 16, 4, 128
+    checked = []
+    real = prefill_batch._BatchPrefillBase._keep_record
+    monkeypatch.setattr(prefill_batch._BatchPrefillBase, "_keep_record",
+                        lambda self, *a: (checked.append(1), real(self, *a))[1])
+
+    def batch(qo_lens, kv_lens):
+        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+        q = rand(rng, (qo_indptr[-1], hq, d), np.float16)
+        if kind == "paged":
+            cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, hkv, d, "NHD")
+            w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend=backend)
+            replan = lambda: w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, 16, causal=True,   # noqa: E731
+                                    q_data_type="float16")
+            replan()
+            return w, replan, qo_indptr, q, [cache], ks, vs
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+        k, v = rand(rng, (kv_indptr[-1], hkv, d), np.float16), rand(rng, (kv_indptr[-1], hkv, d), np.float16)
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+        replan = lambda: w.plan(qo_indptr, kv_indptr, hq, hkv, d, causal=True, q_data_type="float16")  # noqa: E731
+        replan()
+        return (w, replan, qo_indptr, q, [k, v], [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))],
+                [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))])
+
+    def check(w, qo_indptr, q, kv, ks, vs, q_dev, kv_dev, out, lse=None, replayed=False):
+        out.fill(np.nan)
+        n = len(checked)
+        res = w.run(q_dev, *kv_dev, out=out, lse=lse, return_lse=lse is not None)
+        assert (len(checked) == n) == replayed
+        ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
+        assert rel_err(cp.asnumpy(out), ref_o) < TOL["float16"]
+        if lse is not None:
+            assert res[1] is lse and rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+        return res
+
+    w, replan, qo_indptr, q, kv, ks, vs = batch([70, 1, 300], [70, 900, 2100])
+    q_dev, kv_dev = cp.asarray(q), [cp.asarray(x) for x in kv]
+    out = cp.empty(q.shape, np.float16)
+    assert check(w, qo_indptr, q, kv, ks, vs, q_dev, kv_dev, out) is out            # recorded
+    check(w, qo_indptr, q, kv, ks, vs, q_dev, kv_dev, out, replayed=True)            # replayed
+    q2 = rand(rng, q.shape, np.float16)
+    q_dev[...] = cp.asarray(q2)                                                      # new contents, same array
+    check(w, qo_indptr, q2, kv, ks, vs, q_dev, kv_dev, out, replayed=True)
+    q3_dev = cp.asarray(q)                                                           # another q array
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out)
+    out2 = cp.empty_like(out)                                                        # another out
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2)
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2, replayed=True)
+    kv2_dev = [cp.asarray(x) for x in kv]                                            # another cache
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2)
+    lse = cp.empty((q.shape[0], hq), np.float32)                                     # lse wanted
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse)
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse, replayed=True)
+    # -- plan() again (the same arguments: a new plan object): the checked path, then that plan's replay
+    replan()
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse)
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse, replayed=True)
