@@ -105,7 +105,8 @@ class _BatchPrefillBase:
         self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
-        self._last_run = None     # (plan, key, launches) of the last plain GPU run() (_replay)
+        self._runs: dict[tuple, tuple] = {}      # launches of plain GPU run()s by their arrays' layouts (_replay)
+        self._runs_plan = None                     # the plan they were recorded on
 
     def _plan_common(self, fn, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
                      custom_mask, packed_custom_mask, causal, sm_scale, q_data_type, kv_data_type, paged, options,
@@ -287,10 +288,11 @@ class _BatchPrefillBase:
         self._f32q.finish(ctx)      # fp32 q: the 16-bit output into the caller's out
 
     # -- run()'s replay: a plain GPU call (no run-time variant arguments, scales or sm_scale; out given, and lse when
-    #    wanted; no fp32 q, no fused-RoPE prepass) records its launches; the next call whose arrays all have the same
-    #    pointers and layouts (arrays.pointer_layout: CuPy and CUDA torch arrays) on the same plan object replays them
-    #    on its own stream, after the capture check, without the checks and packing the first call did (they would
-    #    come out the same: every input they read is in the key). A new plan() is a new object: no replay across it.
+    #    wanted; no fp32 q, no fused-RoPE prepass) records its launches by its arrays' pointers and layouts
+    #    (arrays.pointer_layout: CuPy and CUDA torch arrays); a later call on the same plan object with the same ones
+    #    (a layer's cache and buffers again, one record per layer) replays them on its own stream, after the capture
+    #    check, without the checks and packing the first call did (they would come out the same: every input they
+    #    read is in the key). A new plan() is a new object: the records are dropped at its first run().
     def _replay_key(self, plan, arrs: tuple, out, lse, return_lse: bool, plain: bool, enable_pdl) -> tuple | None:
         if not plain or out is None or (return_lse and lse is None) or plan.bound.runtime:
             return None
@@ -307,21 +309,27 @@ class _BatchPrefillBase:
 
     def _replay(self, plan, key: tuple, out, lse, return_lse: bool, stream, fn: str):
         """run()'s result by replaying the recorded launches, or None when the last record is not this call's."""
-        rec = self._last_run
-        if rec is None or rec[0] is not plan or rec[1] != key:
+        launches = self._runs.get(key) if self._runs_plan is plan else None
+        if launches is None:
             return None
         fw, device = key[2][1][0], key[2][1][4]
         s = arrays.resolve_stream(fw, device, stream)
         _buffers.refuse_capture(fn, self._bufs.graph, s)
-        for launcher, grid, threads, args, pdl in rec[2]:
+        for launcher, grid, threads, args, pdl in launches:
             launcher(grid, threads, s, *args, pdl=pdl)
         return (out, lse) if return_lse else out
 
+    _MAX_RUNS = 256     # records kept per plan (a model's layers, each with its own cache)
+
     def _keep_record(self, plan, key: tuple | None, record: list | None) -> None:
         """Keep a plain call's launches for ``_replay`` (not when a step was not a recorded launch)."""
-        ok = key is not None and record is not None and None not in record and not self._f32q.active \
-            and not self._rope.active
-        self._last_run = (plan, key, tuple(record)) if ok else None
+        if self._runs_plan is not plan:
+            self._runs, self._runs_plan = {}, plan
+        if key is None or record is None or None in record or self._f32q.active or self._rope.active:
+            return
+        if len(self._runs) >= self._MAX_RUNS:
+            self._runs.clear()
+        self._runs[key] = tuple(record)
 
     def _gpu_plan(self, ctx, plan, fn) -> None:
         """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph

@@ -508,7 +508,8 @@ def test_batch_prefill_gpu_pdl_waits_for_the_previous_kernel(kind, backend):
 @pytest.mark.parametrize("kind,backend", [("ragged", "auto"), ("paged", "auto"), ("paged", "fa2")])
 def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch):
     """run()'s replay of a plain call's recorded launches (prefill_batch._replay): the same arrays again replay (and
-    read their new contents); another q, cache or out array, lse added, or a new plan take the checked path.
+    read their new contents), calls alternating between recorded caches (layers) replay each; another q, cache or out
+    array, lse added, or a new plan take the checked path.
     Every output against the oracle, out poisoned before each call."""
     import cupy as cp
     from cuattn import prefill_batch
@@ -563,6 +564,8 @@ def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2, replayed=True)
     kv2_dev = [cp.asarray(x) for x in kv]                                            # another cache
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2)
+    for layer_kv in (kv_dev, kv2_dev, kv_dev):            # layers alternating caches: one record each
+        check(w, qo_indptr, q, kv, ks, vs, q3_dev, layer_kv, out2, replayed=True)
     lse = cp.empty((q.shape[0], hq), np.float32)                                     # lse wanted
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse)
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse, replayed=True)
