@@ -31,7 +31,8 @@ _ENTRY = "cuattn_prefill_sm90"
 ARCH = "sm_90a"
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))   # (head_dim_qk, head_dim_vo) with a kernel
 FP8_HEAD_DIMS = ((64, 64), (128, 128))   # ... with an fp8 K/V kernel (prefill_sm90.cu LoadTile, SMEM_BYTES)
-SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90 (113 KiB each at two CTAs per SM)
+SMEM_LIMIT = 227 * 1024    # dynamic shared memory per block on sm_90
+SMEM_LIMIT_2 = 113 * 1024  # ... each of two CTAs per SM (the 64-row tiles; prefill_sm90_layout.cuh checks it too)
 # kernel parameters (prefill_sm90.cu's signature), then the variant's (variants.Composite.arg_kinds)
 PARAMS = Params.define(_ENTRY, "tmap_k:t tmap_v:t q:p o:p lse:p qo_indptr:p kv_indptr:p kv_indices:p "
                                "kv_last_page_len:p page_size:i page_shift:i page_box:i k_cache:p v_cache:p k_s_row:q k_s_head:q "
@@ -145,7 +146,7 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
                            paged=bool(paged), gather=bool(gather), dtype_kv=kv,
                            persistent=persists(int(head_dim_qk), kv, bool(gather), variant), block_m=bm)
     deeper = dataclasses.replace(spec, stages=3)
-    return deeper if spec.gather and deeper.smem_bytes <= (SMEM_LIMIT if bm == 128 else 113 * 1024) else spec
+    return deeper if spec.gather and deeper.smem_bytes <= (SMEM_LIMIT if bm == 128 else SMEM_LIMIT_2) else spec
 
 
 def small_tile(head_dim_qk: int, head_dim_vo: int, dtype_kv: str, variant: variants.Composite) -> bool:

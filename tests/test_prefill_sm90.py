@@ -642,7 +642,7 @@ def test_fa3_small_requests_take_64_row_tiles_where_they_compile():
     for d in (64, 128):
         spec = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=d, small=True)
         assert (spec.block_m, spec.block_n, spec.num_threads, spec.ctas_per_sm) == (64, 64, 256, 2)
-        assert "-DNUM_CONSUMERS=1" in spec.defines() and spec.smem_bytes <= 113 * 1024
+        assert "-DNUM_CONSUMERS=1" in spec.defines() and spec.smem_bytes <= prefill_sm90.SMEM_LIMIT_2
     for kw in (dict(head_dim_qk=256), dict(head_dim_qk=192, head_dim_vo=128), dict(dtype_kv="e4m3")):
         assert prefill_sm90.make_spec("f16", True, paged=True, small=True, **kw).block_m == 128
     assert prefill_sm90.make_spec("f16", True, rope, paged=True, small=True).block_m == 128   # (hd128 RoPE spilled)
