@@ -89,6 +89,16 @@ class Sm90PrefillSpec:
                 f"-DNUM_CONSUMERS={self.block_m // 64}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
+    def spill_bytes(self) -> int:
+        """The ptxas spill (stores, loads, stack frame, bytes each) this spec may have; 0 but for one: the persistent
+        fp8 gather at head_dim 128 over e4m3, whose producer spills 36 bytes at its 104 registers (NVRTC 12.9; the
+        consumers need the other 2 x 200, e5m2 and head_dim 64 spill nothing). It is the fastest form measured
+        (H100: 0.86-1.05x the fp16 paged kernel's speed, against 0.82-0.98 one CTA an item; the spill-free
+        byte-trick conversion 0.71-0.99, 112 producer registers 0.81-1.00 with a 4-byte consumer spill;
+        benchmarks/results/prefill_sm90_notes.md, session 20). Tests check every spec against this bound."""
+        return 64 if self.persistent and self.gather and self.dtype_kv == "e4m3" and self.head_dim_qk == 128 else 0
+
+    @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
         return 1 if self.dtype_kv else 2
 
@@ -162,11 +172,13 @@ def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Co
     """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, two with 64-row tiles, each taking the next
     work item from a counter as it frees up, in turns with a logits mask; the producer hands each item to the consumers
     through shared memory, and the next item's K/V tiles and Q load while one finishes): 16-bit K/V at head_dim_qk <=
-    128, but not a custom mask's gather spec. H100, against the one-CTA-an-item grid: 0.88-0.95x the time at 8 x 2048,
-    0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed step 0.99x (benchmarks/results/
-    prefill_sm90_notes.md, session 18). Where it is not used, its registers spilled (head_dim 192 and 256: 8-76 bytes,
-    the custom mask's gather: 12), or its fp8 producers count their tiles from 0 (the gather's spilled persistent)."""
-    return not dtype_kv and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
+    128, but not a custom mask's gather spec, and the fp8 gather of plain attention. H100, against the one-CTA-an-item
+    grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed
+    step 0.99x (benchmarks/results/prefill_sm90_notes.md, session 18); the fp8 gather 0.93-0.98x at 8 x 2048 and 1 x
+    4096, 1 x 16384 within the noise (session 20). Where it is not used, its registers spilled (head_dim 192 and 256:
+    8-76 bytes, the custom mask's gather: 12, the fp8 gather with a variant's logits transform: 104), or the fp8
+    producers count their tiles from 0 (contiguous fp8, the TMA-staged converters)."""
+    return (not dtype_kv or (gather and variant.is_default)) and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
 def use_gather(page_size: int | None, block_n: int, rope_256: bool = False) -> bool:

@@ -5,7 +5,7 @@
 //   128 | 256; 192 pairs with 128), DTYPE (cuattn::f16 | cuattn::bf16), CAUSAL (0 | 1), BLOCK_N (keys per
 //   tile: 128, 64 for head_dim 256), STAGES (K/V tiles in flight, >= 2), PAGED (0 | 1), KV_FP8 (0: K/V of
 //   DTYPE, 1: e4m3, 2: e5m2; head dims 64 and 128 only), SPEC_SMEM_BYTES (the launcher's smem).
-// Grid (num_work, num_kv_heads), or PERSISTENT (prefill_sm90.py persists: 16-bit K/V, head_dim_qk <= 128) at most one
+// Grid (num_work, num_kv_heads), or PERSISTENT (prefill_sm90.py persists: 16-bit K/V or the fp8 gather, head_dim_qk <= 128) at most one
 //   CTA per SM taking the num_work x num_kv_heads items in turns (for_each_item_of): its K/V stages and barrier phases
 //   run on across items (tile t of an item is the CTA's tile tb + t), so the producer loads the next item's first tiles
 //   while the consumers finish one; the producer's thread 0 takes the next item from a global counter as its CTA frees

@@ -71,8 +71,8 @@ __device__ __forceinline__ void gather_producer(const Smem& sm, int tid, int kvh
     const int key = kv_lo + t * BLOCK_N + my_r;
     return key < kv_len ? pg * page_rows + (page_shift >= 0 ? key & (page_size - 1) : key % page_size) : 0;
   };
-  fp8_gather_tiles(sm, tid, kb, vb, ks_row, vs_row, num_tiles, load_page, row_of, on_k_tile);
-  (void)copy_rows; (void)tb;   // (PERSISTENT is 16-bit K/V only: prefill_sm90_layout.cuh)
+  fp8_gather_tiles(sm, tid, kb, vb, ks_row, vs_row, num_tiles, tb, load_page, row_of, on_k_tile);
+  (void)copy_rows;
 #else
   for (int t = 0; t < num_tiles; ++t) {
     const int s = (tb + t) % STAGES;

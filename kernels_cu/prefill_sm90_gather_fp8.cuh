@@ -5,7 +5,8 @@
 // read row 0, an address of the cache: K's are masked in S, V's zeroed by the consumers, ZERO_V_TAIL); 16-byte loads at
 // head_dim 128 (8-byte at 64: the launch checks the fp8 cache's pointers and byte strides are multiples of 16); each row
 // reloaded with the next (K or V) tile's as soon as it is stored, so a tile's load latency overlaps the previous one's
-// conversion, and tile 0's V rows copied as fp8 by cp.async beside its K loads. Chosen by an H100 A/B of 7 variants
+// conversion, and tile 0's V rows copied as fp8 by cp.async beside its K loads (PERSISTENT: no such peel; the stages run
+// on across a CTA's items, tile t of an item is the CTA's tile tb + t, as the 16-bit gather's). Chosen by an H100 A/B of 7 variants
 // (benchmarks/results/prefill_sm90_notes.md, session 17; the others, 8-byte loads at hd128, other load orders, the shipped
 // loop before it, L1::no_allocate, are in git history at 3165f91). Producer registers: prefill_sm90_layout.cuh.
 #pragma once
@@ -121,20 +122,37 @@ struct Fp8Gather {
 //    lane's looked-up row id of tile t from them; on_k_tile(t) after tile t's K rows are published
 template <class LoadPage, class RowOf, class OnKTile>
 __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const uint8_t* kb, const uint8_t* vb,
-                                                 uint32_t ks_row, uint32_t vs_row, int num_tiles, LoadPage load_page,
-                                                 RowOf row_of, OnKTile on_k_tile) {
+                                                 uint32_t ks_row, uint32_t vs_row, int num_tiles, int tb,
+                                                 LoadPage load_page, RowOf row_of, OnKTile on_k_tile) {
   constexpr int R = Fp8Gather::ROWS, W = Fp8Gather::WORDS;
   const Fp8Gather g(tid);
   const uint8_t* kp = opaque(kb + g.piece);   // (one 64-bit addend: a row address is one IMAD.WIDE.U32)
   const uint8_t* vp = opaque(vb + g.piece);
   int rid[R];                             // the row ids of the thread's rows of the tile being loaded
+  int cur = 0;                            // PERSISTENT: the lane's looked-up row id of that tile; V's row ids shuffled
+                                          // from it again (8 fewer live registers: rid's spilled the producer)
   uint32_t x[R][W];                       // its rows in flight
   const auto publish = [&](uint32_t full) {
     fence_proxy_async();                  // generic stores -> the consumers' wgmma reads
     mbar_arrive(full);
   };
   // -- each row reloaded as soon as it is stored: K(t) -> V(t) -> K(t + 1)
-  int t0 = 0;                             // (tile 0 peeled)
+  int t0 = 0;                             // (tile 0 peeled; PERSISTENT: not, its K rows loaded before the loop while the
+                                          // consumers still work through the previous item's tiles in the stages; the
+                                          // peel's staging buffer, the last stage's K, may hold the previous item's)
+#if PERSISTENT
+  if (num_tiles > 0) {
+    const int row = row_of(0);
+    cur = row;
+    if (num_tiles > 1) load_page(1);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      rid[i] = g.row_id(row, i);
+      g.load(x[i], kp, ks_row, rid[i]);
+    }
+  }
+#else
+  (void)tb;                               // (one item a CTA: its tiles from stage 0)
   if (num_tiles > 0) {
     const int row = row_of(0);
     if (num_tiles > 1) load_page(1);
@@ -171,14 +189,15 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     named_barrier(Fp8Gather::STAGE_BAR, 128);   // each producer thread has read its staged rows: K(STAGES - 1) may land
     t0 = 1;
   }
-  for (int t = t0; t < num_tiles; ++t) {   // x: K(t)'s rows in flight (row ids rid)
-    const int s = t % STAGES;
-    const uint32_t ph = (t / STAGES) & 1;
+#endif
+  for (int t = t0; t < num_tiles; ++t) {   // x: K(t)'s rows in flight (row ids rid), stage tb + t
+    const int s = (tb + t) % STAGES;
+    const uint32_t ph = ((tb + t) / STAGES) & 1;
     mbar_wait(sm.empty_k(s), ph ^ 1);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       g.store(x[i], sm.k + s * K_TILE_BYTES, i);
-      g.load(x[i], vp, vs_row, rid[i]);
+      g.load(x[i], vp, vs_row, PERSISTENT ? g.row_id(cur, i) : rid[i]);
     }
     publish(sm.full_k(s));
     on_k_tile(t);
@@ -191,6 +210,7 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
       rid[i] = g.row_id(next, i);
       g.load(x[i], kp, ks_row, rid[i]);
     }
+    cur = next;
     publish(sm.full_v(s));
   }
 }

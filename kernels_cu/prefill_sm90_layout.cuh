@@ -75,7 +75,9 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
 // (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
-// moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks)
+// moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks. PERSISTENT: the e4m3 producer at
+// head_dim 128 spills 36 bytes at 104; at 112 the causal consumers (192) spill 4 and ran slower on an H100, as did the
+// spill-free byte-trick conversion: prefill_sm90.py Sm90PrefillSpec.spill_bytes)
 // (PERSISTENT: the item loop's state too, thread 0's item fetch (PERSIST_DYNAMIC): the RoPE gather 112 and boxes 104, TMA
 // boxes 56, where 104 / 88 / 40 spilled; a mask variant's
 // gather 48: the causal custom mask's spilled 76 bytes at 56 since the item loop, none at 40 or 48)
@@ -128,7 +130,7 @@ static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "prefill_sm90: S is wgmma m64n64 or m64n128");
 static_assert(S_REGS + O_REGS <= 160, "prefill_sm90: S and O accumulators must leave registers for P and the rest");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
-static_assert(!(PERSISTENT && KV_FP8), "prefill_sm90: PERSISTENT with 16-bit K/V only (the fp8 producers count tiles from 0)");
+static_assert(!(PERSISTENT && FP8_STAGED), "prefill_sm90: PERSISTENT with 16-bit K/V or the fp8 gather (the TMA-staged converters count tiles from 0)");
 static_assert(!(PAGED == 2 && CUATTN_VARIANT_ROPE && D_QK == 256),
               "the gather producer with the RoPE transform at head_dim 256 spills in the producer's 88 registers");
 static_assert(CTAS_PER_SM == 1 || SMEM_BYTES <= 113 * 1024, "prefill_sm90: two CTAs per SM take 113 KiB each at most");

