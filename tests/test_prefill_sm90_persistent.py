@@ -26,6 +26,8 @@ def test_specs_persist_where_registers_allow():
             assert ("_persist" in spec.name) == spec.persistent
     assert prefill_sm90.make_spec("f16", False, paged=True, dtype_kv="e4m3").persistent            # (the fp8 gather)
     assert not prefill_sm90.make_spec("f16", False, dtype_kv="e4m3").persistent                    # (TMA-staged fp8)
+    cap = variants.resolve("t", num_qo_heads=8, head_dim=128, logits_soft_cap=30.0).composite
+    assert not prefill_sm90.make_spec("f16", True, cap, paged=True, dtype_kv="e4m3").persistent    # (fp8 + a variant)
     assert not prefill_sm90.make_spec("f16", False, mask, paged=True, page_size=1).persistent     # (the gather)
     assert prefill_sm90.make_spec("f16", False, mask).persistent                                    # (contiguous)
     spec = prefill_sm90.make_spec("f16", True, paged=True)
