@@ -60,8 +60,8 @@ def test_demo_runs_on_the_cpu_path_and_says_so():
 
 
 @pytest.mark.gpu
-def test_demo_and_precompile_on_the_gpu():
-    # the session's cache (tests/conftest.py compiled every shipped kernel for this GPU's arch into it): the
+def test_demo_and_precompile_on_the_gpu(shipped_kernels_compiled):
+    # the session's cache, once conftest has compiled every shipped kernel for this GPU's arch into it: the
     # command finds each one a fresh process asks for there, and compiles none again (NVRTC compiling them
     # for sm_90a / sm_80 is the CPU suite's test_every_shipped_kernel_compiles_...; into an empty cache, with
     # --arch, test_precompile_then_cache_clear)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import ALONE_ON_THE_GPU
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 NOTEBOOKS = sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
@@ -28,57 +30,17 @@ def test_example_runs(path):
     run_script(path)
 
 
-# Run alone on the GPU, not beside the other scripts: JAX takes 75% of the GPU's memory when it starts.
-ALONE_ON_THE_GPU = {"jax_interop.py"}
-
-
-class _Started:
-    """An example script started with --gpu in the background, its output going to files (a pipe that
-    nobody reads could fill and stall it)."""
-
-    def __init__(self, path, out_dir):
-        self.out, self.err = out_dir / f"{path.name}.out", out_dir / f"{path.name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(path), "--gpu"], stdout=out, stderr=err, text=True,
-                                         cwd=ROOT)
-
-    def finish(self, timeout=600) -> tuple[int, str]:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return self.proc.returncode, self.out.read_text() + self.err.read_text()
-
-
-@pytest.fixture(scope="module")
-def gpu_examples_started(request, tmp_path_factory):
-    """The example scripts this session runs with --gpu (those selected, but ALONE_ON_THE_GPU), all
-    started at once when the first of their tests runs: each is its own process and CUDA context, and
-    most of a script's time is on the CPU (importing torch / transformers, CUDA and CuPy start-up), so
-    side by side on 16 cores they take about as long as the slowest (llama_serving.py) instead of the sum
-    (~38 s one after another on an H100 host, benchmarks/results/gpu_tests_H100_2026-11-26_session19.log).
-    Each test then waits for its own script and checks it as run_script does."""
-    selected = {item.callspec.params["path"].name for item in request.session.items
-                if getattr(item, "originalname", None) == "test_example_runs_on_the_gpu"}
-    out_dir = tmp_path_factory.mktemp("gpu-examples")
-    started = {p.name: _Started(p, out_dir) for p in EXAMPLES if p.name in selected - ALONE_ON_THE_GPU}
-    yield started
-    for s in started.values():           # a test that did not get to wait for its script (-x, an error)
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs_on_the_gpu(path, gpu_examples_started):
+def test_example_runs_on_the_gpu(path, gpu_examples):
+    """The scripts run in the background beside the other tests (conftest's _GpuExamples): this waits for
+    its own and checks it as run_script does; jax_interop.py runs here, by itself, once the others are done."""
     if path.name in ALONE_ON_THE_GPU:
-        for s in gpu_examples_started.values():      # the others first: this one runs by itself
-            s.finish()
+        if gpu_examples is not None:
+            gpu_examples.finish_all()
         run_script(path, "--gpu")
         return
-    returncode, output = gpu_examples_started[path.name].finish()
+    returncode, output = gpu_examples.finish(path.name)
     assert returncode == 0, output
 
 
