@@ -1,6 +1,9 @@
 import functools
 import os
 import pickle
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -87,13 +90,73 @@ def _write_journal(path: str, shipped: list) -> None:
     Path(path).write_bytes(pickle.dumps(entries))
 
 
+class _Precompile(threading.Thread):
+    """``jit.precompile`` of the session's jobs on a thread, so the tests run while its pool compiles
+    (they waited 20-26 s for it before the first test on the H100 hosts of session 19). A test that
+    reaches a spec first compiles it itself, or waits on the per-key lock of the worker compiling it
+    (jit.compile_kernel), and the worker that gets to it later reads it from the cache: nothing is
+    compiled twice. One core is left to the tests; with one worker or none it runs before the tests, as
+    it did. ``wait(n)``: the first n jobs are in the cache; ``close()``: all of them (the session ends
+    with every job compiled, as before), raising a compile error."""
+
+    def __init__(self, jobs, workers: int | None = None):
+        super().__init__(name="cuattn-precompile", daemon=True)
+        self.jobs, self.done, self.error = jobs, 0, None
+        self.workers = workers or max(1, (os.cpu_count() or 1) - 1)
+        self._progress = threading.Condition()
+        if self.workers > 1:
+            self.start()
+        else:
+            self.run()
+
+    def run(self):
+        from cuattn import jit
+
+        def progress(i, total, spec, arch):        # called in job order: the first i are compiled
+            with self._progress:
+                self.done = i
+                self._progress.notify_all()
+        try:
+            jit.precompile(self.jobs, self.workers, progress)
+        except BaseException as e:      # noqa: BLE001 - raised in the session by wait() / close()
+            self.error = e
+        finally:
+            with self._progress:
+                self.done = len(self.jobs)
+                self._progress.notify_all()
+
+    def wait(self, n: int | None = None, raise_error: bool = True) -> None:
+        with self._progress:
+            self._progress.wait_for(lambda: self.done >= (len(self.jobs) if n is None else n))
+        if self.error is not None and raise_error:
+            raise self.error
+
+    def close(self) -> None:
+        self.wait()
+        if self.ident is not None:
+            self.join()
+
+
+_precompile: _Precompile | None = None
+
+
+@pytest.fixture
+def shipped_kernels_compiled():
+    """Waits until every shipped kernel for this GPU's arch is in the session's cache (on a GPU machine
+    the session compiles them in the background, first of its jobs)."""
+    if _precompile is not None:
+        from cuattn import cli, jit
+        _precompile.wait(len(cli.shipped_specs(jit.device_arch(0))))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _shared_cache_dir(tmp_path_factory):
     """Tests share one cache dir of their own unless CUATTN_CACHE_DIR is set. On a GPU machine the
     shipped kernels for its arch, and the specs the GPU tests compiled on first use last time
-    (tests/gpu_specs.pickle), are compiled first, in parallel over the cores (a fresh machine would
-    otherwise compile them one by one as tests reach them). CUATTN_WRITE_SPEC_JOURNAL=path writes
-    this session's first-use specs there (copy it over tests/gpu_specs.pickle to refresh it)."""
+    (tests/gpu_specs.pickle), are compiled in parallel over the cores while the tests run (a fresh machine
+    would otherwise compile them one by one as tests reach them): _Precompile. CUATTN_WRITE_SPEC_JOURNAL=path
+    writes this session's first-use specs there (copy it over tests/gpu_specs.pickle to refresh it)."""
+    global _precompile
     if "CUATTN_CACHE_DIR" not in os.environ:
         os.environ["CUATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cuattn-cache"))
     shipped = []
@@ -101,7 +164,98 @@ def _shared_cache_dir(tmp_path_factory):
         from cuattn import cli, jit
         arch = jit.device_arch(0)
         shipped = [(spec, arch) for spec in cli.shipped_specs(arch)]
-        jit.precompile(shipped + [(spec, arch) for spec in _journal_specs(arch)])
+        _precompile = _Precompile(shipped + [(spec, arch) for spec in _journal_specs(arch)])
     yield
+    if _precompile is not None:
+        _precompile, running = None, _precompile
+        running.close()
     if gpu_cc() and os.environ.get("CUATTN_WRITE_SPEC_JOURNAL"):
         _write_journal(os.environ["CUATTN_WRITE_SPEC_JOURNAL"], shipped)
+
+
+# ---------------------------------------------------------------------------- example scripts on the GPU
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+GPU_EXAMPLE_TEST = "test_example_runs_on_the_gpu"      # tests/test_examples.py, parametrized by script path
+ALONE_ON_THE_GPU = {"jax_interop.py"}     # run by its test, by itself: JAX takes 75% of the GPU's memory
+
+
+class _Script:
+    """An example script started with --gpu, its output going to files (a pipe that nobody reads could
+    fill and stall it)."""
+
+    def __init__(self, path: Path, out_dir: Path):
+        self.out, self.err = out_dir / f"{path.name}.out", out_dir / f"{path.name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(path), "--gpu"], stdout=out, stderr=err, text=True,
+                                         cwd=EXAMPLES_DIR.parent)
+
+    def finish(self, timeout: float = 600) -> tuple[int, str]:
+        """Waits for the script: (exit status, stdout + stderr); killed after ``timeout`` s."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode, self.out.read_text() + self.err.read_text()
+
+
+class _GpuExamples:
+    """The example scripts this session checks on the GPU (GPU_EXAMPLE_TEST's selected cases, but
+    ALONE_ON_THE_GPU), started side by side in the background once the session's precompile is done
+    (its cores free; the scripts then load the shipped kernels from the cache). Each is its own process and
+    CUDA context, and most of a script's time is on the CPU (importing torch / transformers, CUDA and CuPy
+    start-up): one after another in their tests they took ~38 s on the H100 host
+    (benchmarks/results/gpu_tests_H100_2026-11-26_session19.log), which the other tests now hide.
+    ``finish(name)``: its test waits for the script and checks it."""
+
+    def __init__(self, names: set, out_dir: Path, after: _Precompile | None):
+        self.names, self.out_dir, self.after = names, out_dir, after
+        self.scripts: dict[str, _Script] = {}
+        self.closed = False
+        self._started = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._start, name="cuattn-gpu-examples", daemon=True).start()
+
+    def _start(self):
+        try:
+            if self.after is not None:
+                self.after.wait(raise_error=False)
+            with self._lock:
+                for name in sorted(self.names):
+                    if not self.closed:
+                        self.scripts[name] = _Script(EXAMPLES_DIR / name, self.out_dir)
+        finally:
+            self._started.set()
+
+    def finish(self, name: str) -> tuple[int, str]:
+        self._started.wait()
+        return self.scripts[name].finish()
+
+    def finish_all(self) -> None:
+        self._started.wait()
+        for script in self.scripts.values():
+            script.finish()
+
+    def close(self) -> None:
+        """Kills the scripts no test waited for (-x, an error) and any not started yet."""
+        with self._lock:
+            self.closed = True
+            for script in self.scripts.values():
+                if script.proc.poll() is None:
+                    script.proc.kill()
+                    script.proc.wait()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def gpu_examples(request, tmp_path_factory, _shared_cache_dir):
+    """The session's _GpuExamples (None without a GPU or with none of GPU_EXAMPLE_TEST's cases selected)."""
+    names = {item.callspec.params["path"].name for item in request.session.items
+             if getattr(item, "originalname", None) == GPU_EXAMPLE_TEST and item.get_closest_marker("skip") is None
+             } - ALONE_ON_THE_GPU
+    if not (gpu_cc() and names):
+        yield None
+        return
+    examples = _GpuExamples(names, tmp_path_factory.mktemp("gpu-examples"), _precompile)
+    yield examples
+    examples.close()

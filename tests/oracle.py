@@ -8,6 +8,10 @@ def dense_attention(q, k, v, sm_scale=None, causal=False, mask=None):
     """q [qo, Hq, D], k/v [kv, Hkv, D] -> (out float64 [qo, Hq, D], lse float64 [qo, Hq], base e).
 
     Loops over heads and rows; causal is bottom-right aligned; a fully masked row gives 0, -inf.
+    A head's [qo, kv] logits go into one buffer reused for every head and are turned into weights in
+    place: the same operations in the same order as with a new array per step (bitwise the same result),
+    without the page faults of a fresh 40 MB array per step, which were most of this oracle's time on the
+    largest GPU test cases (1024 x 4932, 32 heads).
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     qo, hq, d = q.shape
@@ -21,14 +25,25 @@ def dense_attention(q, k, v, sm_scale=None, causal=False, mask=None):
     if mask is not None:
         allowed &= mask
     any_key = allowed.any(axis=1)
+    masked = None if allowed.all() else ~allowed
+    rows = None if any_key.all() else any_key      # the rows with a key (None: all of them)
+    s = np.empty((qo, kv))
     for h in range(hq):                          # rows vectorized per head (float64 throughout)
         kh = h // (hq // hkv)
-        s = np.where(allowed, q[:, h, :] @ k[:, kh, :].T * scale, -np.inf)
+        np.matmul(q[:, h, :], k[:, kh, :].T, out=s)
+        s *= scale
+        if masked is not None:
+            np.copyto(s, -np.inf, where=masked)
         mx = np.where(any_key, s.max(axis=1, initial=-np.inf), 0.0)
-        w = np.exp(s - mx[:, None])              # 0 where not allowed
+        s -= mx[:, None]
+        w = np.exp(s, out=s)                     # 0 where not allowed
         tot = w.sum(axis=1)
-        out[any_key, h] = (w @ v[:, kh, :])[any_key] / tot[any_key, None]
-        lse[any_key, h] = mx[any_key] + np.log(tot[any_key])
+        if rows is None:
+            out[:, h] = (w @ v[:, kh, :]) / tot[:, None]
+            lse[:, h] = mx + np.log(tot)
+        else:
+            out[rows, h] = (w @ v[:, kh, :])[rows] / tot[rows, None]
+            lse[rows, h] = mx[rows] + np.log(tot[rows])
     return out, lse
 
 

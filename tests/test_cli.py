@@ -61,15 +61,19 @@ def test_demo_runs_on_the_cpu_path_and_says_so():
 
 
 @pytest.mark.gpu
-def test_demo_and_precompile_on_the_gpu(tmp_cache_dir):
-    import os
-    env = {**os.environ, "CUATTN_CACHE_DIR": str(tmp_cache_dir)}
-    out = run_cli("demo", env=env)
+def test_demo_and_precompile_on_the_gpu(shipped_kernels_compiled):
+    # the session's cache, once conftest has compiled every shipped kernel for this GPU's arch into it: the
+    # command finds each one a fresh process asks for there, and compiles none again (NVRTC compiling them
+    # for sm_90a / sm_80 is the CPU suite's test_every_shipped_kernel_compiles_...; into an empty cache, with
+    # --arch, test_precompile_then_cache_clear)
+    arch = jit.device_arch(0)
+    out = run_cli("demo")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "running on the GPU" in out.stdout and "demo OK" in out.stdout
-    out = run_cli("precompile", env=env)
+    out = run_cli("precompile")
     assert out.returncode == 0, out.stderr
-    assert "sm_90a" in out.stdout or "sm_80" in out.stdout
+    n = len(cli.shipped_specs(arch))
+    assert f"precompiled {n} kernels for {arch} (0 compiled, {n} from cache)" in out.stdout, out.stdout
 
 
 def test_missing_cupy_says_what_to_install_for_a_checkout():
