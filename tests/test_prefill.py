@@ -1,6 +1,7 @@
 """Prefill attention: the NumPy path (CI) and the CUDA kernel (gpu marker) against tests/oracle.py."""
 import itertools
 import random
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -306,7 +307,7 @@ SINGLE_FULL = _sample(SINGLE_GRID, 120, 1)
 
 
 def _single_case(qo_len, kv_len, heads, d, causal, dtype, layout, mask=False):
-    rng = np.random.default_rng(hash((qo_len, kv_len, heads, d, causal, dtype, layout, mask)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((qo_len, kv_len, heads, d, causal, dtype, layout, mask)).encode()))
     hq, hkv = heads
     dt = DTYPES[dtype]
     q, k, v = rand(rng, (qo_len, hq, d), dt), rand(rng, (kv_len, hkv, d), dt), rand(rng, (kv_len, hkv, d), dt)
@@ -361,7 +362,7 @@ BATCH_FULL = _sample(BATCH_GRID, 80, 3)
 
 
 def _batch_case(batch, page_size, heads, d, causal, mask, dtype, layout, paged):
-    rng = np.random.default_rng(hash((batch, page_size, heads, d, causal, mask, dtype, layout, paged)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((batch, page_size, heads, d, causal, mask, dtype, layout, paged)).encode()))
     if batch > 4 and d == 256:
         batch = 4                      # keep the float64 oracle's time bounded
     hq, hkv = heads
