@@ -3,6 +3,7 @@ user-defined variants, on the NumPy path and (marker gpu) in every kernel, again
 float64 oracle in tests/oracle.py."""
 
 import math
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -153,7 +154,7 @@ def test_prefill_transform_variants_compile_without_spills(arch):
 @pytest.mark.parametrize("name,opts,ref", BUILTINS, ids=IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_single_prefill_variants_match_oracle_on_cpu(name, opts, ref, causal):
-    rng = np.random.default_rng(hash(name) % 1000)
+    rng = np.random.default_rng(zlib.crc32(name.encode()) % 1000)
     qo, kv, hq, hkv, d = 7, 23, 12, 4, 64
     q, k, v = _rand(rng, (qo, hq, d), scale=2), _rand(rng, (kv, hkv, d), scale=2), _rand(rng, (kv, hkv, d))
     out, lse = cuattn.single_prefill_with_kv_cache(q, k, v, causal=causal, return_lse=True, **opts)
