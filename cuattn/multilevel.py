@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from .plan import host_ints
+from .plan import config_key, host_ints
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -82,6 +82,17 @@ def _merge_into(ctx, v, s, v_other, s_other, fn: str) -> bool:
     return True
 
 
+def _level_key(cfg, causal: bool, qo: np.ndarray, kv_indptr: np.ndarray, ids, last) -> tuple | None:
+    """The values of a prefill level's plan() arguments: the cascade's configuration (``plan.config_key``), the
+    level's causal flag and its four arrays' dtypes and bytes; None (no reuse) unless the page ids and last page
+    lengths are 1-D NumPy int arrays (``host_ints`` made qo and kv_indptr NumPy arrays already)."""
+    if cfg is None or type(ids) is not np.ndarray or type(last) is not np.ndarray or ids.ndim != 1 or last.ndim != 1 \
+            or ids.dtype.kind not in "iu" or last.dtype.kind not in "iu":
+        return None
+    return (cfg, causal, qo.dtype, qo.tobytes(), kv_indptr.dtype, kv_indptr.tobytes(), ids.dtype, ids.tobytes(),
+            last.dtype, last.tobytes())
+
+
 def _host_mask(mask, seq_len: int, fn: str) -> np.ndarray:
     m = np.asarray(arrays.to_host(mask, "mask", fn)).astype(bool).ravel()
     if m.shape != (seq_len,):
@@ -122,6 +133,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._planned = False
         self._iota_last = (0, None, b"")
         self._names = [(f"qo_indptr_arr[{i}]", f"paged_kv_indptr_arr[{i}]") for i in range(self._num_levels)]   # (plan())
+        self._keys: list = [None] * self._num_levels     # each prefill level's last plan() arguments (_level_key)
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -147,6 +159,10 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
+        # -- a shared level planned with the same values as by the last plan (a serving loop's prefix): its host half
+        #    kept (``_replan``), keyed on every argument its plan() gets (the variant options are at their defaults)
+        cfg = config_key(num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_data_type, kv_data_type,
+                         fixed_split_size, disable_split_kv)
         for i, (qo_name, kv_name) in enumerate(self._names):
             qo = host_ints(qo_indptr_arr[i], qo_name, fn)
             n = len(qo)
@@ -162,7 +178,7 @@ class MultiLevelCascadeAttentionWrapper:
                 if self._graph and self._kinds[i] is not None:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
-                self._levels[i], self._kinds[i] = self._make[kind](), kind
+                self._levels[i], self._kinds[i], self._keys[i] = self._make[kind](), kind, None
             # -- the levels' plan() arguments positional (~1-2 µs less than keywords per cascade plan): decode's
             #    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale;
             #    prefill's head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
@@ -174,11 +190,18 @@ class MultiLevelCascadeAttentionWrapper:
                                      None, sm_scale, fixed_split_size=fixed_split_size,
                                      disable_split_kv=disable_split_kv)
             else:
-                self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size, None, None, None,
-                                     bool(causal) and i == n_lv - 1, "NONE", False, -1, None, sm_scale, None, None,
+                ids, last = paged_kv_indices_arr[i], paged_kv_last_page_len[i]
+                level_causal = bool(causal) and i == n_lv - 1
+                key = _level_key(cfg, level_causal, qo, kv_indptr, ids, last)
+                if key is not None and key == self._keys[i]:
+                    self._levels[i]._replan(ids, fixed_split_size, disable_split_kv)
+                    continue
+                self._keys[i] = None
+                self._levels[i].plan(qo, kv_indptr, ids, last, num_qo_heads, num_kv_heads, head_dim, page_size, None,
+                                     None, None, level_causal, "NONE", False, -1, None, sm_scale, None, None,
                                      q_data_type, kv_data_type, fixed_split_size=fixed_split_size,
                                      disable_split_kv=disable_split_kv)
+                self._keys[i] = key
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")
