@@ -159,8 +159,11 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
-        # -- a shared level planned with the same values as by the last plan (a serving loop's prefix): its host half
-        #    kept (``_replan``), keyed on every argument its plan() gets (the variant options are at their defaults)
+        # -- a shared level whose plan() would get the values its last plan() got (a serving loop's prefix) keeps that
+        #    plan as it is, keyed on every argument its plan() gets (the variant options are at their defaults): no
+        #    work list, no upload. Exact: the plan is a pure function of those values, and the level's plan buffer
+        #    on the GPU still holds what that plan uploaded (only the level's own plan() writes it; the kernels
+        #    leave the fa3 item counter, the one word they write there, at zero). Graph mode alike (fixed buffers).
         cfg = config_key(num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_data_type, kv_data_type,
                          fixed_split_size, disable_split_kv)
         for i, (qo_name, kv_name) in enumerate(self._names):
@@ -194,8 +197,7 @@ class MultiLevelCascadeAttentionWrapper:
                 level_causal = bool(causal) and i == n_lv - 1
                 key = _level_key(cfg, level_causal, qo, kv_indptr, ids, last)
                 if key is not None and key == self._keys[i]:
-                    self._levels[i]._replan(ids, fixed_split_size, disable_split_kv)
-                    continue
+                    continue        # (its plan, and the plan buffer it uploaded: see above)
                 self._keys[i] = None
                 self._levels[i].plan(qo, kv_indptr, ids, last, num_qo_heads, num_kv_heads, head_dim, page_size, None,
                                      None, None, level_causal, "NONE", False, -1, None, sm_scale, None, None,

@@ -16,8 +16,7 @@ row, first slot and number of pieces (the kernel's fused merge: the last piece t
 from __future__ import annotations
 
 import functools
-import operator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -489,16 +488,6 @@ class Plan:
 
     def get(self, name: str, default=None):       # as the dict's: a declared field (None when unset)
         return getattr(self, name)
-
-    def host_half(self) -> "Plan":
-        """A new plan with this one's host half (the fields up to ``rope_prepass``: the batch, its configuration
-        and host metadata, the same objects) and the GPU half at its defaults, for a plan() of the same arguments
-        again (its device half done anew; run()'s records and lazily built arguments belong to this plan)."""
-        return Plan(*_HOST_HALF(self))
-
-
-_NAMES = [f.name for f in fields(Plan)]
-_HOST_HALF = operator.attrgetter(*_NAMES[:_NAMES.index("device")])      # (Plan.host_half: the fields in order)
 
 
 def host_ints(x, name: str, fn: str) -> np.ndarray:

@@ -226,18 +226,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             plan.kv_indices = indices.astype(np.int32)
         self._plan = plan
 
-    def _replan(self, paged_kv_indices, fixed_split_size, disable_split_kv: bool) -> None:
-        """plan() again with the values of the last plan()'s arguments, which the caller has compared (the cascade's
-        shared levels, ``multilevel.py``): that plan's host half kept (page table and configuration checked, lengths,
-        kernel spec: a pure function of those values), its device half done anew (work list, upload on the current
-        stream of ``paged_kv_indices``' framework, workspace) in a new plan. ``paged_kv_indices``: a 1-D NumPy array."""
-        plan = self._plan.host_half()
-        plan.kv_indices = paged_kv_indices
-        self._plan_device(f"{self._fn}.plan", plan, True, fixed_split_size, disable_split_kv, paged_kv_indices)
-        if plan.meta is None:
-            plan.kv_indices = paged_kv_indices.astype(np.int32)
-        self._plan = plan
-
     def run(self, q, paged_kv_cache, *args, out=None, lse=None, return_lse: bool = False, k_scale=None,
             v_scale=None, enable_pdl=None, stream=None):
         """Attention for the planned batch; ``q`` (qo_indptr[-1], num_qo_heads, head_dim); ``args``:
