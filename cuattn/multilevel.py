@@ -11,7 +11,8 @@ it, the group's queries packed into the kernel's rows, and the scheduler splits 
 merged exactly inside the level); the levels' (output, LSE) states are then merged exactly, in place
 (``merge_state_in_place``). ``causal`` applies to the last level (the unique tokens), as in
 FlashInfer; shared levels are wholly visible. ``use_cuda_graph=True`` builds every level for graphs
-and keeps the levels' states in buffers fixed by the first plan.
+and keeps the levels' states in buffers fixed by the first plan. A shared level whose arrays and arguments have the
+values of its last plan keeps that plan (a serving loop's prefix: no work list, no upload).
 
 Not yet: variants (the options are accepted only at their defaults).
 """
