@@ -3,7 +3,9 @@
 1. plan() host time at batch 256 for every wrapper (decode 256 x 2048; MLA decode (128 heads, page 64)
    over the same lengths; paged and ragged prefill of 256 requests x 64 new tokens over 2048 keys; a
    2-level cascade of 256 requests over a 32k prefix; each again with request lengths drawn from
-   1024-4096 keys; and a 3-level cascade: the 32k prefix, 16 groups of 16 requests x 1024 keys, the requests' own):
+   1024-4096 keys; and a 3-level cascade: the 32k prefix, 16 groups of 16 requests x 1024 keys, the requests' own;
+   the cascades' shared levels repeat, as a serving loop's prefix does, and keep their plans; the "moving" rows
+   take their shared levels' page ids in another order every other plan, which plans them again):
    median over 40 plans after 10 warm-up
    plans, time.perf_counter around the call.
 2. Host time of a captured step's replay per kernel: one CUDA graph holding 32 layers' run() of a
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -102,6 +105,12 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
     c3_tables = ([c_tables[0][0], g, c_tables[0][1]], [c_tables[1][0], np.arange(17, dtype=np.int32) * 64, indptr],
                  [prefix, np.arange(1024, dtype=np.int32) + 2048 + len(indices), indices + 2048],
                  [c_tables[3][0], np.full(16, 16, np.int32), lpl])
+    # -- the same cascades with their shared levels' page ids in another order every other plan (a shared level
+    #    whose values change is planned again; one whose values repeat, as above, keeps its plan)
+    c_moved, c3_moved = cuattn.MultiLevelCascadeAttentionWrapper(2), cuattn.MultiLevelCascadeAttentionWrapper(3)
+    moved = itertools.cycle([c_tables, (c_tables[0], c_tables[1], [prefix[::-1].copy(), c_tables[2][1]], c_tables[3])])
+    moved3 = itertools.cycle([c3_tables, (c3_tables[0], c3_tables[1], [prefix[::-1].copy(), c3_tables[2][1][::-1].copy(),
+                                                                       c3_tables[2][2]], c3_tables[3])])
     m = cuattn.BatchMLAPagedAttentionWrapper()
     m_lens = np.diff(kv_indptr)           # MLA (DeepSeek: 128 heads, page 64), one query per request (decode)
     m_indptr = np.concatenate([[0], np.cumsum(-(-m_lens // 64))]).astype(np.int32)
@@ -116,6 +125,9 @@ def plan_cases(batch=256, kv=2048, varied=False) -> dict:
         f"ragged prefill {batch} x (64 / {tag})": lambda: r.plan(qo, kv_indptr, HQ, HKV, D, causal=True),
         f"cascade 2-level 32k + {batch} x {tag}": lambda: c.plan(*c_tables, HQ, HKV, D, PS),
         f"cascade 3-level 32k + 16 x 1k + {batch} x {tag}": lambda: c3.plan(*c3_tables, HQ, HKV, D, PS),
+        **({} if varied else {
+            f"cascade 2-level 32k moving + {batch} x {tag}": lambda: c_moved.plan(*next(moved), HQ, HKV, D, PS),
+            f"cascade 3-level, shared moving, {batch} x {tag}": lambda: c3_moved.plan(*next(moved3), HQ, HKV, D, PS)}),
     }
 
 

@@ -11,7 +11,8 @@ it, the group's queries packed into the kernel's rows, and the scheduler splits 
 merged exactly inside the level); the levels' (output, LSE) states are then merged exactly, in place
 (``merge_state_in_place``). ``causal`` applies to the last level (the unique tokens), as in
 FlashInfer; shared levels are wholly visible. ``use_cuda_graph=True`` builds every level for graphs
-and keeps the levels' states in buffers fixed by the first plan.
+and keeps the levels' states in buffers fixed by the first plan. A shared level whose arrays and arguments have the
+values of its last plan keeps that plan (a serving loop's prefix: no work list, no upload).
 
 Not yet: variants (the options are accepted only at their defaults).
 """
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from .plan import host_ints
+from .plan import config_key, host_ints
 from .cascade import _check_pair, _spec_for, launch_merge_state, merge_state
 from .errors import UnsupportedError
 from .decode import BatchDecodeWithPagedKVCacheWrapper
@@ -82,6 +83,17 @@ def _merge_into(ctx, v, s, v_other, s_other, fn: str) -> bool:
     return True
 
 
+def _level_key(cfg, causal: bool, qo: np.ndarray, kv_indptr: np.ndarray, ids, last) -> tuple | None:
+    """The values of a prefill level's plan() arguments: the cascade's configuration (``plan.config_key``), the
+    level's causal flag and its four arrays' dtypes and bytes; None (no reuse) unless the page ids and last page
+    lengths are 1-D NumPy int arrays (``host_ints`` made qo and kv_indptr NumPy arrays already)."""
+    if cfg is None or type(ids) is not np.ndarray or type(last) is not np.ndarray or ids.ndim != 1 or last.ndim != 1 \
+            or ids.dtype.kind not in "iu" or last.dtype.kind not in "iu":
+        return None
+    return (cfg, causal, qo.dtype, qo.tobytes(), kv_indptr.dtype, kv_indptr.tobytes(), ids.dtype, ids.tobytes(),
+            last.dtype, last.tobytes())
+
+
 def _host_mask(mask, seq_len: int, fn: str) -> np.ndarray:
     m = np.asarray(arrays.to_host(mask, "mask", fn)).astype(bool).ravel()
     if m.shape != (seq_len,):
@@ -122,6 +134,7 @@ class MultiLevelCascadeAttentionWrapper:
         self._planned = False
         self._iota_last = (0, None, b"")
         self._names = [(f"qo_indptr_arr[{i}]", f"paged_kv_indptr_arr[{i}]") for i in range(self._num_levels)]   # (plan())
+        self._keys: list = [None] * self._num_levels     # each prefill level's last plan() arguments (_level_key)
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
@@ -147,6 +160,13 @@ class MultiLevelCascadeAttentionWrapper:
             raise UnsupportedError(f"{fn}: attention variants (pos_encoding_mode, window_left, logits_soft_cap, "
                                    f"use_fp16_qk_reduction, rope_*) are not supported by the cascade wrapper yet")
         totals = set()
+        # -- a shared level whose plan() would get the values its last plan() got (a serving loop's prefix) keeps that
+        #    plan as it is, keyed on every argument its plan() gets (the variant options are at their defaults): no
+        #    work list, no upload. Exact: the plan is a pure function of those values, and the level's plan buffer
+        #    on the GPU still holds what that plan uploaded (only the level's own plan() writes it; the kernels
+        #    leave the fa3 item counter, the one word they write there, at zero). Graph mode alike (fixed buffers).
+        cfg = config_key(num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale, q_data_type, kv_data_type,
+                         fixed_split_size, disable_split_kv)
         for i, (qo_name, kv_name) in enumerate(self._names):
             qo = host_ints(qo_indptr_arr[i], qo_name, fn)
             n = len(qo)
@@ -162,7 +182,7 @@ class MultiLevelCascadeAttentionWrapper:
                 if self._graph and self._kinds[i] is not None:
                     raise ValueError(f"{fn}: level {i} must keep the kernel of the first plan with use_cuda_graph=True "
                                      f"({self._kinds[i]}), got a plan for {kind}; make a new wrapper")
-                self._levels[i], self._kinds[i] = self._make[kind](), kind
+                self._levels[i], self._kinds[i], self._keys[i] = self._make[kind](), kind, None
             # -- the levels' plan() arguments positional (~1-2 µs less than keywords per cascade plan): decode's
             #    pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, data_type, sm_scale;
             #    prefill's head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
@@ -174,11 +194,17 @@ class MultiLevelCascadeAttentionWrapper:
                                      None, sm_scale, fixed_split_size=fixed_split_size,
                                      disable_split_kv=disable_split_kv)
             else:
-                self._levels[i].plan(qo, kv_indptr, paged_kv_indices_arr[i], paged_kv_last_page_len[i], num_qo_heads,
-                                     num_kv_heads, head_dim, page_size, None, None, None,
-                                     bool(causal) and i == n_lv - 1, "NONE", False, -1, None, sm_scale, None, None,
+                ids, last = paged_kv_indices_arr[i], paged_kv_last_page_len[i]
+                level_causal = bool(causal) and i == n_lv - 1
+                key = _level_key(cfg, level_causal, qo, kv_indptr, ids, last)
+                if key is not None and key == self._keys[i]:
+                    continue        # (its plan, and the plan buffer it uploaded: see above)
+                self._keys[i] = None
+                self._levels[i].plan(qo, kv_indptr, ids, last, num_qo_heads, num_kv_heads, head_dim, page_size, None,
+                                     None, None, level_causal, "NONE", False, -1, None, sm_scale, None, None,
                                      q_data_type, kv_data_type, fixed_split_size=fixed_split_size,
                                      disable_split_kv=disable_split_kv)
+                self._keys[i] = key
         if len(totals) != 1:
             raise ValueError(f"{fn}: every level's qo_indptr_arr[i][-1] must be the same number of queries, got "
                              f"{sorted(totals)}")

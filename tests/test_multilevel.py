@@ -112,6 +112,31 @@ def test_cascade_levels_are_planned_with_the_cascades_arguments():
         assert lv.describe() == direct.describe()
 
 
+def test_cascade_keeps_a_shared_level_planned_with_the_same_values():
+    """A shared level whose arguments have the values of its last plan keeps that plan (no plan() of the level); any
+    other value (a page id, a dtype, a split argument) plans it again. Either way every level equals a fresh
+    cascade's, and the output is the oracle's."""
+    tables, cache, q, per_q = make_cascade(6, CASES["3-level decode"], 8, 2, 64, 16)
+    w = cuattn.MultiLevelCascadeAttentionWrapper(3)
+    moved = [t[:2] + [t[2][::-1].copy()] + t[3:] for t in tables[:2]] + [tables[2]]
+    steps = [(tables, {}, 0), ([[a.copy() for a in t] for t in tables], {}, 2),
+             ([[a.astype(np.int64) for a in t] for t in tables], {}, 0), (tables, {}, 0), (tables, {}, 2),
+             (tables, dict(causal=True), 2), (tables, dict(fixed_split_size=64), 0), (moved, {}, 0),
+             (moved, {}, 2)]   # (causal: the last level's only; the shared levels' arguments are the same)
+    for t, kw, kept in steps:
+        before = [lv and lv._plan for lv in w._levels]
+        w.plan(*([x[i] for x in t] for i in range(4)), 8, 2, 64, 16, **kw)
+        assert sum(lv._plan is p for lv, p in zip(w._levels[:2], before)) == kept
+        fresh = cuattn.MultiLevelCascadeAttentionWrapper(3)
+        fresh.plan(*([x[i] for x in t] for i in range(4)), 8, 2, 64, 16, **kw)
+        assert w.describe() == fresh.describe()
+        for lv, ref in zip(w._levels, fresh._levels):
+            for f in ("kv_lens", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len"):
+                assert np.array_equal(getattr(lv._plan, f), getattr(ref._plan, f))
+        if t is tables and not kw:
+            assert rel_err(w.run(q, cache), oracle(q, per_q)[0]) < TOL
+
+
 def test_merge_state_in_place_with_mask_on_cpu():
     rng = np.random.default_rng(3)
     v, vo = (rng.standard_normal((6, 4, 64)).astype(np.float16) for _ in range(2))

@@ -2,6 +2,8 @@
 capture and replay after re-plans (CuPy and torch), refusal of a capture a wrapper cannot honour,
 batch invariance with fixed_split_size, and describe(). Work-list coverage by hypothesis is in
 tests/test_plan.py."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -179,7 +181,8 @@ class _CountingCupy:
 def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
     """After the first plan (allocations, the event), a paged / ragged prefill, decode or MLA plan() makes one
     event query, one async copy and one event record: no Device context, no allocation; a 2-level cascade
-    (a prefill level and a decode level) twice that."""
+    (a prefill level and a decode level) as many when its shared level is the last plan's (kept, not uploaded
+    again), twice that when it is another."""
     from cuattn import arrays, jit, plan
     fake = _CountingCupy()
     monkeypatch.setattr(arrays, "cupy_module", lambda: fake)
@@ -203,7 +206,9 @@ def test_a_steady_state_plan_makes_three_cuda_calls_per_upload(monkeypatch):
              "decode": (lambda: d.plan(indptr, indices, last, 4, 2, 64, 16), 1),
              "mla": (lambda: m.plan(qo, mla_indptr, np.arange(int(mla_indptr[-1]), dtype=np.int32), mla_lens, 16,
                                     512, 64, 64, True, 0.1, "float16", "float16"), 1),
-             "cascade": (lambda: c.plan(*tables, 4, 2, 64, 16), 2)}
+             "cascade": (lambda: c.plan(*tables, 4, 2, 64, 16), 1),
+             "cascade, another prefix": (lambda: c.plan(*next(moving), 4, 2, 64, 16), 2)}
+    moving = itertools.cycle([tables, (tables[0], tables[1], [shared[2][::-1].copy(), indices], tables[3])])
     for name, (f, uploads) in plans.items():
         f()
         fake.calls.clear()
