@@ -108,9 +108,6 @@ PARAMS = Params.define(_ENTRY, "work:p kv_chunk:p qo_indptr:p kv_indptr:p kv_ind
                                "causal:i qn_s_tok:q qn_s_head:q qp_s_tok:q qp_s_head:q ckv_s_page:q ckv_s_tok:q "
                                "kpe_s_page:q kpe_s_tok:q o_s_tok:q o_s_head:q scale_log2:f lse_scale:f k_scale:f "
                                "v_scale:f k_scales:p v_scales:p")
-# the merge launched with Programmatic Dependent Launch (sm_90): scheduled as the attention grid's CTAs exit, it waits
-# for that grid (mla.cu cuattn_mla_merge); False: a plain launch (an A/B switch)
-MERGE_PDL = True
 MERGE_PARAMS = Params.define(_MERGE_ENTRY, "merge:p qo_indptr:p part_o:p part_lse:p out:p lse:p num_heads:i "
                                            "o_s_tok:q o_s_head:q lse_scale:f")
 
@@ -515,7 +512,7 @@ class BatchMLAPagedAttentionWrapper:
             merge((p.grid_merge, BLOCK_M), _MERGE_THREADS, ctx.stream, *MERGE_PARAMS.pack(
                 merge=meta["merge"], qo_indptr=meta["qo_indptr"], part_o=meta["part_o"], part_lse=meta["part_lse"],
                 out=ot.ptr, lse=lse_ptr, num_heads=p.num_qo_heads, o_s_tok=ot.strides[0], o_s_head=ot.strides[1],
-                lse_scale=lse_scale), pdl=MERGE_PDL and jit.pdl_launch(ctx.device, None))
+                lse_scale=lse_scale))
 
 
 def _q_short(p) -> str | None:

@@ -36,10 +36,7 @@
 //   MLA default; ln 2: base e); partial LSEs stay base 2.
 // cuattn_mla_merge: grid (num_merge, 64), block 128: one packed row of one merge row (request, tile,
 //   first slot, pieces) per CTA, a float4 of the 512 columns per thread.
-// Work / merge rows of -1 pad a CUDA-graph plan's fixed grid: those CTAs return at once. The merge is launched with
-// Programmatic Dependent Launch on sm_90 (mla.py): the attention kernels let it be scheduled from their start, and it
-// waits for their grid before anything else (a no-op without the launch attribute).
-#include "common/grid_dependency.cuh"
+// Work / merge rows of -1 pad a CUDA-graph plan's fixed grid: those CTAs return at once.
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
 
@@ -133,7 +130,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) cuattn_mla_paged(
     float k_scale, float v_scale,            // times k_scales[0] / v_scales[0] when given (device scalars)
     const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
   extern __shared__ __align__(128) unsigned char smem[];
-  allow_next_grid();   // the merge (launched with PDL) may be scheduled as SMs free up; it waits for this grid
   T* s_q = reinterpret_cast<T*>(smem);
   uint8_t* s_stg = smem + SMEM_Q;              // the copy ring: STAGES tiles of BLOCK_N rows of STG_ROW bytes
 #if KV_FP8
@@ -387,7 +383,6 @@ extern "C" __global__ void __launch_bounds__(128) cuattn_mla_merge(
     const float* __restrict__ part_o, const float* __restrict__ part_lse,
     T* __restrict__ out, float* __restrict__ lse, int num_heads, int64_t o_s_tok, int64_t o_s_head,
     float lse_scale) {
-  wait_prior_grids();      // PDL: the partials come from the attention grid before it (every CTA waits, padding too)
   const int32_t* row_desc = merge + MERGE_COLS * blockIdx.x;
   const int req = row_desc[0];
   if (req < 0) return;     // padding of a CUDA-graph plan

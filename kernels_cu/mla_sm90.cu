@@ -49,7 +49,6 @@
 //   part_o rows slot * 64 + r (512 floats each) and base-2 LSEs in part_lse[slot * 64 + r] (mla.cu's layout).
 // Work rows of -1 pad a CUDA-graph plan's fixed grid: those CTAs return at once.
 #include "common/dtypes.cuh"
-#include "common/grid_dependency.cuh"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
 #include "common/tma.cuh"
@@ -113,7 +112,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     float k_scale, float v_scale,            // times k_scales[0] / v_scales[0] when given (mla.cu's meaning)
     const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
   extern __shared__ uint8_t smem_raw[];
-  allow_next_grid();                   // the merge (mla.cu's, launched with PDL) may be scheduled as SMs free up
   const int32_t* item = work + WORK_COLS * blockIdx.x;
   const int req = item[0];
   if (req < 0) return;                 // padding of a CUDA-graph plan
