@@ -165,11 +165,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     def _check_kv(self, ks, vs, plan, fn):
         nnz, hkv, d = _kv_dims(ks, self._kv_layout, "k", fn)
         if tuple(vs) != tuple(ks)[:-1] + (plan.head_dim_vo,):
-            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} with head_dim_vo={plan['head_dim_vo']} "
+            raise ValueError(f"{fn}: v must have the shape of k {tuple(ks)} with head_dim_vo={plan.head_dim_vo} "
                              f"last, got {tuple(vs)}")
         if hkv != plan.num_kv_heads or d != plan.head_dim or nnz < plan.kv_indptr[-1]:
-            raise ValueError(f"{fn}: k must have num_kv_heads={plan['num_kv_heads']}, head_dim={plan['head_dim']} "
-                             f"and >= kv_indptr[-1]={plan['kv_indptr'][-1]} tokens, got shape {tuple(ks)} "
+            raise ValueError(f"{fn}: k must have num_kv_heads={plan.num_kv_heads}, head_dim={plan.head_dim} "
+                             f"and >= kv_indptr[-1]={plan.kv_indptr[-1]} tokens, got shape {tuple(ks)} "
                              f"({self._kv_layout})")
 
 
@@ -313,12 +313,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _check_cache(self, num_pages, page_size, heads, head_dim, plan, fn, name="paged_kv_cache", want_dim=None):
         want_dim = plan.head_dim if want_dim is None else want_dim
         if page_size != plan.page_size or heads != plan.num_kv_heads or head_dim != want_dim:
-            raise ValueError(f"{fn}: {name} must have page_size={plan['page_size']}, num_kv_heads="
-                             f"{plan['num_kv_heads']}, head_dim={want_dim} ({self._kv_layout}), got "
+            raise ValueError(f"{fn}: {name} must have page_size={plan.page_size}, num_kv_heads="
+                             f"{plan.num_kv_heads}, head_dim={want_dim} ({self._kv_layout}), got "
                              f"page_size={page_size}, num_kv_heads={heads}, head_dim={head_dim}")
         if plan.max_page >= num_pages:
             raise ValueError(f"{fn}: paged_kv_indices must be < num_pages={num_pages} of the cache, got "
-                             f"{plan['max_page']}")
+                             f"{plan.max_page}")
 
 
 class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):

@@ -312,7 +312,7 @@ class _BatchPrefillBase:
         launches = self._runs.get(key) if self._runs_plan is plan else None
         if launches is None:
             return None
-        fw, device = key[2][1][0], key[2][1][4]
+        _, (fw, _, _, _, device) = key[2]         # q's arrays.pointer_layout: (pointer, (framework, .., device))
         s = arrays.resolve_stream(fw, device, stream)
         _buffers.refuse_capture(fn, self._bufs.graph, s)
         for launcher, grid, threads, args, pdl in launches:
@@ -343,7 +343,7 @@ class _BatchPrefillBase:
         qt = arrays.device_tensor(q, "q", fn)
         _check_q(qt.shape, fn, plan.num_qo_heads, plan.head_dim, int(plan.qo_indptr[-1]))
         if arrays.logical_dtype(qt.dtype) != plan.q_dtype:
-            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qt.dtype}")
+            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan.q_dtype}), got {qt.dtype}")
         return qt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
@@ -379,7 +379,7 @@ class _BatchPrefillBase:
         qa = arrays.host_array(q, "q", fn)
         _check_q(qa.shape, fn, plan.num_qo_heads, plan.head_dim, int(plan.qo_indptr[-1]))
         if qa.dtype != plan.q_dtype:
-            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan['q_dtype']}), got {qa.dtype}")
+            raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan.q_dtype}), got {qa.dtype}")
         rows = qa.shape[0]
         out = np.zeros((rows, plan.num_qo_heads, plan.head_dim_vo), np.float32)
         lse = np.full((rows, plan.num_qo_heads), -np.inf, np.float32)

@@ -87,7 +87,7 @@ def _check_kv_dtype(plan, k_dtype, v_dtype, name: str, fn: str) -> None:
     """K and V have the plan's kv_data_type, or its raw view (uint8 for fp8, uint16 for bf16) (both paths)."""
     for dt in (k_dtype, v_dtype):
         if not arrays.same_storage(np.dtype(dt), plan.kv_dtype):
-            raise ValueError(f"{fn}: {name} must have dtype {plan['kv_dtype']} (kv_data_type of plan) or its raw "
+            raise ValueError(f"{fn}: {name} must have dtype {plan.kv_dtype} (kv_data_type of plan) or its raw "
                              f"view, got {dt}")
 
 
@@ -97,7 +97,7 @@ def _split_pair(paged_kv_cache, plan, fn: str):
         return None
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"{fn}: paged_kv_cache must be a (k_cache, v_cache) pair when head_dim_vo="
-                         f"{plan['head_dim_vo']} != head_dim_qk={plan['head_dim']}")
+                         f"{plan.head_dim_vo} != head_dim_qk={plan.head_dim}")
     return tuple(paged_kv_cache)
 
 
