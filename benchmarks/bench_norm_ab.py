@@ -9,7 +9,8 @@ Ops and their forms (the shipped form first):
 - fused_add_rmsnorm: the shipped form only (its ratio to FlashInfer in the same run);
 - rope_cache_inplace: apply_rope_with_cos_sin_cache_inplace, q (rows, 32 x 128) and k (rows, 8 x 128), NeoX,
   rotary_dim 128, positions as bench_rope's (512-token chunks): the shipped form only (session 17's launch-grid
-  candidates tok1 / split2 lost to it: ops_notes_session17.md); --hidden does not apply.
+  candidates tok1 / split2 lost to it: ops_notes_session17.md; session 21's cos_sin_cache entry forms:
+  ops_notes_session21.md); --hidden does not apply.
 
 Timing: per case, --rounds rounds (default 5); in each round every candidate (forms, copy, FlashInfer) in turn:
 10 warm-up calls, then --reps timed calls (default 30), each after an L2 flush (--flush read: bench_decode's
@@ -150,7 +151,7 @@ def rope_geometry(dtype: str, nnz: int, form: str, device: int) -> dict:
     strides = [2 * bench_rope.HQ * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM,
                2 * bench_rope.HK * bench_rope.HEAD_DIM, 2 * bench_rope.HEAD_DIM] * 2      # in place: out = in
     layout = rope._vector_layout(ROPE_DIM, bench_rope.HEAD_DIM, False, False, strides)
-    entry = rope._ENTRIES[layout.pairs]
+    entry = "cuattn_rope_cache_neox"              # (the cos_sin_cache entry: 8 pairs a lane, no tail)
     resident = rope._resident_blocks(spec, entry, device)
     grid = spec.grid(nnz, bench_rope.HQ + bench_rope.HK, resident)
     return launch_info(spec, entry, device, grid, 128, resident, lanes_per_row=layout.lanes_per_row)
@@ -292,7 +293,7 @@ FORMS = {"layernorm": ["shipped"], "fused_add_rmsnorm": ["shipped"], "rope_cache
 def specs_of(op: str, dtype: str, form: str) -> list:
     """The specs a form of an op launches (compiled before the timing starts)."""
     if op == "rope_cache_inplace":
-        return [rope.RopeSpec(dtype, form)]
+        return [rope.RopeSpec(dtype)]
     return [s for s in norm.shipped_specs() if s.dtype == dtype]
 
 

@@ -402,6 +402,7 @@ class _Plan(NamedTuple):
     tail_unit: int             # widest access (bytes) the tails' offsets and strides allow; 0: no copy
     ints: tuple                # nnz .. idx64
     rest: tuple                # strides, cache stride and length, frequencies
+    cache_launch: tuple | None = None   # (launcher, grid) of rope.cu's cos_sin_cache entry: calls with vector accesses
 
 
 _PLANS: dict = {}
@@ -420,7 +421,8 @@ def _run_plan(plan: _Plan, pointers: list, stream):
     if plan.launcher is not None:
         meta = (0, pointers[2], pointers[3]) if plan.ragged else (pointers[2], 0, 0)
         vector, tail_unit = _access(plan.layout, plan.tail_unit, q | k | q_out | k_out)
-        plan.launcher(plan.grid, _WARPS * 32, stream, q, k, q_out, k_out, *meta, pointers[-1] if plan.cached else 0,
+        launcher, grid = plan.cache_launch if vector and plan.cache_launch else (plan.launcher, plan.grid)
+        launcher(grid, _WARPS * 32, stream, q, k, q_out, k_out, *meta, pointers[-1] if plan.cached else 0,
                       *plan.ints, vector, plan.layout.lanes_per_row, tail_unit, *plan.rest)
     if results is None:
         return None
@@ -447,6 +449,22 @@ def _launch_shape(spec: RopeSpec, device: int, nnz: int, heads: int, head_dim: i
         return tail_unit, layout, None, (0, 0)
     entry = _ENTRIES[layout.pairs]
     return (tail_unit, layout, jit.get_launcher(spec, entry, device, _ARG_KINDS),
+            spec.grid(nnz, heads, _resident_blocks(spec, entry, device)))
+
+
+def _cache_entry(cached: bool, layout: _Layout, tail_unit: int, interleave: bool) -> str | None:
+    """rope.cu's cos_sin_cache entry where it serves a launch (a cache, 8 pairs a lane in vector accesses, no tail
+    to copy), else None: the general entry serves it."""
+    if not (cached and layout.pairs == 8 and layout.access and tail_unit == 0):
+        return None
+    return "cuattn_rope_cache_gptj" if interleave else "cuattn_rope_cache_neox"
+
+
+def _cache_launch(spec: RopeSpec, device: int, entry: str | None, nnz: int, heads: int):
+    """(launcher, grid) of ``entry`` (``_cache_entry``'s), None where there is none or nothing to launch."""
+    if entry is None or not (nnz and heads):
+        return None
+    return (jit.get_launcher(spec, entry, device, _ARG_KINDS),
             spec.grid(nnz, heads, _resident_blocks(spec, entry, device)))
 
 
@@ -515,7 +533,8 @@ def _plan_device(fn, ctx, q, k, where, rotary_dim, interleave, freq, inplace, ca
                  not isinstance(where, _PosIds), cache is not None, launcher, grid, layout, tail_unit,
                  (nnz, batch, q3[1], k3[1], head_dim, rot, int(interleave), int(idx_dtype == np.int64)),
                  (q_str[0], q_str[1], k_str[0], k_str[1], qo_str[0], qo_str[1], ko_str[0], ko_str[1], cache_n,
-                  cache_len, *freq_args))
+                  cache_len, *freq_args), _cache_launch(spec, ctx.device, _cache_entry(
+                     cache is not None, layout, tail_unit, interleave), nnz, heads))
     pointers = [tq.ptr, tk.ptr] + [t.ptr for t in meta] + ([tc.ptr] if cache is not None else [])
     return plan, pointers
 

@@ -330,6 +330,18 @@ def test_rope_specs_are_few_and_named_by_dtype():
     assert splits == 1 and blocks <= one_wave and blocks * 4 * -(-10 ** 6 // (4 * blocks)) >= 10 ** 6
 
 
+def test_cos_sin_cache_entry_serves_only_vector_launches_without_tails():
+    neox128 = rope._vector_layout(128, 128, False, False, [16 * 256])      # 8 pairs a lane, 16-byte runs
+    assert neox128.pairs == 8 and neox128.access == 16
+    assert rope._cache_entry(True, neox128, 0, False) == "cuattn_rope_cache_neox"
+    assert rope._cache_entry(True, rope._vector_layout(128, 128, True, False, [256]), 0, True) == "cuattn_rope_cache_gptj"
+    assert rope._cache_entry(True, rope._vector_layout(64, 128, False, False, [256]), 0, False) is not None   # in place
+    assert rope._cache_entry(False, neox128, 0, False) is None               # frequencies: the general entry
+    assert rope._cache_entry(True, neox128, 16, False) is None              # a tail to copy
+    assert rope._cache_entry(True, rope._vector_layout(128, 128, False, False, [8]), 0, False) is None   # 4 pairs
+    assert rope._cache_entry(True, rope._vector_layout(120, 120, False, False, [240]), 0, False) is None  # odd pairs
+
+
 @pytest.mark.parametrize("freq", [rope._plain_freq("t", 1, 1e4), rope._plain_freq("t", 4.0, 5e5),
                                   rope._llama31_freq("t", 8, 5e5, 1, 4, 8192)], ids=["plain", "scaled", "llama3.1"])
 def test_kernel_frequency_parameters_give_the_numpy_frequencies(freq):
@@ -497,9 +509,10 @@ def test_gpu_ragged_search_over_many_requests_and_single_tokens(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("nnz", [33, 9000])      # 9000: every warp loops over tokens (positions read ahead)
-def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz):
+@pytest.mark.parametrize("rot", [64, 128])       # 128: the returning form has no tail (rope.cu's cache entries)
+def test_gpu_cos_sin_cache_form_matches_numpy_path(is_neox, nnz, rot):
     import cupy as cp
-    hq, hk, hs, rot = 8, 2, 128, 64
+    hq, hk, hs = 8, 2, 128
     q, k = qk(nnz, hq, hk, hs, np.float16, seed=15)
     cache = vllm_cache(2048, rot)
     positions = np.random.default_rng(15).integers(0, 2048, nnz)
