@@ -99,12 +99,12 @@ class _Precompile(threading.Thread):
     it did. ``wait(n)``: the first n jobs are in the cache; ``close()``: all of them (the session ends
     with every job compiled, as before), raising a compile error."""
 
-    def __init__(self, jobs, workers: int | None = None):
+    def __init__(self, jobs, workers: int | None = None, background: bool = True):
         super().__init__(name="cuattn-precompile", daemon=True)
         self.jobs, self.done, self.error = jobs, 0, None
-        self.workers = workers or max(1, (os.cpu_count() or 1) - 1)
+        self.workers = workers or max(1, (os.cpu_count() or 1) - (1 if background else 0))
         self._progress = threading.Condition()
-        if self.workers > 1:
+        if self.workers > 1 and background:
             self.start()
         else:
             self.run()
@@ -138,6 +138,9 @@ class _Precompile(threading.Thread):
 
 
 _precompile: _Precompile | None = None
+# CUATTN_TEST_SERIAL=1: the session's setup as before a6cb89a (the precompile on every core before the first test,
+# each GPU example script run by its own test), for timing the suite both ways on one machine
+SERIAL = os.environ.get("CUATTN_TEST_SERIAL") == "1"
 
 
 @pytest.fixture
@@ -164,7 +167,7 @@ def _shared_cache_dir(tmp_path_factory):
         from cuattn import cli, jit
         arch = jit.device_arch(0)
         shipped = [(spec, arch) for spec in cli.shipped_specs(arch)]
-        _precompile = _Precompile(shipped + [(spec, arch) for spec in _journal_specs(arch)])
+        _precompile = _Precompile(shipped + [(spec, arch) for spec in _journal_specs(arch)], background=not SERIAL)
     yield
     if _precompile is not None:
         _precompile, running = None, _precompile
@@ -253,7 +256,7 @@ def gpu_examples(request, tmp_path_factory, _shared_cache_dir):
     names = {item.callspec.params["path"].name for item in request.session.items
              if getattr(item, "originalname", None) == GPU_EXAMPLE_TEST and item.get_closest_marker("skip") is None
              } - ALONE_ON_THE_GPU
-    if not (gpu_cc() and names):
+    if not (gpu_cc() and names) or SERIAL:
         yield None
         return
     examples = _GpuExamples(names, tmp_path_factory.mktemp("gpu-examples"), _precompile)

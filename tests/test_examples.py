@@ -35,7 +35,7 @@ def test_example_runs(path):
 def test_example_runs_on_the_gpu(path, gpu_examples):
     """The scripts run in the background beside the other tests (conftest's _GpuExamples): this waits for
     its own and checks it as run_script does; jax_interop.py runs here, by itself, once the others are done."""
-    if path.name in ALONE_ON_THE_GPU:
+    if path.name in ALONE_ON_THE_GPU or gpu_examples is None:     # (None: CUATTN_TEST_SERIAL=1)
         if gpu_examples is not None:
             gpu_examples.finish_all()
         run_script(path, "--gpu")
