@@ -619,3 +619,21 @@ def test_vector_layout_falls_back_to_narrower_accesses_for_odd_strides():
     assert rope._vector_layout(64, 128, False, False, [258]) == (1, 32, 2)      # one pair a lane, 32 lanes
     assert rope._vector_layout(64, 128, False, True, [256]) == (8, 8, 16)       # 4 rotating + 4 copy lanes
     assert rope._vector_layout(64, 128, False, False, [256]) == (8, 4, 16)      # in place: rotated part only
+
+
+@pytest.mark.gpu
+def test_gpu_cos_sin_cache_forms_are_memcheck_clean():
+    import os
+    import shutil
+    import subprocess
+    import sys
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    script = os.path.join(os.path.dirname(__file__), "sanitize_rope.py")
+    r = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, script],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr and "sanitize_rope: done" in r.stdout
+
