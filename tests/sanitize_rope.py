@@ -21,21 +21,26 @@ def cache(rows: int, rot: int) -> cp.ndarray:
     return cp.asarray(np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32))
 
 
-for nnz in (1, 7, 33):
+def finite(*xs) -> bool:                 # on the host: no CuPy kernel (each would compile under memcheck)
+    return all(np.isfinite(cp.asnumpy(x).astype(np.float32)).all() for x in xs)
+
+
+for nnz in (1, 33):
     for rot in (128, 64):
         for neox in (True, False):
             cs = cache(64, rot)
-            pos = cp.asarray(rng.integers(0, 64, nnz))
+            pos_host = rng.integers(0, 64, nnz)
+            pos = cp.asarray(pos_host)
             packed = cp.asarray(rng.standard_normal((nnz, (HQ + 2 * HK) * D)).astype(np.float16))
             q, k = packed[:, :HQ * D], packed[:, HQ * D:(HQ + HK) * D]           # views of one row
             qo, ko = cuattn.apply_rope_with_cos_sin_cache(pos, q, k, D, cs, is_neox=neox)
             cuattn.apply_rope_with_cos_sin_cache_inplace(pos, q, k, D, cs, is_neox=neox)
-            assert bool(cp.isfinite(qo).all()) and bool(cp.isfinite(ko).all()) and bool(cp.isfinite(packed).all())
+            assert finite(qo, ko, packed)
             odd = cp.asarray(rng.standard_normal((nnz, HQ * D + 1)).astype(np.float16))[:, 1:]   # 2-byte aligned
             cuattn.apply_rope_with_cos_sin_cache_inplace(pos, odd, k, D, cs, is_neox=neox)
-            bad = pos.copy()
+            bad = pos_host.copy()
             bad[0] = 1 << 40                                                       # outside the cache: NaN rows
-            qb, _ = cuattn.apply_rope_with_cos_sin_cache(bad, q, k, D, cs, is_neox=neox)
-            assert bool(cp.isnan(qb[0, :rot]).all())
+            qb, _ = cuattn.apply_rope_with_cos_sin_cache(cp.asarray(bad), q, k, D, cs, is_neox=neox)
+            assert np.isnan(cp.asnumpy(qb)[0, :rot].astype(np.float32)).all()
 cp.cuda.Device().synchronize()
 print("sanitize_rope: done")
