@@ -113,7 +113,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         key = self._replay_key(plan, (q, k, v), out, lse, return_lse, not args and k_scale is None and v_scale is None,
                                enable_pdl)
         if key is not None:
-            hit = self._replay(plan, key, out, lse, return_lse, stream, fn)
+            hit = self._replay(plan, key, q, out, lse, return_lse, stream, fn)
             if hit is not None:
                 return hit
         ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
@@ -156,7 +156,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                     k_strides=(kt.strides[k_tok], kt.strides[k_head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                     sm_scale=scale, variant_args=vargs, meta=plan.meta, pdl=pdl, scales=scales, record=record)
         self._merge(ctx, plan, ot, lse_ptr, record)
-        self._keep_record(plan, key, record)
+        self._keep_record(plan, key, record, dict(q=qk.ptr, out=ot.ptr, lse=lse_ptr), (kt.ptr, vt.ptr))
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
@@ -244,7 +244,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                (q, paged_kv_cache), out, lse, return_lse,
                                not args and k_scale is None and v_scale is None and sm_scale is None, enable_pdl)
         if key is not None:
-            hit = self._replay(plan, key, out, lse, return_lse, stream, fn)
+            hit = self._replay(plan, key, q, out, lse, return_lse, stream, fn)
             if hit is not None:
                 return hit
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}
@@ -304,7 +304,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                     k_strides=strides, v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page), sm_scale=scale, variant_args=vargs, meta=plan.meta,
                     page_size=plan.page_size, pdl=pdl, scales=scales, record=record)
         self._merge(ctx, plan, ot, lse_ptr, record)
-        self._keep_record(plan, key, record)
+        self._keep_record(plan, key, record, dict(q=qk.ptr, out=ot.ptr, lse=lse_ptr), (kv.k.ptr, vv.v.ptr))
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 

@@ -287,49 +287,84 @@ class _BatchPrefillBase:
                           plan.group, ot, lse_ptr, record)
         self._f32q.finish(ctx)      # fp32 q: the 16-bit output into the caller's out
 
-    # -- run()'s replay: a plain GPU call (no run-time variant arguments, scales or sm_scale; out given, and lse when
-    #    wanted; no fp32 q, no fused-RoPE prepass) records its launches by its arrays' pointers and layouts
-    #    (arrays.pointer_layout: CuPy and CUDA torch arrays); a later call on the same plan object with the same ones
-    #    (a layer's cache and buffers again, one record per layer) replays them on its own stream, after the capture
-    #    check, without the checks and packing the first call did (they would come out the same: every input they
-    #    read is in the key). A new plan() is a new object: the records are dropped at its first run().
+    # -- run()'s replay: a plain GPU call (no run-time variant arguments, scales or sm_scale; no fp32 q, no fused-RoPE
+    #    prepass) records its launches, keyed by its arrays' layouts (arrays.pointer_layout: CuPy and CUDA torch
+    #    arrays), the caches' pointers too (contiguous K/V's tensor maps carry them), q's / out's / lse's only by their
+    #    alignment (pointer mod 256), and whether run() allocated out / lse. A later call on the same plan object with
+    #    the same key (a layer's cache again, one record per layer; a fresh q or out each call included) replays them
+    #    on its own stream, after the capture check, with its own q / out / lse pointers patched into the arguments
+    #    that held the recorded ones, without the checks and packing the first call did (they would come out the same:
+    #    everything they read is in the key). A new plan() is a new object: the records are dropped at its first run().
     def _replay_key(self, plan, arrs: tuple, out, lse, return_lse: bool, plain: bool, enable_pdl) -> tuple | None:
-        if not plain or out is None or (return_lse and lse is None) or plan.bound.runtime:
+        if not plain or plan.bound.runtime:
             return None
         key = [return_lse, enable_pdl]
-        for x in (*arrs, out, lse):
+        for i, x in enumerate(arrs):
+            pl = arrays.pointer_layout(x)
+            if pl is None:
+                return None
+            key.append((pl[1], pl[0] % 256) if i == 0 else pl)    # q: patched; the caches: as they are
+        for x, wanted in ((out, True), (lse, return_lse)):
             if x is None:
-                key.append(None)
+                key.append("new" if wanted else None)             # run() allocates it
                 continue
             pl = arrays.pointer_layout(x)
             if pl is None:
                 return None
-            key.append(pl)
+            key.append((pl[1], pl[0] % 256))
         return tuple(key)
 
-    def _replay(self, plan, key: tuple, out, lse, return_lse: bool, stream, fn: str):
-        """run()'s result by replaying the recorded launches, or None when the last record is not this call's."""
-        launches = self._runs.get(key) if self._runs_plan is plan else None
-        if launches is None:
+    def _replay(self, plan, key: tuple, q, out, lse, return_lse: bool, stream, fn: str):
+        """run()'s result by replaying the recorded launches, or None when no record has this call's key."""
+        found = self._runs.get(key) if self._runs_plan is plan else None
+        if found is None:
             return None
-        _, (fw, _, _, _, device) = key[2]         # q's arrays.pointer_layout: (pointer, (framework, .., device))
+        launches, patches = found
+        fw, _, _, _, device = key[2][0]            # q's arrays.pointer_layout layout: (framework, .., device)
         s = arrays.resolve_stream(fw, device, stream)
         _buffers.refuse_capture(fn, self._bufs.graph, s)
-        for launcher, grid, threads, args, pdl in launches:
+        ctx = arrays.Context(fw, device, s)
+        new_out, new_lse = out is None, return_lse and lse is None
+        rows = int(plan.qo_indptr[-1])
+        if new_out:
+            out = arrays.empty(ctx, (rows, plan.num_qo_heads, plan.head_dim_vo), plan.q_dtype)
+        if new_lse:
+            lse = arrays.empty(ctx, (rows, plan.num_qo_heads), np.float32)
+        ptrs = {"q": arrays.pointer_layout(q)[0], "out": arrays.pointer_layout(out)[0],
+                "lse": 0 if lse is None else arrays.pointer_layout(lse)[0]}
+        for (launcher, grid, threads, args, pdl), patch in zip(launches, patches):
+            if patch:
+                args = list(args)
+                for i, role in patch:
+                    args[i] = ptrs[role]
             launcher(grid, threads, s, *args, pdl=pdl)
-        return (out, lse) if return_lse else out
+        o = arrays.export(ctx, out, plan.q_dtype) if new_out else out
+        if not return_lse:
+            return o
+        return o, (arrays.export(ctx, lse) if new_lse else lse)
 
     _MAX_RUNS = 256     # records kept per plan (a model's layers, each with its own cache)
 
-    def _keep_record(self, plan, key: tuple | None, record: list | None) -> None:
-        """Keep a plain call's launches for ``_replay`` (not when a step was not a recorded launch)."""
+    def _keep_record(self, plan, key: tuple | None, record: list | None, ptrs: dict | None = None,
+                     caches: tuple = ()) -> None:
+        """Keep a plain call's launches for ``_replay`` (not when a step was not a recorded launch), with where each
+        of ``ptrs`` (q, out, lse: the pointers launched) sits in their arguments. Not kept when two of those
+        pointers, or one of them and a cache's (``caches``), are equal (a patch could not tell them apart), or when
+        one of them is in no argument as itself (something else would carry it)."""
         if self._runs_plan is not plan:
             self._runs, self._runs_plan = {}, plan
         if key is None or record is None or None in record or self._f32q.active or self._rope.active:
             return
+        roles = {p: r for r, p in (ptrs or {}).items() if p}
+        if len(roles) != sum(1 for p in (ptrs or {}).values() if p) or any(c in roles for c in caches):
+            return
+        patches = tuple(tuple((i, roles[a]) for i, a in enumerate(args) if isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a in roles)
+                        for _, _, _, args, _ in record)
+        if {r for patch in patches for _, r in patch} != set(roles.values()):
+            return
         if len(self._runs) >= self._MAX_RUNS:
             self._runs.clear()
-        self._runs[key] = tuple(record)
+        self._runs[key] = (tuple(record), patches)
 
     def _gpu_plan(self, ctx, plan, fn) -> None:
         """A GPU run needs the plan's device half, on this run's GPU; a stream capturing a CUDA graph

@@ -507,11 +507,12 @@ def test_batch_prefill_gpu_pdl_waits_for_the_previous_kernel(kind, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,backend", [("ragged", "auto"), ("paged", "auto"), ("paged", "fa2")])
-def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch):
+def test_run_replays_a_call_with_the_same_layouts(kind, backend, monkeypatch):
     """run()'s replay of a plain call's recorded launches (prefill_batch._replay): the same arrays again replay (and
-    read their new contents), calls alternating between recorded caches (layers) replay each; another q, cache or out
-    array, lse added, or a new plan take the checked path.
-    Every output against the oracle, out poisoned before each call."""
+    read their new contents); another q or out of the same layout and alignment replays with its pointer patched in,
+    and so does a call whose out (and lse) run() allocates; calls alternating between recorded caches (layers) replay
+    each; another cache, lse added, q at another alignment, or a new plan take the checked path.
+    Every output against the oracle; out poisoned before each call, and memory poisoned where run() allocates."""
     import cupy as cp
     from cuattn import prefill_batch
     rng = np.random.default_rng()
@@ -539,15 +540,22 @@ def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch
         return (w, replan, qo_indptr, q, [k, v], [k[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))],
                 [v[kv_indptr[b]:kv_indptr[b + 1]] for b in range(len(kv_lens))])
 
-    def check(w, qo_indptr, q, kv, ks, vs, q_dev, kv_dev, out, lse=None, replayed=False):
-        out.fill(np.nan)
+    def check(w, qo_indptr, q, kv, ks, vs, q_dev, kv_dev, out, lse=None, replayed=False, return_lse=None):
+        return_lse = lse is not None if return_lse is None else return_lse
+        if out is not None:
+            out.fill(np.nan)
+        else:            # run() allocates: the pool's next blocks of those sizes hold NaN
+            junk = [cp.full(q.shape, np.nan, np.float16), cp.full((q.shape[0], hq), np.nan, np.float32)]
+            del junk
         n = len(checked)
-        res = w.run(q_dev, *kv_dev, out=out, lse=lse, return_lse=lse is not None)
+        res = w.run(q_dev, *kv_dev, out=out, lse=lse, return_lse=return_lse)
         assert (len(checked) == n) == replayed
+        got_o, got_s = res if return_lse else (res, None)
         ref_o, ref_s = oracle_batch(q, ks, vs, qo_indptr, True)
-        assert rel_err(cp.asnumpy(out), ref_o) < TOL["float16"]
-        if lse is not None:
-            assert res[1] is lse and rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
+        assert got_o.shape == q.shape and rel_err(cp.asnumpy(got_o), ref_o) < TOL["float16"]
+        if return_lse:
+            assert lse is None or got_s is lse
+            assert rel_err(cp.asnumpy(got_s), ref_s) < LSE_TOL
         return res
 
     w, replan, qo_indptr, q, kv, ks, vs = batch([70, 1, 300], [70, 900, 2100])
@@ -558,11 +566,15 @@ def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch
     q2 = rand(rng, q.shape, np.float16)
     q_dev[...] = cp.asarray(q2)                                                      # new contents, same array
     check(w, qo_indptr, q2, kv, ks, vs, q_dev, kv_dev, out, replayed=True)
-    q3_dev = cp.asarray(q)                                                           # another q array
-    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out)
-    out2 = cp.empty_like(out)                                                        # another out
-    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2)
-    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2, replayed=True)
+    q3_dev = cp.asarray(q)                                                           # another q array: patched
+    check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out, replayed=True)
+    out2 = cp.empty_like(out)                                                        # another out: patched
+    assert check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv_dev, out2, replayed=True) is out2
+    wide = cp.empty((q.size + 8,), np.float16)                                       # q 16 bytes further on
+    q4_dev = wide[8:].reshape(q.shape)
+    q4_dev[...] = q3_dev
+    check(w, qo_indptr, q, kv, ks, vs, q4_dev, kv_dev, out2)                        # another alignment: checked
+    check(w, qo_indptr, q, kv, ks, vs, q4_dev, kv_dev, out2, replayed=True)
     kv2_dev = [cp.asarray(x) for x in kv]                                            # another cache
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2)
     for layer_kv in (kv_dev, kv2_dev, kv_dev):            # layers alternating caches: one record each
@@ -570,6 +582,13 @@ def test_run_replays_only_a_call_with_the_same_arrays(kind, backend, monkeypatch
     lse = cp.empty((q.shape[0], hq), np.float32)                                     # lse wanted
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse)
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse, replayed=True)
+    # -- out (and lse) allocated by run(): recorded once, then every call a fresh array, its pointer patched in
+    first = check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, None)
+    fresh = check(w, qo_indptr, q, kv, ks, vs, cp.asarray(q), kv2_dev, None, replayed=True)   # a fresh q too
+    assert fresh.data.ptr != first.data.ptr                                          # (first still alive)
+    o1, s1 = check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, None, return_lse=True)
+    o2, s2 = check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, None, return_lse=True, replayed=True)
+    assert o2.data.ptr != o1.data.ptr and s2.data.ptr != s1.data.ptr
     # -- plan() again (the same arguments: a new plan object): the checked path, then that plan's replay
     replan()
     check(w, qo_indptr, q, kv, ks, vs, q3_dev, kv2_dev, out2, lse)
