@@ -110,10 +110,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         """
         fn = f"{self._fn}.run"
         plan = self._require_plan(fn)
-        key = self._replay_key(plan, (q, k, v), out, lse, return_lse, not args and k_scale is None and v_scale is None,
+        key, ptrs = self._replay_key(plan, (q, k, v), out, lse, return_lse, not args and k_scale is None and v_scale is None,
                                enable_pdl)
         if key is not None:
-            hit = self._replay(plan, key, q, out, lse, return_lse, stream, fn)
+            hit = self._replay(plan, key, ptrs, out, lse, return_lse, stream, fn)
             if hit is not None:
                 return hit
         ctx = arrays.context_of(fn, {"q": q, "k": k, "v": v}, stream)
@@ -240,11 +240,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _run_paged(self, q, paged_kv_cache, args, out, lse, return_lse, k_scale, v_scale, enable_pdl, stream,
                    sm_scale, fn):
         plan = self._require_plan(fn)
-        key = self._replay_key(plan, (q, *paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else
+        key, ptrs = self._replay_key(plan, (q, *paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else
                                (q, paged_kv_cache), out, lse, return_lse,
                                not args and k_scale is None and v_scale is None and sm_scale is None, enable_pdl)
         if key is not None:
-            hit = self._replay(plan, key, q, out, lse, return_lse, stream, fn)
+            hit = self._replay(plan, key, ptrs, out, lse, return_lse, stream, fn)
             if hit is not None:
                 return hit
         cache = dict(enumerate(paged_kv_cache)) if isinstance(paged_kv_cache, (tuple, list)) else {"c": paged_kv_cache}

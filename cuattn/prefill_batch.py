@@ -295,26 +295,35 @@ class _BatchPrefillBase:
     #    on its own stream, after the capture check, with its own q / out / lse pointers patched into the arguments
     #    that held the recorded ones, without the checks and packing the first call did (they would come out the same:
     #    everything they read is in the key). A new plan() is a new object: the records are dropped at its first run().
-    def _replay_key(self, plan, arrs: tuple, out, lse, return_lse: bool, plain: bool, enable_pdl) -> tuple | None:
+    def _replay_key(self, plan, arrs: tuple, out, lse, return_lse: bool, plain: bool, enable_pdl):
+        """(key, pointers): the replay key of a call and its q / out / lse pointers (None: run() allocates it), or
+        (None, None) for a call that is not replayed."""
         if not plain or plan.bound.runtime:
-            return None
+            return None, None
         key = [return_lse, enable_pdl]
+        ptrs = {}
         for i, x in enumerate(arrs):
             pl = arrays.pointer_layout(x)
             if pl is None:
-                return None
-            key.append((pl[1], pl[0] % 256) if i == 0 else pl)    # q: patched; the caches: as they are
-        for x, wanted in ((out, True), (lse, return_lse)):
+                return None, None
+            if i == 0:
+                ptrs["q"] = pl[0]
+                key.append((pl[1], pl[0] % 256))                  # q: patched
+            else:
+                key.append(pl)                                    # the caches: as they are
+        for role, x, wanted in (("out", out, True), ("lse", lse, return_lse)):
             if x is None:
+                ptrs[role] = None if wanted else 0
                 key.append("new" if wanted else None)             # run() allocates it
                 continue
             pl = arrays.pointer_layout(x)
             if pl is None:
-                return None
+                return None, None
+            ptrs[role] = pl[0]
             key.append((pl[1], pl[0] % 256))
-        return tuple(key)
+        return tuple(key), ptrs
 
-    def _replay(self, plan, key: tuple, q, out, lse, return_lse: bool, stream, fn: str):
+    def _replay(self, plan, key: tuple, ptrs: dict, out, lse, return_lse: bool, stream, fn: str):
         """run()'s result by replaying the recorded launches, or None when no record has this call's key."""
         found = self._runs.get(key) if self._runs_plan is plan else None
         if found is None:
@@ -323,14 +332,16 @@ class _BatchPrefillBase:
         fw, _, _, _, device = key[2][0]            # q's arrays.pointer_layout layout: (framework, .., device)
         s = arrays.resolve_stream(fw, device, stream)
         _buffers.refuse_capture(fn, self._bufs.graph, s)
-        ctx = arrays.Context(fw, device, s)
         new_out, new_lse = out is None, return_lse and lse is None
-        if new_out:
-            out = arrays.empty(ctx, (int(plan.qo_indptr[-1]), plan.num_qo_heads, plan.head_dim_vo), plan.q_dtype)
-        if new_lse:
-            lse = arrays.empty(ctx, (int(plan.qo_indptr[-1]), plan.num_qo_heads), np.float32)
-        ptrs = {"q": arrays.pointer_layout(q)[0], "out": arrays.pointer_layout(out)[0],
-                "lse": 0 if lse is None else arrays.pointer_layout(lse)[0]}
+        if new_out or new_lse:
+            ctx = arrays.Context(fw, device, s)
+            ptrs = dict(ptrs)
+            if new_out:
+                out = arrays.empty(ctx, (int(plan.qo_indptr[-1]), plan.num_qo_heads, plan.head_dim_vo), plan.q_dtype)
+                ptrs["out"] = arrays.pointer_layout(out)[0]
+            if new_lse:
+                lse = arrays.empty(ctx, (int(plan.qo_indptr[-1]), plan.num_qo_heads), np.float32)
+                ptrs["lse"] = arrays.pointer_layout(lse)[0]
         same = ptrs == recorded              # the recorded arrays again: their arguments as they are
         for (launcher, grid, threads, args, pdl), patch in zip(launches, patches):
             if patch and not same:
