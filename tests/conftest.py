@@ -47,6 +47,21 @@ def announce(capsys, request):
     return say
 
 
+def memcheck(script: str) -> str:
+    """Runs tests/<script> under compute-sanitizer memcheck (skips the test where the tool is missing); asserts the
+    script exited 0 with no error in memcheck's summary, and returns its stdout."""
+    import shutil
+    tool = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    if tool is None:
+        pytest.skip("compute-sanitizer is not installed")
+    r = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+                        str(Path(__file__).with_name(script))], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
+    return r.stdout
+
+
 @pytest.fixture
 def tmp_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))

@@ -10,7 +10,7 @@ import cuattn
 from cuattn import jit, plan, prefill, prefill_sm90, variants
 from cuattn.errors import UnsupportedError
 
-from .conftest import gpu_cc
+from .conftest import gpu_cc, memcheck
 from .oracle import dense_attention, rel_err
 from .test_prefill import (DTYPES, LSE_TOL, TOL, _cp, _from_dev, _nan_like, _poison_pool, _to_dev, oracle_batch,
                            rand)
@@ -618,20 +618,8 @@ def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
     """compute-sanitizer memcheck over small paged fa3 batches (the gather: pages of 1, 5 and 16, fp8 pages of
     16 and 5; TMA boxes: the fused RoPE at head_dim 256), CuPy's pool off, no spare page past the last
     request's: no invalid access, no error."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    tool = shutil.which("compute-sanitizer") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
-    if tool is None:
-        pytest.skip("compute-sanitizer is not installed")
-    script = os.path.join(os.path.dirname(__file__), "sanitize_paged_fa3.py")
-    r = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, script],
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
-    assert "_gather_kve4m3" in r.stdout and "_gather_kve5m2" in r.stdout and "_paged" in r.stdout
+    out = memcheck("sanitize_paged_fa3.py")
+    assert "_gather_kve4m3" in out and "_gather_kve5m2" in out and "_paged" in out
 
 
 # -- requests of at most 64 packed rows (block-sparse row blocks, decode and speculative steps): 64-row tiles
