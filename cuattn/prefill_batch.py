@@ -369,7 +369,8 @@ class _BatchPrefillBase:
         roles = {p: r for r, p in (ptrs or {}).items() if p}
         if len(roles) != sum(1 for p in (ptrs or {}).values() if p) or any(c in roles for c in caches):
             return
-        patches = tuple(tuple((i, roles[a]) for i, a in enumerate(args) if isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a in roles)
+        patches = tuple(tuple((i, roles[a]) for i, a in enumerate(args)
+                              if isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a in roles)
                         for _, _, _, args, _ in record)
         if {r for patch in patches for _, r in patch} != set(roles.values()):
             return

@@ -367,7 +367,7 @@ using namespace cuattn;
       float unscaled_pi_lo) {                                                                                     \
     const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
                      num_kv_heads, head_dim, rotary_dim, lanes_per_row, tail_unit, interleave != 0, idx64 != 0,   \
-                     cos_sin_cache != nullptr, q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,                              \
+                     cos_sin_cache != nullptr, q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,    \
                      RopeFreq{{step_hi, step_lo}, {smooth_a_hi, smooth_a_lo}, {smooth_b_hi, smooth_b_lo},         \
                               {scaled_pi_hi, scaled_pi_lo}, {unscaled_pi_hi, unscaled_pi_lo}}};                   \
     rope_kernel<P>(a, vector);                                                                                    \
@@ -393,10 +393,10 @@ constexpr int CACHE_WORDS = 8;          // row words a lane a step: one row of 8
       int64_t q_n, int64_t q_h, int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h, \
       int64_t cache_n, int64_t cache_len, float, float, float, float, float, float, float, float, float, float) { \
     __shared__ __align__(16) float2 tables[WARPS][MAX_HALF];                                                     \
-    const RopeArgs a{q, k, q_out, k_out, pos_ids, nullptr, nullptr, cos_sin_cache, nnz, 0, num_qo_heads,         \
+    const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
                      num_kv_heads, head_dim, rotary_dim, lanes_per_row, 0, INTERLEAVE, idx64 != 0, true,          \
                      q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len, RopeFreq{}};                 \
-    rope_tokens<8, true, CACHE_WORDS, true>(a, tables[threadIdx.x >> 5]);                                               \
+    rope_tokens<8, true, CACHE_WORDS, true>(a, tables[threadIdx.x >> 5]);                                         \
   }
 
 CUATTN_ROPE_CACHE_ENTRY(neox, false)
