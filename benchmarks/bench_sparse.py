@@ -85,8 +85,13 @@ def block_sparse(args, mma, fi, torch, flush) -> list:
     return rows
 
 
-def mixed(args, fi, torch, flush) -> dict:
-    hq, hkv, d, ps = 32, 8, 128, 16
+MIXED_SHAPE = (32, 8, 128, 16)      # heads, kv heads, head_dim, page size of the mixed step
+
+
+def mixed_step():
+    """The mixed step's batch (4 prefill chunks of 1024 new tokens over 1024-8192 cached + 256 decodes over
+    2k-32k keys, random page order): (qo_indptr, kv page indptr, page ids, kv lengths, last page lengths, q, cache)."""
+    hq, hkv, d, ps = MIXED_SHAPE
     rng = np.random.default_rng(5)
     prefix = [1024, 2048, 4096, 8192]
     dec_kv = rng.integers(2048, 32769, 256)
@@ -98,9 +103,15 @@ def mixed(args, fi, torch, flush) -> dict:
     last = np.array([n - (p - 1) * ps for n, p in zip(kv_lens, pages)], np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     cache, q = rand((len(indices), 2, ps, hkv, d), 6), rand((int(qo_indptr[-1]), hq, d), 7)
+    return qo_indptr, indptr, indices, np.array(kv_lens, np.int32), last, q, cache
+
+
+def mixed(args, fi, torch, flush) -> dict:
+    hq, hkv, d, ps = MIXED_SHAPE
+    qo_indptr, indptr, indices, kv_lens, last, q, cache = mixed_step()
     out = cp.empty_like(q)
     w = cuattn.BatchAttention()
-    w.plan(qo_indptr, indptr, indices, np.array(kv_lens, np.int32), hq, hkv, d, d, ps, causal=True,
+    w.plan(qo_indptr, indptr, indices, kv_lens, hq, hkv, d, d, ps, causal=True,
            q_data_type="float16", kv_data_type="float16")
     one_us = time_events(lambda: w.run(q, cache, out=out), args.reps, flush)
     # -- the separate launches: paged prefill over the 4 chunks, decode over the 256
@@ -117,7 +128,7 @@ def mixed(args, fi, torch, flush) -> dict:
         try:
             fw = fi.BatchAttention(kv_layout="NHD")
             tt = lambda x: torch.as_tensor(x, device="cuda")      # noqa: E731
-            fw.plan(tt(qo_indptr), tt(indptr), tt(indices), tt(np.array(kv_lens, np.int32)), hq, hkv, d, d, ps,
+            fw.plan(tt(qo_indptr), tt(indptr), tt(indices), tt(kv_lens), hq, hkv, d, d, ps,
                     causal=True, q_data_type=torch.float16, kv_data_type=torch.float16)
             tq, tc = torch.from_dlpack(q), torch.from_dlpack(cache)
             row["flashinfer_us"] = round(time_events(lambda: fw.run(tq, tc), args.reps, flush), 1)
