@@ -584,24 +584,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
       if (PINGPONG && !(last && wg == 1)) named_barrier_arrive(4 + (wg ^ 1), 256);
     };
 
-    const bool idle = SKIP_IDLE_WG && NUM_CONSUMERS == 2 && row0 + wg * WG_ROWS >= packed_rows;   // (warpgroup-uniform)
-    if (num_tiles > 0 && idle) {
-      // -- no row of this warpgroup is real (a decode request's 4 rows in a 128-row tile): the same waits, turns
-      //    and releases as below, in the same order, without the products (the epilogue writes none of its rows)
-      if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
-      for (int t = 0; t < num_tiles; ++t) {
-        mbar_wait(sm.k_landed(stage(t)), phase(t));
-        turn_wait();
-        if (t > 0) mbar_wait(sm.full_v(stage(t - 1)), phase(t - 1));
-        turn_pass(false);
-        release(sm.empty_k(stage(t)));
-        if (t > 0) release(sm.empty_v(stage(t - 1)));
-      }
-      mbar_wait(sm.full_v(stage(num_tiles - 1)), phase(num_tiles - 1));
-      turn_wait();
-      turn_pass(true);
-      release(sm.empty_v(stage(num_tiles - 1)));
-    } else if (num_tiles > 0) {
+    if (num_tiles > 0) {
       if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
       {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
         float s[S_REGS], corr[2];

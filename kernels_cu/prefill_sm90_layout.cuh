@@ -13,9 +13,6 @@
 #ifndef NUM_CONSUMERS       // consumer warpgroups, 64 query rows each: 2 (BLOCK_M 128, one CTA per SM) or 1 (BLOCK_M 64,
 #define NUM_CONSUMERS 2     // two CTAs per SM whose GEMMs and softmaxes interleave: requests of at most 64 packed rows)
 #endif
-#ifndef SKIP_IDLE_WG        // a consumer warpgroup whose 64 rows are all past the item's packed rows keeps the barrier
-#define SKIP_IDLE_WG 1      // protocol (tile waits, turns, releases) but issues no GEMM and no softmax
-#endif
 #ifndef PINGPONG            // the consumer warpgroups take turns issuing their GEMMs (named barriers 4, 5; 0: free-running)
 #define PINGPONG (NUM_CONSUMERS == 2)
 #endif
