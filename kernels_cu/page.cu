@@ -99,7 +99,9 @@ extern "C" __global__ void cuattn_batch_indices_positions(
 // (1: e4m3, 2: e5m2)): like cuattn_page_append, but each thread converts 8 values of a row
 // (16 bytes in, 8 bytes out): stored = round_to_nearest_even(clamp(x / scale, +-max finite)), the
 // division in fp32 (IEEE, as NumPy's), so the bits equal cuattn.fp8.quantize's (no NaN or inf from
-// overflow). scale = k_scale * (k_scales ? k_scales[head or 0] : 1), likewise v.
+// overflow); the rounding by the hardware's cvt.rn.satfinite on sm_89+ (the software rounding left the H100 at
+// 63% of the copy bandwidth, benchmarks/bench_append.py), by to_fp8 below elsewhere.
+// scale = k_scale * (k_scales ? k_scales[head or 0] : 1), likewise v.
 // grid ceil(nnz * num_heads * head_dim / 8 / 256), block 256.
 namespace cuattn {
 #if KV_FP8 == 1
@@ -167,8 +169,18 @@ extern "C" __global__ void cuattn_page_append_fp8(
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = unpack2<in_t>(w[j]);
+#if __CUDA_ARCH__ >= 890   // the hardware conversion: RNE, +-inf and overflow to +-max finite (satfinite) as to_fp8
+      uint16_t pair;
+      const float lo = __fdiv_rn(f.x, s), hi = __fdiv_rn(f.y, s);
+      if (KV_FP8 == 1)
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+      else
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+      out[j / 2] |= uint32_t(pair) << (16 * (j % 2));
+#else
       const uint32_t lo = to_fp8(__fdiv_rn(f.x, s)), hi = to_fp8(__fdiv_rn(f.y, s));
       out[j / 2] |= (lo | (hi << 8)) << (16 * (j % 2));
+#endif
     }
     return make_uint2(out[0], out[1]);
   };
