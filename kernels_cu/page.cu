@@ -117,6 +117,19 @@ typedef bf16 in_t;
 typedef f16 in_t;
 #endif
 
+// RN(x / s) as far as the fp8 rounding can tell: x times r = RN(1 / s) is within 3 ulps of RN(x / s) (relative
+// errors of 2^-24 in r and in the product), so both round to the same fp8 value unless an fp8 rounding tie lies
+// between them: the product is used except where its bits below the fp8 mantissa lie within 4 ulps of a tie,
+// in or near fp8's subnormal range (other tie positions), or it is not finite; there the IEEE division decides.
+__device__ __forceinline__ float quotient(float x, float s, float r) {
+  const float q = x * r;
+  constexpr uint32_t LOW = (1u << (23 - MANT)) - 1u, TIE = 1u << (22 - MANT);
+  const float a = fabsf(q);
+  const bool near_tie = ((__float_as_uint(q) & LOW) - (TIE - 4u)) <= 8u;
+  const bool plain = a <= 3.0e38f && a >= __uint_as_float(uint32_t(127 + 2 - BIAS) << 23);   // >= 2 x min normal
+  return plain && !near_tie ? q : __fdiv_rn(x, s);
+}
+
 // fp32 -> fp8 bits, saturating, round to nearest even (subnormals included; NaN stays NaN)
 __device__ __forceinline__ uint32_t to_fp8(float x) {
   const uint32_t u = __float_as_uint(x), sign = (u >> 24) & 0x80u;
@@ -163,7 +176,8 @@ extern "C" __global__ void cuattn_page_append_fp8(
   const int64_t dst = a.dst + vec * 8;
   const uint4 k = *reinterpret_cast<const uint4*>(append_key + tok * ak_tok + head * ak_head + vec * 16);
   const uint4 v = *reinterpret_cast<const uint4*>(append_value + tok * av_tok + head * av_head + vec * 16);
-  auto pack = [](uint4 x, float s) {    // 8 values -> 8 fp8 bytes
+  const float kr = __frcp_rn(ks), vr = __frcp_rn(vs);
+  auto pack = [](uint4 x, float s, float r) {    // 8 values -> 8 fp8 bytes
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
     uint32_t out[2] = {0u, 0u};
 #pragma unroll
@@ -171,20 +185,21 @@ extern "C" __global__ void cuattn_page_append_fp8(
       const float2 f = unpack2<in_t>(w[j]);
 #if __CUDA_ARCH__ >= 890   // the hardware conversion: RNE, +-inf and overflow to +-max finite (satfinite) as to_fp8
       uint16_t pair;
-      const float lo = __fdiv_rn(f.x, s), hi = __fdiv_rn(f.y, s);
+      const float lo = quotient(f.x, s, r), hi = quotient(f.y, s, r);
       if (KV_FP8 == 1)
         asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
       else
         asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
       out[j / 2] |= uint32_t(pair) << (16 * (j % 2));
 #else
+      (void)r;
       const uint32_t lo = to_fp8(__fdiv_rn(f.x, s)), hi = to_fp8(__fdiv_rn(f.y, s));
       out[j / 2] |= (lo | (hi << 8)) << (16 * (j % 2));
 #endif
     }
     return make_uint2(out[0], out[1]);
   };
-  *reinterpret_cast<uint2*>(k_cache + dst) = pack(k, ks);
-  *reinterpret_cast<uint2*>(v_cache + dst) = pack(v, vs);
+  *reinterpret_cast<uint2*>(k_cache + dst) = pack(k, ks, kr);
+  *reinterpret_cast<uint2*>(v_cache + dst) = pack(v, vs, vr);
 }
 #endif
