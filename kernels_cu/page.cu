@@ -99,8 +99,9 @@ extern "C" __global__ void cuattn_batch_indices_positions(
 // (1: e4m3, 2: e5m2)): like cuattn_page_append, but each thread converts 8 values of a row
 // (16 bytes in, 8 bytes out): stored = round_to_nearest_even(clamp(x / scale, +-max finite)), the
 // division in fp32 (IEEE, as NumPy's), so the bits equal cuattn.fp8.quantize's (no NaN or inf from
-// overflow); the rounding by the hardware's cvt.rn.satfinite on sm_89+ (the software rounding left the H100 at
-// 63% of the copy bandwidth, benchmarks/bench_append.py), by to_fp8 below elsewhere.
+// overflow); on sm_89+ the quotient by quotient() below and the rounding by the hardware's cvt.rn.satfinite (the
+// division and software rounding per value left the H100 at 63% of the copy bandwidth, now 86-88%:
+// benchmarks/results/append_notes.md), elsewhere by __fdiv_rn and to_fp8.
 // scale = k_scale * (k_scales ? k_scales[head or 0] : 1), likewise v.
 // grid ceil(nnz * num_heads * head_dim / 8 / 256), block 256.
 namespace cuattn {
