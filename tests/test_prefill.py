@@ -505,6 +505,55 @@ def test_batch_prefill_gpu_pdl_waits_for_the_previous_kernel(kind, backend):
         assert rel_err(cp.asnumpy(lse), ref_s) < LSE_TOL
 
 
+def test_replay_records_patch_q_out_lse_pointers_and_refuse_ambiguous_ones(monkeypatch):
+    """prefill_batch's replay bookkeeping without a GPU (pointer layouts, stream and capture check stubbed): a record
+    finds where q / out / lse sit in each launch's arguments, a hit with other arrays of the same layouts launches the
+    recorded arguments with those pointers patched in (the same arrays: the recorded arguments as they are), another
+    alignment misses, and a call whose pointers coincide (with each other or a cache's) or do not appear as
+    themselves is not recorded."""
+    import types
+    from cuattn import arrays, plan_buffers, prefill_batch
+
+    class Arr:
+        def __init__(self, ptr, shape):
+            self.ptr, self.shape = ptr, shape
+    monkeypatch.setattr(arrays, "pointer_layout", lambda x: (x.ptr, ("cupy", x.shape, (1,), np.dtype(np.float16), 0)))
+    monkeypatch.setattr(arrays, "resolve_stream", lambda fw, device, stream: "stream")
+    monkeypatch.setattr(plan_buffers, "refuse_capture", lambda fn, graph, stream: None)
+    w = prefill_batch._BatchPrefillBase.__new__(prefill_batch._BatchPrefillBase)
+    w._runs, w._runs_plan, w._bufs = {}, None, types.SimpleNamespace(graph=False)
+    w._f32q = w._rope = types.SimpleNamespace(active=False)
+    plan = types.SimpleNamespace(bound=types.SimpleNamespace(runtime=False))
+    launched = []
+
+    def launcher(grid, threads, stream, *args, pdl):
+        launched.append(args)
+    G = 1 << 40
+    q, k, v, out, lse = (Arr(i * G, (64, 8, 128)) for i in (1, 2, 3, 4, 5))
+    record = [(launcher, (1,), 128, (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, 7, 1.5), False),
+              (launcher, (2,), 128, (9, out.ptr, lse.ptr, 64), False)]          # (the merge)
+    key, ptrs = w._replay_key(plan, (q, k, v), out, lse, True, True, None)
+    w._keep_record(plan, key, record, ptrs, (k.ptr, v.ptr))
+    assert w._runs[key][1] == (((0, "q"), (3, "out"), (4, "lse")), ((1, "out"), (2, "lse")))
+    q2, out2, lse2 = Arr(11 * G, q.shape), Arr(14 * G, out.shape), Arr(15 * G, lse.shape)
+    key2, ptrs2 = w._replay_key(plan, (q2, k, v), out2, lse2, True, True, None)
+    assert key2 == key and w._replay(plan, key2, ptrs2, out2, lse2, True, None, "f") == (out2, lse2)
+    assert launched == [(q2.ptr, k.ptr, v.ptr, out2.ptr, lse2.ptr, 7, 1.5), (9, out2.ptr, lse2.ptr, 64)]
+    launched.clear()
+    assert w._replay(plan, key, ptrs, out, lse, True, None, "f") == (out, lse)      # the recorded arrays
+    assert launched == [record[0][3], record[1][3]]
+    q3 = Arr(21 * G + 16, q.shape)                                                # another alignment: a miss
+    assert w._replay_key(plan, (q3, k, v), out, lse, True, True, None)[0] not in w._runs
+    k2 = Arr(31 * G, k.shape)                                                     # another cache: a miss
+    assert w._replay_key(plan, (q, k2, v), out, lse, True, True, None)[0] not in w._runs
+    # -- not recorded: out at a cache's pointer, q and out the same, or lse in no argument as itself
+    for rec, p, caches in ((record, dict(ptrs, out=k.ptr), (k.ptr, v.ptr)), (record, dict(ptrs, out=q.ptr), ()),
+                           ([(launcher, (1,), 128, (q.ptr, k.ptr, v.ptr, out.ptr, 0, 7, 1.5), False)], ptrs, ())):
+        w._runs.clear()
+        w._keep_record(plan, key, rec, p, caches)
+        assert not w._runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,backend", [("ragged", "auto"), ("paged", "auto"), ("paged", "fa2")])
 def test_run_replays_a_call_with_the_same_layouts(kind, backend, monkeypatch):
