@@ -41,7 +41,7 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 
 def make_call(kind, b, n, causal):
     """A call of case (kind, b x n, causal) on a fresh wrapper, planned now (with the current tuning)."""
-    if kind == "mixed":                            # bench_sparse's mixed step (b x n ignored), BatchAttention
+    if kind == "mixed":      # bench_sparse's mixed step (b x n ignored), BatchAttention; ~18 GB of cache a tuning
         from bench_sparse import MIXED_SHAPE, mixed_step
         hq, hkv, d, ps = MIXED_SHAPE
         qo_indptr, indptr, indices, kv_lens, _, q, cache = mixed_step()
