@@ -356,20 +356,27 @@ using namespace cuattn;
 
 // q: (t, h, d) at t*q_n + h*q_h + d, k likewise with k_n / k_h; q_out / k_out with qo_* / ko_* (equal
 // to q / k for the in-place forms). The float pairs are RopeFreq's (hi, lo) values.
-#define CUATTN_ROPE_ENTRY(P)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) cuattn_rope_p##P(                        \
-      const elem_t* q, const elem_t* k, elem_t* q_out, elem_t* k_out, const void* pos_ids, const void* indptr,    \
-      const void* offsets, const float* cos_sin_cache, int nnz, int batch, int num_qo_heads, int num_kv_heads,    \
+// The entries' parameters (rope.py's _ARG_KINDS) and the RopeArgs they describe, shared by both kinds of entry.
+#define CUATTN_ROPE_PARAMS                                                                                        \
+      const elem_t *q, const elem_t *k, elem_t *q_out, elem_t *k_out, const void *pos_ids, const void *indptr,    \
+      const void *offsets, const float *cos_sin_cache, int nnz, int batch, int num_qo_heads, int num_kv_heads,    \
       int head_dim, int rotary_dim, int interleave, int idx64, int vector, int lanes_per_row, int tail_unit,      \
       int64_t q_n, int64_t q_h, int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h, \
       int64_t cache_n, int64_t cache_len, float step_hi, float step_lo, float smooth_a_hi, float smooth_a_lo,     \
       float smooth_b_hi, float smooth_b_lo, float scaled_pi_hi, float scaled_pi_lo, float unscaled_pi_hi,         \
-      float unscaled_pi_lo) {                                                                                     \
-    const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
-                     num_kv_heads, head_dim, rotary_dim, lanes_per_row, tail_unit, interleave != 0, idx64 != 0,   \
-                     cos_sin_cache != nullptr, q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len,    \
-                     RopeFreq{{step_hi, step_lo}, {smooth_a_hi, smooth_a_lo}, {smooth_b_hi, smooth_b_lo},         \
-                              {scaled_pi_hi, scaled_pi_lo}, {unscaled_pi_hi, unscaled_pi_lo}}};                   \
+      float unscaled_pi_lo
+#define CUATTN_ROPE_ARGS(TAIL_UNIT, INTERLEAVE, CACHED)                                                           \
+  RopeArgs {                                                                                                      \
+    q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads, num_kv_heads,          \
+        head_dim, rotary_dim, lanes_per_row, TAIL_UNIT, INTERLEAVE, idx64 != 0, CACHED, q_n, q_h, k_n, k_h, qo_n, \
+        qo_h, ko_n, ko_h, cache_n, cache_len,                                                                     \
+        RopeFreq{{step_hi, step_lo}, {smooth_a_hi, smooth_a_lo}, {smooth_b_hi, smooth_b_lo},                      \
+                 {scaled_pi_hi, scaled_pi_lo}, {unscaled_pi_hi, unscaled_pi_lo}}                                  \
+  }
+
+#define CUATTN_ROPE_ENTRY(P)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) cuattn_rope_p##P(CUATTN_ROPE_PARAMS) {   \
+    const RopeArgs a = CUATTN_ROPE_ARGS(tail_unit, interleave != 0, cos_sin_cache != nullptr);                   \
     rope_kernel<P>(a, vector);                                                                                    \
   }
 
@@ -387,15 +394,9 @@ constexpr int CACHE_MIN_BLOCKS = 8;
 constexpr int CACHE_WORDS = 8;          // row words a lane a step: one row of 8 pairs
 #define CUATTN_ROPE_CACHE_ENTRY(STYLE, INTERLEAVE)                                                                \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, CACHE_MIN_BLOCKS) cuattn_rope_cache_##STYLE(           \
-      const elem_t* q, const elem_t* k, elem_t* q_out, elem_t* k_out, const void* pos_ids, const void* indptr,    \
-      const void* offsets, const float* cos_sin_cache, int nnz, int batch, int num_qo_heads, int num_kv_heads,    \
-      int head_dim, int rotary_dim, int interleave, int idx64, int vector, int lanes_per_row, int tail_unit,      \
-      int64_t q_n, int64_t q_h, int64_t k_n, int64_t k_h, int64_t qo_n, int64_t qo_h, int64_t ko_n, int64_t ko_h, \
-      int64_t cache_n, int64_t cache_len, float, float, float, float, float, float, float, float, float, float) { \
+      CUATTN_ROPE_PARAMS) {                                                                                       \
     __shared__ __align__(16) float2 tables[WARPS][MAX_HALF];                                                     \
-    const RopeArgs a{q, k, q_out, k_out, pos_ids, indptr, offsets, cos_sin_cache, nnz, batch, num_qo_heads,      \
-                     num_kv_heads, head_dim, rotary_dim, lanes_per_row, 0, INTERLEAVE, idx64 != 0, true,          \
-                     q_n, q_h, k_n, k_h, qo_n, qo_h, ko_n, ko_h, cache_n, cache_len, RopeFreq{}};                 \
+    const RopeArgs a = CUATTN_ROPE_ARGS(0, INTERLEAVE, true);                /* (the frequencies go unread) */    \
     rope_tokens<8, true, CACHE_WORDS, true>(a, tables[threadIdx.x >> 5]);                                         \
   }
 
