@@ -284,7 +284,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         record = [] if key is not None else None
-        if plan.backend == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
+        if plan.fp8_ahead:      # fp8 rows converted once, then the contiguous fa3 kernel (prefill_fp8.py)
+            with arrays.cupy_module().cuda.Device(ctx.device):
+                kt, vt = self._fp8.convert(ctx, plan, kv, record, fn)
+                prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kt, v=vt, k_strides=kt.strides[:2],
+                                    v_strides=vt.strides[:2], kv_tokens=kt.shape[0], out=ot, lse_ptr=lse_ptr,
+                                    num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,
+                                    sm_scale=scale, variant_args=vargs, fn=fn, meta=plan.meta, pdl=pdl,
+                                    scales=scales, record=record)
+        elif plan.backend == "fa3":        # TMA boxes per page (prefill_sm90.page_box) or the cp.async gather
             with arrays.cupy_module().cuda.Device(ctx.device):
                 prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kv.k, v=vv.v, k_strides=strides,
                                     v_strides=(vv.stride_slot, vv.stride_head, vv.stride_page),

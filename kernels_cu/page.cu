@@ -2,6 +2,7 @@
 // Compile-time: VEC_BYTES (1, 2, 4, 8 or 16: the width of one copy; row bytes are a multiple).
 // cuattn_page_append:    grid ceil(nnz * num_heads * vecs_per_row / 256), block 256.
 // cuattn_batch_indices_positions: grid ceil(nnz / 256), block 256.
+// cuattn_page_append_fp8 (KV_FP8 without KV_DEQUANT), cuattn_kv_dequant (KV_DEQUANT): below.
 // Strides are in bytes so one kernel serves every dtype and layout (NHD, HND, (k, v) pairs).
 #include "common/dtypes.cuh"
 
@@ -94,7 +95,7 @@ extern "C" __global__ void cuattn_batch_indices_positions(
   positions[t] = seq_lens[lo] - append_len + (t - append_indptr[lo]);
 }
 
-#if KV_FP8
+#if KV_FP8 && !KV_DEQUANT
 // cuattn_page_append_fp8 (PageFp8Spec; compile-time IN_BF16 (0: fp16 rows in, 1: bf16), KV_FP8
 // (1: e4m3, 2: e5m2)): like cuattn_page_append, but each thread converts 8 values of a row
 // (16 bytes in, 8 bytes out): stored = round_to_nearest_even(clamp(x / scale, +-max finite)), the
@@ -202,5 +203,70 @@ extern "C" __global__ void cuattn_page_append_fp8(
   };
   *reinterpret_cast<uint2*>(k_cache + dst) = pack(k, ks, kr);
   *reinterpret_cast<uint2*>(v_cache + dst) = pack(v, vs, vr);
+}
+#endif
+
+#if KV_DEQUANT
+// cuattn_kv_dequant (PageDequantSpec; compile-time KV_FP8 (1: e4m3, 2: e5m2), OUT_BF16 (0: f16 rows out, 1: bf16)):
+// a batch's K and V rows of an fp8 paged cache converted to 16-bit rows in token order, exact (every e4m3 and e5m2
+// value is an f16 and a bf16 value; no scale applied: the attention kernel applies k_scale / v_scale as it does to
+// the fp8 rows), read once per run by the fa3 kernel's contiguous form (cuattn/prefill_fp8.py: fp8 paged prefill
+// converting each row once, not once per query tile that reads it). Token t of request b (tok_indptr[b] <= t <
+// tok_indptr[b + 1]) sits at position p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot
+// p % page_size. One thread a 16-byte fp8 chunk of a K row and the same chunk of its V row (32 bytes out each);
+// a warp covers 512 bytes of one token's heads, so its request search reads the same few indptr words.
+// grid ceil(nnz * num_heads * chunks_per_row / 256), block 256.
+namespace cuattn {
+#if OUT_BF16
+typedef bf16 out_t;
+#else
+typedef f16 out_t;
+#endif
+
+__device__ __forceinline__ uint4 dequant8(uint32_t a, uint32_t b) {    // 8 fp8 values -> 8 out_t values, exact
+  const uint4 h = fp8_chunk<KV_FP8>(a, b);
+  constexpr float F = fp8_factor(KV_FP8);       // (256: the byte trick's e4m3 values, without the hardware cvt)
+  if (F == 1.f) return convert8<f16, out_t>(h);
+  uint32_t w[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack2<f16>(w[j]);
+    w[j] = pack2<out_t>(f.x * F, f.y * F);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+}  // namespace cuattn
+
+extern "C" __global__ void cuattn_kv_dequant(
+    const char* __restrict__ k_cache,           // page p, slot s, head h at p*c_page + s*c_slot + h*c_head (bytes)
+    const char* __restrict__ v_cache,
+    const int32_t* __restrict__ tok_indptr,     // [batch + 1]: the rows' token offsets
+    const int32_t* __restrict__ page_indptr,    // [batch + 1]: the requests' page ids in kv_indices
+    const int32_t* __restrict__ kv_indices,
+    uint4* __restrict__ k_out,                  // [nnz, num_heads, head_dim] of out_t, contiguous
+    uint4* __restrict__ v_out,
+    int64_t nnz, int batch, int num_heads, int chunks_per_row, int page_size,
+    int64_t c_page, int64_t c_slot, int64_t c_head) {
+  using cuattn::dequant8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nnz * num_heads * chunks_per_row) return;
+  const int c = int(i % chunks_per_row);
+  const int64_t r = i / chunks_per_row;
+  const int head = int(r % num_heads);
+  const int t = int(r / num_heads);
+  int lo = 0, hi = batch;          // the last request b with tok_indptr[b] <= t (an empty one before it: skipped)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (tok_indptr[mid] <= t) lo = mid; else hi = mid;
+  }
+  const int p = t - tok_indptr[lo];
+  const int64_t page = kv_indices[page_indptr[lo] + p / page_size];
+  const int64_t off = page * c_page + int64_t(p % page_size) * c_slot + head * c_head + c * 16;
+  const uint4 k = *reinterpret_cast<const uint4*>(k_cache + off);
+  const uint4 v = *reinterpret_cast<const uint4*>(v_cache + off);
+  k_out[2 * i] = dequant8(k.x, k.y);
+  k_out[2 * i + 1] = dequant8(k.z, k.w);
+  v_out[2 * i] = dequant8(v.x, v.y);
+  v_out[2 * i + 1] = dequant8(v.z, v.w);
 }
 #endif

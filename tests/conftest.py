@@ -63,6 +63,13 @@ def memcheck(script: str) -> str:
 
 
 @pytest.fixture
+def fp8_in_kernel(monkeypatch):
+    """fp8 paged prefill on fa3 converting its rows in the kernel (prefill_fp8's conversion ahead off)."""
+    from cuattn import prefill_fp8
+    monkeypatch.setattr(prefill_fp8, "MIN_SHARING", float("inf"))
+
+
+@pytest.fixture
 def tmp_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CUATTN_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"

@@ -3,13 +3,15 @@ fa3 prefill batches through the gather (16-bit caches with cp.async, fp8 caches 
 through TMA boxes (the fused RoPE at head_dim 256, the one case the gather does not take), with CuPy's memory pool off so every array is its
 own allocation (the pool would hide out-of-bounds accesses inside its blocks). Exits 0 when each output is
 finite; memcheck's own report decides the test. fp8 batches: pages of 1, 5, 16; head_dim 64 and 128 (the fp8 gather
-reads row 0 of the cache for keys past a request's end: with no spare page, still inside the allocation)."""
+reads row 0 of the cache for keys past a request's end: with no spare page, still inside the allocation), each run
+twice: converted in the kernel, and converted ahead into the wrapper's buffer (prefill_fp8: page.cu cuattn_kv_dequant)."""
 
 import numpy as np
 
 import cupy as cp
 
 import cuattn
+from cuattn import prefill_fp8
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(5)
@@ -19,7 +21,7 @@ CASES = ((1, True, None, 128, False), (5, False, None, 128, False), (16, True, N
          (1, False, "float8_e4m3fn", 64, False), (16, False, "float8_e5m2", 64, False))
 
 
-def run_case(page_size, causal, kv, d, rope):
+def run_case(page_size, causal, kv, d, rope, ahead=False):
     kv_lens, qo_lens = [37, 130, 3], [5, 130, 1]
     pages = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(pages)                       # no spare page: a read past a request's pages leaves the array
@@ -33,14 +35,18 @@ def run_case(page_size, causal, kv, d, rope):
     else:                                        # e4m3 bytes of magnitude < 2 (no NaN), random sign
         cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
+    prefill_fp8.MIN_SHARING = 0 if ahead else float("inf")
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv,
            pos_encoding_mode="ROPE_LLAMA" if rope else "NONE")
     out = w.run(q, cache)
     cp.cuda.Device().synchronize()
     assert bool(cp.isfinite(out).all()), page_size
-    print(page_size, w.describe().splitlines()[1])
+    assert w._plan.fp8_ahead is ahead
+    print(page_size, w.describe().splitlines()[1], "converted ahead" if ahead else "")
 
 
 for case in CASES:
     run_case(*case)
+    if case[2] is not None:
+        run_case(*case, ahead=True)
