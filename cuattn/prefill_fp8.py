@@ -30,6 +30,10 @@ from . import arrays, jit, prefill_sm90
 # head_dim 128; benchmarks/results/prefill_sm90_notes.md, session 22): ahead over in the kernel at 4 tiles a key
 # 0.81x the speed, 8 tiles 0.99x, 16 tiles 1.15x (causal 8: 0.99x, 16: 1.15x)
 MIN_SHARING = 8
+# ... and at least this many (key, query tile) reads (half the product when causal), so that the pass's fixed cost
+# (a second launch and its tail, ~5 us) is paid back: H100, 1 x 1024 causal (16k) 0.95x the in-kernel speed, not
+# causal (32k) 1.07x
+MIN_READS = 32768
 MAX_BYTES = 1 << 30     # the buffer of converted rows: a batch needing more converts in the kernel
 _TILE_ROWS = 128
 _THREADS = 256
@@ -61,8 +65,8 @@ def pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, causal: bool, row
     keys = int(kv_lens.sum()) if len(kv_lens) else 0
     if keys == 0 or keys * row_bytes > MAX_BYTES:
         return False
-    tiles = -(-qo_lens * group // _TILE_ROWS)
-    return int((tiles * kv_lens).sum()) >= MIN_SHARING * (2 if causal else 1) * keys
+    reads = int((-(-qo_lens * group // _TILE_ROWS) * kv_lens).sum()) // (2 if causal else 1)
+    return reads >= MIN_SHARING * keys and reads >= MIN_READS
 
 
 def token_indptr(kv_lens: np.ndarray) -> np.ndarray:
@@ -73,11 +77,12 @@ def token_indptr(kv_lens: np.ndarray) -> np.ndarray:
 
 
 def dequant_rows(ctx, kv, dtype_out: str, dtype_kv: str, meta: dict, nnz: int, batch: int, k_out: int, v_out: int,
-                 record: list | None = None) -> None:
+                 record: list | None = None, pdl: bool = False) -> None:
     """One launch on ``ctx``'s stream: the planned rows of ``kv`` (page.PagedKV of an fp8 cache; K and V of one
     head_dim) into ``k_out`` / ``v_out`` (contiguous [nnz, num_kv_heads, head_dim] of ``dtype_out``); ``meta``:
     the plan's device pointers (kv_indptr: token offsets, page_indptr, kv_indices). ``record`` as
-    prefill_sm90.launch's."""
+    prefill_sm90.launch's; ``pdl``: launched with programmatic dependent launch (the kernel waits for the previous
+    grid before reading, and lets the next one start its prologue)."""
     if nnz == 0 or kv.num_kv_heads == 0:
         return
     chunks = kv.head_dim // 16
@@ -88,8 +93,8 @@ def dequant_rows(ctx, kv, dtype_out: str, dtype_kv: str, meta: dict, nnz: int, b
             kv.num_kv_heads, chunks, kv.page_size, kv.stride_page, kv.stride_slot, kv.stride_head)
     grid = (-(-total // _THREADS),)
     if record is not None:
-        record.append((launch, grid, _THREADS, args, False))
-    launch(grid, _THREADS, ctx.stream, *args)
+        record.append((launch, grid, _THREADS, args, pdl))
+    launch(grid, _THREADS, ctx.stream, *args, pdl=pdl)
 
 
 class DequantAhead:
@@ -114,7 +119,7 @@ class DequantAhead:
             with cp.cuda.Device(p.device):
                 self._buf = cp.empty(need, np.uint16)
 
-    def convert(self, ctx, plan, kv, record: list | None, fn: str):
+    def convert(self, ctx, plan, kv, record: list | None, fn: str, pdl: bool = False):
         """The plan's rows of ``kv`` (page.PagedKV, fp8) converted into the buffer on the run's stream; returns
         the (k, v) tensors there, contiguous NHD in q's dtype (the kernel's). The cache's pointers and strides
         must suit 16-byte loads, as the fa3 gather's (prefill_sm90.gather_args raises UnsupportedError)."""
@@ -124,7 +129,7 @@ class DequantAhead:
         base = self._buf.data.ptr
         dt = plan.run_spec.dtype
         dequant_rows(ctx, kv, dt, arrays.SHORT_NAME[plan.kv_dtype], plan.meta, nnz, plan.batch, base,
-                     base + 2 * self._k_elems, record)
+                     base + 2 * self._k_elems, record, pdl)
         dtype = arrays.bfloat16 if dt == "bf16" else np.dtype(np.float16)
         return tuple(arrays.Tensor(ptr, (nnz, h, d), (h * d, d, 1), dtype, ctx.device, "cupy", self._buf)
                      for ptr, d in ((base, plan.head_dim), (base + 2 * self._k_elems, plan.head_dim_vo)))

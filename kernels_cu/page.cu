@@ -5,6 +5,7 @@
 // cuattn_page_append_fp8 (KV_FP8 without KV_DEQUANT), cuattn_kv_dequant (KV_DEQUANT): below.
 // Strides are in bytes so one kernel serves every dtype and layout (NHD, HND, (k, v) pairs).
 #include "common/dtypes.cuh"
+#include "common/grid_dependency.cuh"
 
 #if VEC_BYTES == 16
 typedef uint4 vec_t;
@@ -214,7 +215,10 @@ extern "C" __global__ void cuattn_page_append_fp8(
 // converting each row once, not once per query tile that reads it). Token t of request b (tok_indptr[b] <= t <
 // tok_indptr[b + 1]) sits at position p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot
 // p % page_size. One thread a 16-byte fp8 chunk of a K row and the same chunk of its V row (32 bytes out each);
-// a warp covers 512 bytes of one token's heads, so its request search reads the same few indptr words.
+// a warp covers 512 bytes of one token's heads, so its request search reads the same few indptr words. Launched with
+// PDL (sm_90) behind the previous kernel and before the attention kernel: it lets the attention kernel start its
+// prologue at once (that kernel waits for this grid before reading K / V) and waits for the previous one before
+// reading the cache.
 // grid ceil(nnz * num_heads * chunks_per_row / 256), block 256.
 namespace cuattn {
 #if OUT_BF16
@@ -248,6 +252,8 @@ extern "C" __global__ void cuattn_kv_dequant(
     int64_t nnz, int batch, int num_heads, int chunks_per_row, int page_size,
     int64_t c_page, int64_t c_slot, int64_t c_head) {
   using cuattn::dequant8;
+  cuattn::allow_next_grid();
+  cuattn::wait_prior_grids();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= nnz * num_heads * chunks_per_row) return;
   const int c = int(i % chunks_per_row);

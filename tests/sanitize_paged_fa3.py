@@ -35,7 +35,7 @@ def run_case(page_size, causal, kv, d, rope, ahead=False):
     else:                                        # e4m3 bytes of magnitude < 2 (no NaN), random sign
         cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
-    prefill_fp8.MIN_SHARING = 0 if ahead else float("inf")
+    prefill_fp8.MIN_SHARING = prefill_fp8.MIN_READS = 0 if ahead else float("inf")
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv,
            pos_encoding_mode="ROPE_LLAMA" if rope else "NONE")

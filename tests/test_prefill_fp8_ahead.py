@@ -19,7 +19,7 @@ from tests.prefill_dtype_cases import BF16, FP8, FP8_NAME, _cp, _dev, _ids, page
 
 def test_pays_counts_query_tiles_per_key_and_caps_the_buffer(monkeypatch):
     row = 2 * 8 * 256                               # a token's 16-bit K and V rows at 8 kv heads, head_dim 128
-    one = np.array([1024]), np.array([4096])        # group 1: 8 query tiles read each key
+    one = np.array([1024]), np.array([4096])        # group 1: 8 query tiles read each key (32k reads)
     assert prefill_fp8.pays(*one, 1, False, row)                   # 8 tiles a key: MIN_SHARING
     assert not prefill_fp8.pays(*one, 1, True, row)                # causal: twice that
     assert prefill_fp8.pays(one[0], one[1], 2, True, row)          # group 2: 16 tiles
@@ -29,6 +29,8 @@ def test_pays_counts_query_tiles_per_key_and_caps_the_buffer(monkeypatch):
     assert not prefill_fp8.pays(*decode, 4, False, row)            # one tile a key
     assert not prefill_fp8.pays(np.zeros(0, np.int64), np.zeros(0, np.int64), 4, True, row)
     assert not prefill_fp8.pays(np.array([512]), np.array([0]), 4, True, row)
+    small = np.array([1024]), np.array([1024])      # 32 tiles a key, 32k reads; causal 16k: in the kernel
+    assert prefill_fp8.pays(*small, 4, False, row) and not prefill_fp8.pays(*small, 4, True, row)
     big = np.array([4096]), np.array([4096])
     assert prefill_fp8.pays(*big, 4, True, row)
     monkeypatch.setattr(prefill_fp8, "MAX_BYTES", 4096 * row - 1)
@@ -69,6 +71,7 @@ sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 
 def ahead(monkeypatch):
     """Every fp8 paged fa3 plan converts its rows ahead."""
     monkeypatch.setattr(prefill_fp8, "MIN_SHARING", 0)
+    monkeypatch.setattr(prefill_fp8, "MIN_READS", 0)
 
 
 @pytest.mark.gpu
@@ -134,6 +137,7 @@ def _run_both(monkeypatch, c, hq, hkv, ps, kv, causal, split=None):
     """(out, lse) of the planned batch converted ahead, then in the kernel, f16 q, the case's scales."""
     cp = _cp()
     got = []
+    monkeypatch.setattr(prefill_fp8, "MIN_READS", 0)
     for sharing in (0, float("inf")):
         monkeypatch.setattr(prefill_fp8, "MIN_SHARING", sharing)
         w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
