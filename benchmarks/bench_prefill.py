@@ -175,7 +175,7 @@ def paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_si
     wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
             causal=causal, q_data_type=dtype, kv_data_type="float8_e4m3fn" if kv == "e4m3" else "float8_e5m2")
     out = cp.empty_like(q)
-    form = wp.backend + ("+ahead" if "converted to 16 bits" in wp.describe() else "")   # (prefill_fp8: rows converted ahead)
+    form = wp.backend + ("+ahead" if "gathered ahead" in wp.describe() else "")   # (prefill_ahead: rows gathered ahead)
     return (lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])), cache, scales, form
 
 
@@ -696,8 +696,8 @@ def main():
             print(f"{case:<26}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
                   f"{r['paged_fp8_speed_vs_fp16']:7.2f}{peers}")
         print("fp8 = cuattn paged prefill over an fp8 cache (per-kv-head scales; backend named in the case: 'auto' "
-              "picks it, as for the fp16 paged column; '+ahead': the batch's rows converted to 16 bits once, ahead of the "
-              "contiguous kernel, prefill_fp8.py), GPU alone; 16/8 = fp16 paged GPU "
+              "picks it, as for the fp16 paged column; '+ahead': the batch's rows gathered and converted to 16 bits once, "
+              "ahead of the contiguous kernel, prefill_ahead.py), GPU alone; 16/8 = fp16 paged GPU "
               "time over it (target >= 0.95); FI2/8, FI3/8 = FlashInfer fp8 paged (fa2 / fa3) over ours (> 1: cuattn "
               "faster), same run.")
 

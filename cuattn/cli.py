@@ -15,7 +15,7 @@ from .errors import DeviceUnavailableError
 
 # Modules that ship kernels; each has shipped_specs().
 KERNEL_MODULES = ("page", "decode", "cascade", "prefill", "prefill_sm90", "norm", "activation", "rope", "sampling",
-                  "mla", "mla_sm90", "qcast", "prefill_fp8")
+                  "mla", "mla_sm90", "qcast", "prefill_ahead")
 
 
 def shipped_specs(arch: str | None = None) -> list:

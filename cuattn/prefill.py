@@ -284,9 +284,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
         record = [] if key is not None else None
-        if plan.fp8_ahead:      # fp8 rows converted once, then the contiguous fa3 kernel (prefill_fp8.py)
+        if plan.kv_ahead:       # the rows gathered (fp8: converted) once, then the contiguous fa3 kernel (prefill_ahead.py)
             with arrays.cupy_module().cuda.Device(ctx.device):
-                kt, vt = self._fp8.convert(ctx, plan, kv, record, fn, pdl)
+                kt, vt = self._ahead.gather(ctx, plan, kv, record, fn, pdl)
                 prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kt, v=vt, k_strides=kt.strides[:2],
                                     v_strides=vt.strides[:2], kv_tokens=kt.shape[0], out=ot, lse_ptr=lse_ptr,
                                     num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import (arrays, fp8, jit, plan as _plan, plan_buffers as _buffers, prefill_fp8, prefill_rope, prefill_sm90, qcast,
+from . import (arrays, fp8, jit, plan as _plan, plan_buffers as _buffers, prefill_ahead, prefill_rope, prefill_sm90, qcast,
                reference, support, variants)
 from .params import Params
 from .errors import UnsupportedError
@@ -103,7 +103,7 @@ class _BatchPrefillBase:
         self._bufs = _buffers.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
-        self._fp8 = prefill_fp8.DequantAhead()                # paged fp8 on fa3: the rows converted ahead (prefill_fp8.py)
+        self._ahead = prefill_ahead.RowsAhead()               # paged on fa3: the rows gathered ahead (prefill_ahead.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
         self._runs: dict[tuple, tuple] = {}      # launches of plain GPU run()s by their arrays' layouts (_replay)
@@ -209,7 +209,7 @@ class _BatchPrefillBase:
         plan.device = device
         self._f32q.plan(plan)       # fp32 q: the 16-bit copies of q and out
         self._rope.plan(plan)       # ragged fused RoPE: the buffer of the rotated q and K
-        self._fp8.plan(plan)        # (inactive until this plan converts fp8 rows ahead, below)
+        self._ahead.plan(plan)      # (inactive until this plan gathers its rows ahead, below)
         if device is None or plan.spec is None:
             return
         composite = plan.spec.variant       # the kernel's (the plan's, or without its RoPE: prefill_rope.py)
@@ -225,17 +225,18 @@ class _BatchPrefillBase:
                 plan.spec.dtype, plan.causal, composite, paged, plan.spec.dtype_kv,
                 plan.head_dim, plan.head_dim_vo, plan.page_size if paged else None,
                 small=plan.spec.block_m == 64)         # (fa2's 64-row tiles: every request within 64 packed rows)
-            ahead_spec = prefill_sm90.make_spec(        # fp8 pages converted ahead: the contiguous 16-bit kernel
+            ahead_spec = prefill_sm90.make_spec(        # the rows gathered ahead: the contiguous 16-bit kernel
                 plan.spec.dtype, plan.causal, composite, False, "", plan.head_dim, plan.head_dim_vo
-            ) if paged and backend == "fa3" and spec.dtype_kv and not bufs.graph else None
+            ) if paged and backend == "fa3" and plan.head_dim == plan.head_dim_vo and not bufs.graph else None
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec, ahead_spec))
         else:
             _, backend, spec, ahead_spec = hit
             self.backend = backend
         h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
-        if ahead_spec is not None and prefill_fp8.pays(plan.qo_lens, plan.kv_lens, group, plan.causal,
-                                                       2 * h_kv * (plan.head_dim + plan.head_dim_vo)):
-            spec, plan.fp8_ahead = ahead_spec, True
+        if ahead_spec is not None and prefill_ahead.pays(plan.qo_lens, plan.kv_lens, group, plan.causal,
+                                                         2 * h_kv * (plan.head_dim + plan.head_dim_vo),
+                                                         prefill_ahead.kind(spec.dtype_kv)):
+            spec, plan.kv_ahead = ahead_spec, True
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
         sms = _plan.num_sms(device)
         why, wl = _plan.prefill_schedule(
@@ -247,13 +248,13 @@ class _BatchPrefillBase:
         mask = plan.mask
         segments = [("kv_chunk", (wl.chunk,), 0), ("sched", _SCHED_ZEROS, 0),
                     ("qo_indptr", plan.qo_indptr, 0),
-                    ("kv_indptr", prefill_fp8.token_indptr(plan.kv_lens) if plan.fp8_ahead else plan.kv_indptr, 0),
+                    ("kv_indptr", prefill_ahead.token_indptr(plan.kv_lens) if plan.kv_ahead else plan.kv_indptr, 0),
                     ("kv_last_page_len", plan.last_page_len, 0), ("kv_indices", plan.kv_indices, 0),
                     ("mask_indptr", plan.mask_indptr, 0),
                     ("mask", None if mask is None else _buffers.as_words(mask), 0),
                     ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1),
                     ("rope_offsets", prefill_rope.offsets(plan.qo_lens, plan.kv_lens) if plan.rope_prepass else None, 0)]
-        if plan.fp8_ahead:      # (the kernel's kv_indptr: token offsets into the converted rows; the pages' here)
+        if plan.kv_ahead:       # (the kernel's kv_indptr: token offsets into the gathered rows; the pages' here)
             segments.append(("page_indptr", plan.kv_indptr, 0))
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
                            stream_of)
@@ -261,7 +262,7 @@ class _BatchPrefillBase:
         plan.backend, plan.run_spec, plan.work_list, plan.meta, plan.split_why = backend, spec, wl, ptrs, why
         plan.grid_work = bufs.rows("work", len(wl.work), _plan.PREFILL_COLS)
         plan.grid_merge = bufs.rows("merge", len(wl.merge), _plan.PREFILL_COLS)
-        self._fp8.plan(plan)        # fp8 rows converted ahead: the buffer sized
+        self._ahead.plan(plan)      # the rows gathered ahead: the buffer sized
 
     def describe(self) -> str:
         """What the last plan() runs: the kernel specialization and its tiles, the work items, the
@@ -279,9 +280,10 @@ class _BatchPrefillBase:
                      f"{spec.block_n} keys")
         if p.rope_prepass:
             lines.append("fused RoPE: q and the keys rotated once per run ahead of the kernel (prefill_rope.py)")
-        if p.fp8_ahead:
-            lines.append(f"fp8 KV: the batch's {int(p.kv_lens.sum())} K / V rows converted to 16 bits once per run ahead "
-                         f"of the contiguous kernel (prefill_fp8.py)")
+        if p.kv_ahead:
+            lines.append(f"K / V: the batch's {int(p.kv_lens.sum())} rows gathered ahead from the pages once per run"
+                         + (", converted to 16 bits" if p.spec.dtype_kv in prefill_sm90.KV_FP8 else "")
+                         + ", for the contiguous kernel (prefill_ahead.py)")
         items, sms = len(wl.work) * h, _plan.num_sms(p["device"])
         if getattr(spec, "persistent", False):     # (fa3: prefill_sm90.persists)
             ctas = min(p["grid_work"] * h, sms * spec.ctas_per_sm)

@@ -2,7 +2,7 @@
 // Compile-time: VEC_BYTES (1, 2, 4, 8 or 16: the width of one copy; row bytes are a multiple).
 // cuattn_page_append:    grid ceil(nnz * num_heads * vecs_per_row / 256), block 256.
 // cuattn_batch_indices_positions: grid ceil(nnz / 256), block 256.
-// cuattn_page_append_fp8 (KV_FP8 without KV_DEQUANT), cuattn_kv_dequant (KV_DEQUANT): below.
+// cuattn_page_append_fp8 (KV_FP8 without KV_ROWS), cuattn_kv_rows (KV_ROWS): below.
 // Strides are in bytes so one kernel serves every dtype and layout (NHD, HND, (k, v) pairs).
 #include "common/dtypes.cuh"
 #include "common/grid_dependency.cuh"
@@ -96,7 +96,7 @@ extern "C" __global__ void cuattn_batch_indices_positions(
   positions[t] = seq_lens[lo] - append_len + (t - append_indptr[lo]);
 }
 
-#if KV_FP8 && !KV_DEQUANT
+#if KV_FP8 && !KV_ROWS
 // cuattn_page_append_fp8 (PageFp8Spec; compile-time IN_BF16 (0: fp16 rows in, 1: bf16), KV_FP8
 // (1: e4m3, 2: e5m2)): like cuattn_page_append, but each thread converts 8 values of a row
 // (16 bytes in, 8 bytes out): stored = round_to_nearest_even(clamp(x / scale, +-max finite)), the
@@ -207,18 +207,18 @@ extern "C" __global__ void cuattn_page_append_fp8(
 }
 #endif
 
-#if KV_DEQUANT
-// cuattn_kv_dequant (PageDequantSpec; compile-time KV_FP8 (1: e4m3, 2: e5m2), OUT_BF16 (0: f16 rows out, 1: bf16)):
-// a batch's K and V rows of an fp8 paged cache converted to 16-bit rows in token order, exact (every e4m3 and e5m2
-// value is an f16 and a bf16 value; no scale applied: the attention kernel applies k_scale / v_scale as it does to
-// the fp8 rows), read once per run by the fa3 kernel's contiguous form (cuattn/prefill_fp8.py: fp8 paged prefill
-// converting each row once, not once per query tile that reads it). Token t of request b (tok_indptr[b] <= t <
-// tok_indptr[b + 1]) sits at position p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot
-// p % page_size. One thread a 16-byte fp8 chunk of a K row and the same chunk of its V row (32 bytes out each);
-// a warp covers 512 bytes of one token's heads, so its request search reads the same few indptr words. Launched with
-// PDL (sm_90) behind the previous kernel and before the attention kernel: it lets the attention kernel start its
-// prologue at once (that kernel waits for this grid before reading K / V) and waits for the previous one before
-// reading the cache.
+#if KV_ROWS
+// cuattn_kv_rows (KvRowsSpec; compile-time KV_FP8 (0: 16-bit rows copied as they are, 1: e4m3, 2: e5m2 converted),
+// OUT_BF16 (fp8: 0 f16 rows out, 1 bf16)): a batch's K and V rows of a paged cache gathered into contiguous rows in
+// token order, an fp8 cache's converted exactly (every e4m3 and e5m2 value is an f16 and a bf16 value; no scale
+// applied: the attention kernel applies k_scale / v_scale as it does to the cache's rows), read once per run by the
+// fa3 kernel's contiguous form (cuattn/prefill_ahead.py: paged prefill gathering each row once, not once per query
+// tile that reads it). Token t of request b (tok_indptr[b] <= t < tok_indptr[b + 1]) sits at position
+// p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot p % page_size. One thread a 16-byte
+// piece of a K row and the same piece of its V row (fp8: 32 bytes out each); a warp covers 512 bytes of one token's
+// heads, so its request search reads the same few indptr words. Launched with PDL (sm_90) behind the previous
+// kernel and before the attention kernel: it lets the attention kernel start its prologue at once (that kernel
+// waits for this grid before reading K / V) and waits for the previous one before reading the cache.
 // grid ceil(nnz * num_heads * chunks_per_row / 256), block 256.
 namespace cuattn {
 #if OUT_BF16
@@ -227,6 +227,7 @@ typedef bf16 out_t;
 typedef f16 out_t;
 #endif
 
+#if KV_FP8
 __device__ __forceinline__ uint4 dequant8(uint32_t a, uint32_t b) {    // 8 fp8 values -> 8 out_t values, exact
   const uint4 h = fp8_chunk<KV_FP8>(a, b);
   constexpr float F = fp8_factor(KV_FP8);       // (256: the byte trick's e4m3 values, without the hardware cvt)
@@ -239,19 +240,19 @@ __device__ __forceinline__ uint4 dequant8(uint32_t a, uint32_t b) {    // 8 fp8 
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+#endif
 }  // namespace cuattn
 
-extern "C" __global__ void cuattn_kv_dequant(
+extern "C" __global__ void cuattn_kv_rows(
     const char* __restrict__ k_cache,           // page p, slot s, head h at p*c_page + s*c_slot + h*c_head (bytes)
     const char* __restrict__ v_cache,
     const int32_t* __restrict__ tok_indptr,     // [batch + 1]: the rows' token offsets
     const int32_t* __restrict__ page_indptr,    // [batch + 1]: the requests' page ids in kv_indices
     const int32_t* __restrict__ kv_indices,
-    uint4* __restrict__ k_out,                  // [nnz, num_heads, head_dim] of out_t, contiguous
+    uint4* __restrict__ k_out,                  // [nnz, num_heads, head_dim] of 16-bit values, contiguous
     uint4* __restrict__ v_out,
     int64_t nnz, int batch, int num_heads, int chunks_per_row, int page_size,
     int64_t c_page, int64_t c_slot, int64_t c_head) {
-  using cuattn::dequant8;
   cuattn::allow_next_grid();
   cuattn::wait_prior_grids();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -270,9 +271,14 @@ extern "C" __global__ void cuattn_kv_dequant(
   const int64_t off = page * c_page + int64_t(p % page_size) * c_slot + head * c_head + c * 16;
   const uint4 k = *reinterpret_cast<const uint4*>(k_cache + off);
   const uint4 v = *reinterpret_cast<const uint4*>(v_cache + off);
-  k_out[2 * i] = dequant8(k.x, k.y);
-  k_out[2 * i + 1] = dequant8(k.z, k.w);
-  v_out[2 * i] = dequant8(v.x, v.y);
-  v_out[2 * i + 1] = dequant8(v.z, v.w);
+#if KV_FP8
+  k_out[2 * i] = cuattn::dequant8(k.x, k.y);
+  k_out[2 * i + 1] = cuattn::dequant8(k.z, k.w);
+  v_out[2 * i] = cuattn::dequant8(v.x, v.y);
+  v_out[2 * i + 1] = cuattn::dequant8(v.z, v.w);
+#else
+  k_out[i] = k;
+  v_out[i] = v;
+#endif
 }
 #endif

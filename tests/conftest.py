@@ -63,10 +63,10 @@ def memcheck(script: str) -> str:
 
 
 @pytest.fixture
-def fp8_in_kernel(monkeypatch):
-    """fp8 paged prefill on fa3 converting its rows in the kernel (prefill_fp8's conversion ahead off)."""
-    from cuattn import prefill_fp8
-    monkeypatch.setattr(prefill_fp8, "MIN_SHARING", float("inf"))
+def pages_in_kernel(monkeypatch):
+    """Paged fa3 prefill reading the pages in the kernel (prefill_ahead's gathering of the rows ahead off)."""
+    from cuattn import prefill_ahead
+    monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {"fp8": float("inf"), "16": float("inf")})
 
 
 @pytest.fixture

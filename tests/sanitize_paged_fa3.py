@@ -4,14 +4,15 @@ through TMA boxes (the fused RoPE at head_dim 256, the one case the gather does 
 own allocation (the pool would hide out-of-bounds accesses inside its blocks). Exits 0 when each output is
 finite; memcheck's own report decides the test. fp8 batches: pages of 1, 5, 16; head_dim 64 and 128 (the fp8 gather
 reads row 0 of the cache for keys past a request's end: with no spare page, still inside the allocation), each run
-twice: converted in the kernel, and converted ahead into the wrapper's buffer (prefill_fp8: page.cu cuattn_kv_dequant)."""
+twice: converted in the kernel, and converted ahead into the wrapper's buffer; the 16-bit batches whose kernel has no
+query / key transform, likewise gathered ahead (prefill_ahead: page.cu cuattn_kv_rows)."""
 
 import numpy as np
 
 import cupy as cp
 
 import cuattn
-from cuattn import prefill_fp8
+from cuattn import prefill_ahead
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(5)
@@ -35,18 +36,19 @@ def run_case(page_size, causal, kv, d, rope, ahead=False):
     else:                                        # e4m3 bytes of magnitude < 2 (no NaN), random sign
         cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
-    prefill_fp8.MIN_SHARING = prefill_fp8.MIN_READS = 0 if ahead else float("inf")
+    v = 0 if ahead else float("inf")
+    prefill_ahead.MIN_SHARING = prefill_ahead.MIN_READS = {"fp8": v, "16": v}
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv,
            pos_encoding_mode="ROPE_LLAMA" if rope else "NONE")
     out = w.run(q, cache)
     cp.cuda.Device().synchronize()
     assert bool(cp.isfinite(out).all()), page_size
-    assert w._plan.fp8_ahead is ahead
-    print(page_size, w.describe().splitlines()[1], "converted ahead" if ahead else "")
+    assert w._plan.kv_ahead is ahead
+    print(page_size, w.describe().splitlines()[1], "gathered ahead" if ahead else "")
 
 
 for case in CASES:
     run_case(*case)
-    if case[2] is not None:
+    if not case[4]:
         run_case(*case, ahead=True)

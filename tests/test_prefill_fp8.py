@@ -228,9 +228,9 @@ def test_paged_prefill_gpu_fp8_fa3_matches_dequantised_oracle(case):
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout)      # auto
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv])
-    spec = w._plan["run_spec"]      # the fp8 gather, or the rows converted ahead of the contiguous kernel (prefill_fp8)
+    spec = w._plan["run_spec"]      # the fp8 gather, or the rows converted ahead of the contiguous kernel (prefill_ahead)
     assert w.backend == "fa3" and ((spec.dtype_kv == kv and spec.gather) or
-                                   (w._plan.fp8_ahead and not spec.paged and not spec.dtype_kv))
+                                   (w._plan.kv_ahead and not spec.paged and not spec.dtype_kv))
     run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
     assert w.backend == "fa3"
 

@@ -86,7 +86,7 @@ def _page0_free(c):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
-def test_fa3_fp8_gather_matches_dequantised_oracle(case, fp8_in_kernel):
+def test_fa3_fp8_gather_matches_dequantised_oracle(case, pages_in_kernel):
     qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout, d, split = case
     c = _page0_free(paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 3 + ps))
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
@@ -100,7 +100,7 @@ def test_fa3_fp8_gather_matches_dequantised_oracle(case, fp8_in_kernel):
 
 @pytest.mark.gpu
 @sm90
-def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(fp8_in_kernel):
+def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(pages_in_kernel):
     c = paged_fp8_case([5], [40], 16, 8, 2, 128, "e4m3", "float16", "one", seed=3)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 8, 2, 128, 16,

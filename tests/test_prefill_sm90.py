@@ -534,7 +534,7 @@ def test_fa3_head_dims_paged_batch_matches_oracle(dims, dtype, page_size, layout
 
 @pytest.mark.gpu
 @sm90
-def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches, fp8_in_kernel):
+def test_fa3_fp8_head_dim_64_paged_split_and_ragged_match_oracle(launches, pages_in_kernel):
     """fp8 at head_dim 64 (64-byte fp8 boxes and swizzle): paged e4m3 with a bf16 q (converted to f16),
     page 16 in random order with NaN bits in free slots and spare pages, per-head scales; paged e5m2, f16
     q, split-KV pieces of 256 keys, 1-element device scales; ragged e5m2 non-causal, scalar scales."""
@@ -616,11 +616,11 @@ def test_fa3_transforms_at_head_dims_64_256_match_oracle(d, launches):
 @sm90
 def test_fa3_paged_gather_and_boxes_are_memcheck_clean():
     """compute-sanitizer memcheck over small paged fa3 batches (the gather: pages of 1, 5 and 16, fp8 pages of
-    16 and 5, each fp8 batch also with its rows converted ahead (prefill_fp8); TMA boxes: the fused RoPE at head_dim
+    16 and 5, each batch also with its rows gathered ahead (prefill_ahead); TMA boxes: the fused RoPE at head_dim
     256), CuPy's pool off, no spare page past the last request's: no invalid access, no error."""
     out = memcheck("sanitize_paged_fa3.py")
     assert "_gather_kve4m3" in out and "_gather_kve5m2" in out and "_paged" in out
-    assert out.count("converted ahead") == 4
+    assert out.count("gathered ahead") == 7
 
 
 # -- requests of at most 64 packed rows (block-sparse row blocks, decode and speculative steps): 64-row tiles

@@ -93,7 +93,7 @@ def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, hea
 @sm90
 @pytest.mark.parametrize("page_size,causal,kv,split", [(16, True, "e4m3", None), (1, False, "e5m2", 256),
                                                        (16, False, "e4m3", None)])
-def test_persistent_fp8_gather_equals_one_cta_an_item_bitwise(page_size, causal, kv, split, monkeypatch, fp8_in_kernel):
+def test_persistent_fp8_gather_equals_one_cta_an_item_bitwise(page_size, causal, kv, split, monkeypatch, pages_in_kernel):
     """The fp8 gather persistent (no tile-0 peel, tiles counted across items, the next item's first K rows loaded
     while the consumers finish the last) against its one-CTA-an-item form (the peel): bitwise equal."""
     import cupy as cp

@@ -1,0 +1,157 @@
+"""Paged prefill on fa3 with the batch's K / V rows gathered once (fp8: and converted), ahead of the contiguous kernel.
+
+The fa3 paged kernel gathers each K / V tile's rows from the pages in its producer warps (fp8 rows converted to
+f16 there too), once for every query tile that reads the tile; the contiguous kernel loads whole tiles by TMA.
+Where many query tiles read each key (a long prompt), that per-read work costs: on an H100 the fp16 paged kernel
+took 1.15-1.18x the contiguous kernel's time at 1 x 16384 and 8 x 2048, and the fp8 conversion made fp8 paged
+prefill 0.86-0.90x the fp16 paged speed at 1 x 4096 (``benchmarks/results/prefill_sm90_notes.md``, sessions 21-22).
+Where enough query tiles share each key (``pays``), plan() picks the contiguous fa3 kernel of 16-bit K / V instead
+and uploads the batch's token offsets as its ``kv_indptr``; run() first copies the batch's rows from the pages into
+a buffer of the wrapper, in token order (page.cu ``cuattn_kv_rows``: one pass; an fp8 cache's rows converted to q's
+16-bit type on the way, exactly: every e4m3 and e5m2 value is an f16 and a bf16 value), and the kernel reads them
+with run()'s k_scale / v_scale as it would the cache's. Output: the in-kernel path's, bit for bit in the GPU tests
+(an fp8 cache with a bf16 q keeps its bf16 products, where the fp8 kernel rounds q to f16).
+
+The buffer holds kv_indptr[-1] x num_kv_heads x (head_dim_qk + head_dim_vo) 16-bit values, sized at plan(), at most
+``MAX_BYTES`` (a larger batch reads the pages in the kernel). Not in CUDA-graph mode (the first plan fixes the
+kernel for every batch replayed), not for K and V of different head dims, and not on fa2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays, jit
+from .errors import UnsupportedError
+
+# (key, query tile) reads per key, on average over the batch, before the rows are gathered ahead, and at least
+# MIN_READS reads (the pass's fixed cost, a second launch and its tail, ~5 us, paid back), by the cache's kind. The
+# pass moves 3 bytes a value (fp8) or 4 (16-bit) once (H100, 8 kv heads: 15 us at 4096 keys, 86-93 us at 32k); the
+# kernel then reads 2 bytes a value where an fp8 kernel read 1. H100, 32:8, head_dim 128 (prefill_sm90_notes.md,
+# session 22), ahead over in the kernel: fp8 at 4 reads a key 0.81x the speed, 8 0.99x, 16 1.15x, 1 x 1024 causal
+# (16k reads) 0.95x, not causal (32k) 1.07x; 16-bit (the kernel's gather costs less than a conversion) at 16 reads
+# a key 0.89x, 32 1.00-1.01x, 64-128 1.03-1.14x.
+MIN_SHARING = {"fp8": 8, "16": 64}
+MIN_READS = {"fp8": 32768, "16": 32768}
+MAX_BYTES = 1 << 30     # the buffer of gathered rows: a batch needing more reads the pages in the kernel
+_TILE_ROWS = 128
+_THREADS = 256
+
+
+@dataclass(frozen=True)
+class KvRowsSpec:
+    """page.cu's cuattn_kv_rows: paged K / V rows -> contiguous 16-bit rows (compile-time: the cache's type, "e4m3" /
+    "e5m2" converted to ``dtype_out``, or "b16": 16-bit rows copied as they are)."""
+    dtype_kv: str           # "e4m3" | "e5m2" | "b16"
+    dtype_out: str = "b16"  # "f16" | "bf16" (fp8), "b16" (copied)
+    source = "page.cu"
+
+    @property
+    def name(self) -> str:      # "page_rows_e4m3_f16", "page_rows_b16"
+        return f"page_rows_{self.dtype_kv}" + ("" if self.dtype_kv == "b16" else f"_{self.dtype_out}")
+
+    def defines(self) -> tuple[str, ...]:
+        fp8 = {"e4m3": 1, "e5m2": 2}.get(self.dtype_kv, 0)
+        return ("-DKV_ROWS=1", "-DVEC_BYTES=16", f"-DKV_FP8={fp8}", f"-DOUT_BF16={int(self.dtype_out == 'bf16')}")
+
+
+def shipped_specs() -> list[KvRowsSpec]:
+    return [KvRowsSpec(kv, o) for o in ("f16", "bf16") for kv in ("e4m3", "e5m2")] + [KvRowsSpec("b16")]
+
+
+def kind(dtype_kv: str) -> str:
+    """The cache's kind for the thresholds: "fp8" or "16"."""
+    return "fp8" if dtype_kv in ("e4m3", "e5m2") else "16"
+
+
+def pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, causal: bool, row_bytes: int, cache: str) -> bool:
+    """Whether a paged fa3 plan of this batch gathers its rows ahead (``row_bytes``: a token's 16-bit K and V rows over
+    all kv heads; ``cache``: ``kind``)."""
+    keys = int(kv_lens.sum()) if len(kv_lens) else 0
+    if keys == 0 or keys * row_bytes > MAX_BYTES:
+        return False
+    return (reads := tile_reads(qo_lens, kv_lens, group, causal)) >= MIN_SHARING[cache] * keys and \
+        reads >= MIN_READS[cache]
+
+
+def tile_reads(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, causal: bool) -> int:
+    """The batch's (key, query tile) reads: each of a request's T tiles (of 128 packed rows) reads its keys; causal
+    (bottom-right) tile t reads kv_len - qo_len plus its queries up to its last, min((t + 1) R, qo_len) with R = 128 /
+    group queries a tile (a prompt: half of T x kv_len; a chunk at the end of a long context: nearly all of it)."""
+    tiles = -(-qo_lens * group // _TILE_ROWS)
+    if not causal:
+        return int((tiles * kv_lens).sum())
+    r = _TILE_ROWS / group
+    return int((tiles * (kv_lens - qo_lens) + r * tiles * (tiles + 1) / 2 - np.maximum(tiles * r - qo_lens, 0)).sum())
+
+
+def token_indptr(kv_lens: np.ndarray) -> np.ndarray:
+    """The batch's token offsets (int32 [batch + 1]): the contiguous kernel's kv_indptr over the gathered rows."""
+    out = np.zeros(len(kv_lens) + 1, np.int64)
+    np.cumsum(kv_lens, out=out[1:])
+    return out.astype(np.int32)
+
+
+def gather_rows(ctx, kv, spec: KvRowsSpec, meta: dict, nnz: int, batch: int, k_out: int, v_out: int,
+                record: list | None = None, pdl: bool = False) -> None:
+    """One launch on ``ctx``'s stream: the planned rows of ``kv`` (page.PagedKV; K and V of one head_dim) into
+    ``k_out`` / ``v_out`` (contiguous [nnz, num_kv_heads, head_dim] of 16-bit values); ``meta``: the plan's device
+    pointers (kv_indptr: token offsets, page_indptr, kv_indices). ``record`` as prefill_sm90.launch's; ``pdl``:
+    launched with programmatic dependent launch (the kernel waits for the previous grid before reading, and lets the
+    next one start its prologue)."""
+    if nnz == 0 or kv.num_kv_heads == 0:
+        return
+    chunks = kv.head_dim * kv.dtype.itemsize // 16           # 16-byte pieces of a cache row
+    launch = jit.get_launcher(spec, "cuattn_kv_rows", ctx.device, "ppppppp" "q" "iiii" "qqq")
+    total = nnz * kv.num_kv_heads * chunks
+    item = kv.dtype.itemsize
+    args = (kv.k.ptr, kv.v.ptr, meta["kv_indptr"], meta["page_indptr"], meta["kv_indices"], k_out, v_out, nnz, batch,
+            kv.num_kv_heads, chunks, kv.page_size, kv.stride_page * item, kv.stride_slot * item, kv.stride_head * item)
+    grid = (-(-total // _THREADS),)
+    if record is not None:
+        record.append((launch, grid, _THREADS, args, pdl))
+    launch(grid, _THREADS, ctx.stream, *args, pdl=pdl)
+
+
+class RowsAhead:
+    """A paged wrapper's gathered rows: ``plan(p)`` at every GPU plan sizes the buffer (so run() allocates nothing),
+    ``gather`` in run() fills it before the attention launch."""
+
+    def __init__(self):
+        self.active = False
+        self._buf = None            # uint16 CuPy array: K's rows, then V's
+
+    def plan(self, p) -> None:
+        self.active = p.kv_ahead and p.device is not None
+        if not self.active:
+            return
+        self._nnz = nnz = int(p.kv_lens.sum())
+        h = p.num_kv_heads
+        self._k_elems = nnz * h * p.head_dim
+        need = max(self._k_elems + nnz * h * p.head_dim_vo, 8)
+        if self._buf is None or self._buf.size < need or self._buf.device.id != p.device:
+            cp = arrays.cupy_module()
+            self._buf = None        # (freed before the new one is allocated)
+            with cp.cuda.Device(p.device):
+                self._buf = cp.empty(need, np.uint16)
+
+    def gather(self, ctx, plan, kv, record: list | None, fn: str, pdl: bool = False):
+        """The plan's rows of ``kv`` (page.PagedKV) gathered (fp8: converted) into the buffer on the run's stream;
+        returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). The cache is read in
+        16-byte loads: its pointers and byte strides must be multiples of 16 (else UnsupportedError)."""
+        item = kv.dtype.itemsize
+        bad = {n: x for n, x in (("K pointer", kv.k.ptr), ("V pointer", kv.v.ptr), ("slot stride", kv.stride_slot * item),
+                                 ("head stride", kv.stride_head * item), ("page stride", kv.stride_page * item)) if x % 16}
+        if bad:
+            raise UnsupportedError(f"{fn}: the fa3 kernel reads the paged_kv_cache's rows in 16-byte loads: its pointers "
+                                   f"and strides in bytes must be multiples of 16; got "
+                                   + ", ".join(f"{n} {x}" for n, x in bad.items()))
+        nnz, h = self._nnz, plan.num_kv_heads
+        base = self._buf.data.ptr
+        short, dt = arrays.SHORT_NAME[plan.kv_dtype], plan.run_spec.dtype
+        spec = KvRowsSpec(short, dt) if kind(short) == "fp8" else KvRowsSpec("b16")
+        gather_rows(ctx, kv, spec, plan.meta, nnz, plan.batch, base, base + 2 * self._k_elems, record, pdl)
+        dtype = arrays.bfloat16 if dt == "bf16" else np.dtype(np.float16)
+        return tuple(arrays.Tensor(ptr, (nnz, h, d), (h * d, d, 1), dtype, ctx.device, "cupy", self._buf)
+                     for ptr, d in ((base, plan.head_dim), (base + 2 * self._k_elems, plan.head_dim_vo)))
