@@ -34,7 +34,8 @@ from .errors import UnsupportedError
 # a key 0.89x, 32 1.00-1.01x, 64-128 1.03-1.14x.
 MIN_SHARING = {"fp8": 8, "16": 64}
 MIN_READS = {"fp8": 32768, "16": 32768}
-MAX_BYTES = 1 << 30     # the buffer of gathered rows: a batch needing more reads the pages in the kernel
+MAX_BYTES = 256 << 20   # the buffer of gathered rows (64k keys at 8 kv heads, head_dim 128): a batch needing more
+                        # reads the pages in the kernel
 _TILE_ROWS = 128
 _THREADS = 256
 
