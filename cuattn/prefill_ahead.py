@@ -1,4 +1,4 @@
-"""Paged prefill on fa3 with the batch's K / V rows gathered once (fp8: and converted), ahead of the contiguous kernel.
+"""Prefill on fa3 with the batch's K / V rows gathered once (fp8: and converted), ahead of the contiguous kernel.
 
 The fa3 paged kernel gathers each K / V tile's rows from the pages in its producer warps (fp8 rows converted to
 f16 there too), once for every query tile that reads the tile; the contiguous kernel loads whole tiles by TMA.
@@ -9,7 +9,9 @@ Where enough query tiles share each key (``pays``), plan() picks the contiguous 
 and uploads the batch's token offsets as its ``kv_indptr``; run() first copies the batch's rows from the pages into
 a buffer of the wrapper, in token order (page.cu ``cuattn_kv_rows``: one pass; an fp8 cache's rows converted to q's
 16-bit type on the way, exactly: every e4m3 and e5m2 value is an f16 and a bf16 value), and the kernel reads them
-with run()'s k_scale / v_scale as it would the cache's. Output: the in-kernel path's, bit for bit in the GPU tests
+with run()'s k_scale / v_scale as it would the cache's. A ragged batch of fp8 K / V (whose contiguous fp8 kernel
+stages each tile by TMA for converter warps: 0.55-0.65x the fp16 speed, as measured on pages) converts its rows the
+same way, by the same rule. Output: the in-kernel path's, bit for bit in the GPU tests
 (an fp8 cache with a bf16 q keeps its bf16 products, where the fp8 kernel rounds q to f16).
 
 The buffer holds kv_indptr[-1] x num_kv_heads x (head_dim_qk + head_dim_vo) 16-bit values, sized at plan(), at most
@@ -31,9 +33,10 @@ from .errors import UnsupportedError
 # kernel then reads 2 bytes a value where an fp8 kernel read 1. H100, 32:8, head_dim 128 (prefill_sm90_notes.md,
 # session 22), ahead over in the kernel: fp8 at 4 reads a key 0.81x the speed, 8 0.99x, 16 1.15x, 1 x 1024 causal
 # (16k reads) 0.95x, not causal (32k) 1.07x; 16-bit (the kernel's gather costs less than a conversion) at 16 reads
-# a key 0.89x, 32 1.00-1.01x, 64-128 1.03-1.14x.
-MIN_SHARING = {"fp8": 8, "16": 64}
-MIN_READS = {"fp8": 32768, "16": 32768}
+# a key 0.89x, 32 1.00-1.01x, 64-128 1.03-1.14x; contiguous fp8 rows (a ragged batch: its in-kernel form the
+# TMA-staged converters) at every shape measured, 1.35-1.85x (1 x 1024 to 1 x 16384, a chunk of 512 over 32k).
+MIN_SHARING = {"fp8": 8, "16": 64, "fp8_rows": 0}
+MIN_READS = {"fp8": 32768, "16": 32768, "fp8_rows": 0}
 MAX_BYTES = 256 << 20   # the buffer of gathered rows (64k keys at 8 kv heads, head_dim 128): a batch needing more
                         # reads the pages in the kernel
 _TILE_ROWS = 128
@@ -61,9 +64,9 @@ def shipped_specs() -> list[KvRowsSpec]:
     return [KvRowsSpec(kv, o) for o in ("f16", "bf16") for kv in ("e4m3", "e5m2")] + [KvRowsSpec("b16")]
 
 
-def kind(dtype_kv: str) -> str:
-    """The cache's kind for the thresholds: "fp8" or "16"."""
-    return "fp8" if dtype_kv in ("e4m3", "e5m2") else "16"
+def kind(dtype_kv: str, paged: bool = True) -> str:
+    """The K / V kind for the thresholds: "fp8" (pages), "fp8_rows" (contiguous fp8 rows) or "16" (16-bit pages)."""
+    return ("fp8" if paged else "fp8_rows") if dtype_kv in ("e4m3", "e5m2") else "16"
 
 
 def pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, causal: bool, row_bytes: int, cache: str) -> bool:
@@ -94,21 +97,32 @@ def token_indptr(kv_lens: np.ndarray) -> np.ndarray:
     return out.astype(np.int32)
 
 
-def gather_rows(ctx, kv, spec: KvRowsSpec, meta: dict, nnz: int, batch: int, k_out: int, v_out: int,
-                record: list | None = None, pdl: bool = False) -> None:
-    """One launch on ``ctx``'s stream: the planned rows of ``kv`` (page.PagedKV; K and V of one head_dim) into
-    ``k_out`` / ``v_out`` (contiguous [nnz, num_kv_heads, head_dim] of 16-bit values); ``meta``: the plan's device
-    pointers (kv_indptr: token offsets, page_indptr, kv_indices). ``record`` as prefill_sm90.launch's; ``pdl``:
-    launched with programmatic dependent launch (the kernel waits for the previous grid before reading, and lets the
-    next one start its prologue)."""
-    if nnz == 0 or kv.num_kv_heads == 0:
+def segments(plan, paged: bool) -> list:
+    """The plan segments the gathering reads besides kv_indptr (the token offsets): the paged batch's page indptr
+    (its kv_indices are uploaded anyway), or for contiguous rows (a ragged batch) one "page" a request, numbered by its
+    first row (the kernel's page stride is then the row stride)."""
+    if paged:
+        return [("page_indptr", plan.kv_indptr, 0)]
+    return [("page_indptr", np.arange(plan.batch + 1, dtype=np.int32), 0), ("row_starts", plan.kv_indptr[:-1], 0)]
+
+
+def gather_rows(ctx, k, v, k_strides: tuple, v_strides: tuple, page_size: int, heads: int, head_dim: int,
+                spec: KvRowsSpec, ptrs: tuple, nnz: int, batch: int, k_out: int, v_out: int, record: list | None = None,
+                pdl: bool = False) -> None:
+    """One launch on ``ctx``'s stream: the planned rows of K / V (device tensors; ``heads`` rows of ``head_dim`` a
+    token, addressed by (page, slot, head) element strides ``k_strides`` / ``v_strides``) into ``k_out`` / ``v_out``
+    (contiguous [nnz, num_kv_heads, head_dim] of 16-bit values); ``ptrs``: device pointers of the token offsets, the
+    page indptr and the page ids (int32). ``record`` as prefill_sm90.launch's; ``pdl``: launched with programmatic
+    dependent launch (the kernel waits for the previous grid before reading, and lets the next one start its
+    prologue)."""
+    item = k.dtype.itemsize
+    if nnz == 0 or heads == 0:
         return
-    chunks = kv.head_dim * kv.dtype.itemsize // 16           # 16-byte pieces of a cache row
-    launch = jit.get_launcher(spec, "cuattn_kv_rows", ctx.device, "ppppppp" "q" "iiii" "qqq")
-    total = nnz * kv.num_kv_heads * chunks
-    item = kv.dtype.itemsize
-    args = (kv.k.ptr, kv.v.ptr, meta["kv_indptr"], meta["page_indptr"], meta["kv_indices"], k_out, v_out, nnz, batch,
-            kv.num_kv_heads, chunks, kv.page_size, kv.stride_page * item, kv.stride_slot * item, kv.stride_head * item)
+    chunks = head_dim * item // 16           # 16-byte pieces of a row
+    launch = jit.get_launcher(spec, "cuattn_kv_rows", ctx.device, "ppppppp" "q" "iiii" "qqqqqq")
+    total = nnz * heads * chunks
+    args = (k.ptr, v.ptr, *ptrs, k_out, v_out, nnz, batch, heads, chunks, page_size,
+            *(x * item for x in k_strides), *(x * item for x in v_strides))
     grid = (-(-total // _THREADS),)
     if record is not None:
         record.append((launch, grid, _THREADS, args, pdl))
@@ -137,22 +151,33 @@ class RowsAhead:
             with cp.cuda.Device(p.device):
                 self._buf = cp.empty(need, np.uint16)
 
-    def gather(self, ctx, plan, kv, record: list | None, fn: str, pdl: bool = False):
-        """The plan's rows of ``kv`` (page.PagedKV) gathered (fp8: converted) into the buffer on the run's stream;
-        returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). The cache is read in
-        16-byte loads: its pointers and byte strides must be multiples of 16 (else UnsupportedError)."""
-        item = kv.dtype.itemsize
-        bad = {n: x for n, x in (("K pointer", kv.k.ptr), ("V pointer", kv.v.ptr), ("slot stride", kv.stride_slot * item),
-                                 ("head stride", kv.stride_head * item), ("page stride", kv.stride_page * item)) if x % 16}
+    def gather(self, ctx, plan, k, v, k_strides: tuple, v_strides: tuple, page_size: int | None, record: list | None,
+               fn: str, pdl: bool = False):
+        """The plan's rows of K / V (device tensors; (page, slot, head) element strides; ``page_size`` None: contiguous
+        rows of a ragged batch, ``k_strides`` then (token, head)) gathered (fp8: converted) into the buffer on the
+        run's stream; returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). The rows are
+        read in 16-byte loads: pointers and byte strides must be multiples of 16 (else UnsupportedError)."""
+        meta = plan.meta
+        if page_size is None:            # one "page" a request, numbered by its first row: page stride = row stride
+            k_strides, v_strides = (k_strides[0], *k_strides), (v_strides[0], *v_strides)
+            ptrs, page_size = (meta["kv_indptr"], meta["page_indptr"], meta["row_starts"]), 2 ** 30
+        else:
+            ptrs = (meta["kv_indptr"], meta["page_indptr"], meta["kv_indices"])
+        item = k.dtype.itemsize
+        bad = {n: x for n, x in (("K pointer", k.ptr), ("V pointer", v.ptr),
+                                 *((f"K {w} stride", a * item) for w, a in zip(("page", "slot", "head"), k_strides)),
+                                 *((f"V {w} stride", a * item) for w, a in zip(("page", "slot", "head"), v_strides)))
+               if x % 16}
         if bad:
-            raise UnsupportedError(f"{fn}: the fa3 kernel reads the paged_kv_cache's rows in 16-byte loads: its pointers "
-                                   f"and strides in bytes must be multiples of 16; got "
+            raise UnsupportedError(f"{fn}: the fa3 kernel reads the K / V rows in 16-byte loads: their pointers and "
+                                   f"strides in bytes must be multiples of 16; got "
                                    + ", ".join(f"{n} {x}" for n, x in bad.items()))
         nnz, h = self._nnz, plan.num_kv_heads
         base = self._buf.data.ptr
         short, dt = arrays.SHORT_NAME[plan.kv_dtype], plan.run_spec.dtype
-        spec = KvRowsSpec(short, dt) if kind(short) == "fp8" else KvRowsSpec("b16")
-        gather_rows(ctx, kv, spec, plan.meta, nnz, plan.batch, base, base + 2 * self._k_elems, record, pdl)
+        spec = KvRowsSpec(short, dt) if kind(short) != "16" else KvRowsSpec("b16")
+        gather_rows(ctx, k, v, k_strides, v_strides, page_size, h, plan.head_dim, spec, ptrs, nnz, plan.batch, base,
+                    base + 2 * self._k_elems, record, pdl)
         dtype = arrays.bfloat16 if dt == "bf16" else np.dtype(np.float16)
         return tuple(arrays.Tensor(ptr, (nnz, h, d), (h * d, d, 1), dtype, ctx.device, "cupy", self._buf)
                      for ptr, d in ((base, plan.head_dim), (base + 2 * self._k_elems, plan.head_dim_vo)))

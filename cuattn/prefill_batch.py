@@ -227,7 +227,8 @@ class _BatchPrefillBase:
                 small=plan.spec.block_m == 64)         # (fa2's 64-row tiles: every request within 64 packed rows)
             ahead_spec = prefill_sm90.make_spec(        # the rows gathered ahead: the contiguous 16-bit kernel
                 plan.spec.dtype, plan.causal, composite, False, "", plan.head_dim, plan.head_dim_vo
-            ) if paged and backend == "fa3" and plan.head_dim == plan.head_dim_vo and not bufs.graph else None
+            ) if ((paged or spec.dtype_kv in prefill_sm90.KV_FP8) and backend == "fa3" and plan.head_dim == plan.head_dim_vo
+                  and not bufs.graph) else None
             _plan.memo_put(self._backend_memo, key, (plan.spec, backend, spec, ahead_spec))
         else:
             _, backend, spec, ahead_spec = hit
@@ -235,7 +236,7 @@ class _BatchPrefillBase:
         h_kv, group = plan.num_kv_heads, plan.num_qo_heads // plan.num_kv_heads
         if ahead_spec is not None and prefill_ahead.pays(plan.qo_lens, plan.kv_lens, group, plan.causal,
                                                          2 * h_kv * (plan.head_dim + plan.head_dim_vo),
-                                                         prefill_ahead.kind(spec.dtype_kv)):
+                                                         prefill_ahead.kind(spec.dtype_kv, paged)):
             spec, plan.kv_ahead = ahead_spec, True
         slot_floats = h_kv * spec.block_m * (plan.head_dim + 1)      # a slot: every kv head's tile rows + LSE
         sms = _plan.num_sms(device)
@@ -255,7 +256,7 @@ class _BatchPrefillBase:
                     ("work", wl.work.reshape(-1), -1), ("merge", wl.merge.reshape(-1), -1),
                     ("rope_offsets", prefill_rope.offsets(plan.qo_lens, plan.kv_lens) if plan.rope_prepass else None, 0)]
         if plan.kv_ahead:       # (the kernel's kv_indptr: token offsets into the gathered rows; the pages' here)
-            segments.append(("page_indptr", plan.kv_indptr, 0))
+            segments += prefill_ahead.segments(plan, paged)
         ptrs = bufs.upload(fn, segments, (spec.name, plan.num_qo_heads, h_kv, plan.page_size) if bufs.graph else None,
                            stream_of)
         ptrs.update(bufs.partial(fn, slot_floats, wl.num_slots, spec.block_m * plan.head_dim * h_kv))
@@ -281,7 +282,8 @@ class _BatchPrefillBase:
         if p.rope_prepass:
             lines.append("fused RoPE: q and the keys rotated once per run ahead of the kernel (prefill_rope.py)")
         if p.kv_ahead:
-            lines.append(f"K / V: the batch's {int(p.kv_lens.sum())} rows gathered ahead from the pages once per run"
+            lines.append(f"K / V: the batch's {int(p.kv_lens.sum())} rows gathered ahead"
+                         + (" from the pages" if p.page_size is not None else "") + " once per run"
                          + (", converted to 16 bits" if p.spec.dtype_kv in prefill_sm90.KV_FP8 else "")
                          + ", for the contiguous kernel (prefill_ahead.py)")
         items, sms = len(wl.work) * h, _plan.num_sms(p["device"])

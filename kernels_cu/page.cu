@@ -214,7 +214,8 @@ extern "C" __global__ void cuattn_page_append_fp8(
 // applied: the attention kernel applies k_scale / v_scale as it does to the cache's rows), read once per run by the
 // fa3 kernel's contiguous form (cuattn/prefill_ahead.py: paged prefill gathering each row once, not once per query
 // tile that reads it). Token t of request b (tok_indptr[b] <= t < tok_indptr[b + 1]) sits at position
-// p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot p % page_size. One thread a 16-byte
+// p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot p % page_size (contiguous rows, a ragged
+// batch's: one page a request, its first row's index as its id, page stride = slot stride). One thread a 16-byte
 // piece of a K row and the same piece of its V row (fp8: 32 bytes out each); a warp covers 512 bytes of one token's
 // heads, so its request search reads the same few indptr words. Launched with PDL (sm_90) behind the previous
 // kernel and before the attention kernel: it lets the attention kernel start its prologue at once (that kernel
@@ -245,14 +246,14 @@ __device__ __forceinline__ uint4 dequant8(uint32_t a, uint32_t b) {    // 8 fp8 
 
 extern "C" __global__ void cuattn_kv_rows(
     const char* __restrict__ k_cache,           // page p, slot s, head h at p*c_page + s*c_slot + h*c_head (bytes)
-    const char* __restrict__ v_cache,
+    const char* __restrict__ v_cache,           // ... at p*v_page + s*v_slot + h*v_head
     const int32_t* __restrict__ tok_indptr,     // [batch + 1]: the rows' token offsets
     const int32_t* __restrict__ page_indptr,    // [batch + 1]: the requests' page ids in kv_indices
     const int32_t* __restrict__ kv_indices,
     uint4* __restrict__ k_out,                  // [nnz, num_heads, head_dim] of 16-bit values, contiguous
     uint4* __restrict__ v_out,
     int64_t nnz, int batch, int num_heads, int chunks_per_row, int page_size,
-    int64_t c_page, int64_t c_slot, int64_t c_head) {
+    int64_t c_page, int64_t c_slot, int64_t c_head, int64_t v_page, int64_t v_slot, int64_t v_head) {
   cuattn::allow_next_grid();
   cuattn::wait_prior_grids();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -268,9 +269,9 @@ extern "C" __global__ void cuattn_kv_rows(
   }
   const int p = t - tok_indptr[lo];
   const int64_t page = kv_indices[page_indptr[lo] + p / page_size];
-  const int64_t off = page * c_page + int64_t(p % page_size) * c_slot + head * c_head + c * 16;
-  const uint4 k = *reinterpret_cast<const uint4*>(k_cache + off);
-  const uint4 v = *reinterpret_cast<const uint4*>(v_cache + off);
+  const int64_t slot = p % page_size;
+  const uint4 k = *reinterpret_cast<const uint4*>(k_cache + page * c_page + slot * c_slot + head * c_head + c * 16);
+  const uint4 v = *reinterpret_cast<const uint4*>(v_cache + page * v_page + slot * v_slot + head * v_head + c * 16);
 #if KV_FP8
   k_out[2 * i] = cuattn::dequant8(k.x, k.y);
   k_out[2 * i + 1] = cuattn::dequant8(k.z, k.w);

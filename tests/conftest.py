@@ -66,7 +66,7 @@ def memcheck(script: str) -> str:
 def pages_in_kernel(monkeypatch):
     """Paged fa3 prefill reading the pages in the kernel (prefill_ahead's gathering of the rows ahead off)."""
     from cuattn import prefill_ahead
-    monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {"fp8": float("inf"), "16": float("inf")})
+    monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {k: float("inf") for k in prefill_ahead.MIN_SHARING})
 
 
 @pytest.fixture

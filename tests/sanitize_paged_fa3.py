@@ -37,7 +37,7 @@ def run_case(page_size, causal, kv, d, rope, ahead=False):
         cache = cp.asarray((rng.integers(0, 0x40, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8))
     q = cp.asarray(rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16))
     v = 0 if ahead else float("inf")
-    prefill_ahead.MIN_SHARING = prefill_ahead.MIN_READS = {"fp8": v, "16": v}
+    prefill_ahead.MIN_SHARING = prefill_ahead.MIN_READS = {k: v for k in ("fp8", "16", "fp8_rows")}
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=causal, kv_data_type=kv,
            pos_encoding_mode="ROPE_LLAMA" if rope else "NONE")

@@ -23,7 +23,7 @@ ROW = 2 * 8 * 256            # a token's 16-bit K and V rows at 8 kv heads, head
 def test_pays_counts_query_tiles_per_key_and_caps_the_buffer(monkeypatch):
     pays = lambda qo, kv, group, causal, cache="fp8": prefill_ahead.pays(  # noqa: E731
         np.array(qo), np.array(kv), group, causal, ROW, cache)
-    assert prefill_ahead.MIN_SHARING == {"fp8": 8, "16": 64} and prefill_ahead.MIN_READS["fp8"] == 32768
+    assert prefill_ahead.MIN_SHARING == {"fp8": 8, "16": 64, "fp8_rows": 0} and prefill_ahead.MIN_READS["fp8"] == 32768
     assert pays([1024], [4096], 1, False)                  # group 1: 8 query tiles read each key (32k reads)
     assert not pays([1024], [4096], 1, True)               # causal: 1024 keys before the queries, 3072 under them
     assert pays([2048], [4096], 1, True)                   # 16 tiles, causal: 12.25 reads a key
@@ -38,6 +38,7 @@ def test_pays_counts_query_tiles_per_key_and_caps_the_buffer(monkeypatch):
     monkeypatch.setattr(prefill_ahead, "MAX_BYTES", 4096 * ROW - 1)
     assert not pays([4096], [4096], 4, True)               # the buffer past its cap: the pages read in the kernel
     assert prefill_ahead.kind("e4m3") == prefill_ahead.kind("e5m2") == "fp8" and prefill_ahead.kind("") == "16"
+    assert prefill_ahead.kind("e5m2", paged=False) == "fp8_rows" and pays([1], [10], 4, True, "fp8_rows")   # always
 
 
 def test_causal_tile_reads_count_each_tiles_keys():
@@ -87,14 +88,14 @@ def test_numpy_plan_never_gathers_ahead():
 # ============================================================================ GPU
 
 sm90 = pytest.mark.skipif(gpu_cc() != 90, reason="the fa3 kernel needs an sm_90 GPU")
-BOTH = {"fp8": 0, "16": 0}
+ALL = {k: 0 for k in prefill_ahead.MIN_SHARING}
 
 
 @pytest.fixture
 def ahead(monkeypatch):
     """Every paged fa3 plan gathers its rows ahead."""
-    monkeypatch.setattr(prefill_ahead, "MIN_SHARING", BOTH)
-    monkeypatch.setattr(prefill_ahead, "MIN_READS", BOTH)
+    monkeypatch.setattr(prefill_ahead, "MIN_SHARING", ALL)
+    monkeypatch.setattr(prefill_ahead, "MIN_READS", ALL)
 
 
 def _pages(bits, kv_lens, host_ip, host_idx, which, layout):
@@ -118,7 +119,7 @@ def test_gathered_rows_bit_for_bit(page_size, layout):
     indices = cp.asarray(rng.permutation(total)[:npages.sum()].astype(np.int32))
     page_indptr = cp.asarray(np.concatenate([[0], np.cumsum(npages)]).astype(np.int32))
     tok = cp.asarray(prefill_ahead.token_indptr(kv_lens))
-    meta = dict(kv_indptr=tok.data.ptr, page_indptr=page_indptr.data.ptr, kv_indices=indices.data.ptr)
+    meta = (tok.data.ptr, page_indptr.data.ptr, indices.data.ptr)
     host_idx, host_ip, nnz = cp.asnumpy(indices), cp.asnumpy(page_indptr), int(kv_lens.sum())
     ctx = page.arrays.Context("cupy", cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream())
     shape = (total, 2, page_size, hkv, d) if layout == "NHD" else (total, 2, hkv, page_size, d)
@@ -130,7 +131,9 @@ def test_gathered_rows_bit_for_bit(page_size, layout):
                  else [prefill_ahead.KvRowsSpec("b16")])
         for spec in specs:
             k_out, v_out = (cp.full((nnz, hkv, d), 0x7E01, np.uint16) for _ in range(2))      # poisoned
-            prefill_ahead.gather_rows(ctx, kv, spec, meta, nnz, 3, k_out.data.ptr, v_out.data.ptr)
+            strides = (kv.stride_page, kv.stride_slot, kv.stride_head)
+            prefill_ahead.gather_rows(ctx, kv.k, kv.v, strides, strides, page_size, hkv, d, spec, meta, nnz, 3,
+                                      k_out.data.ptr, v_out.data.ptr)
             for which, got in ((0, k_out), (1, v_out)):
                 want = _pages(bits, kv_lens, host_ip, host_idx, which, layout)
                 g = cp.asnumpy(got)
@@ -179,8 +182,8 @@ def _run_both(monkeypatch, c, hq, hkv, ps, kv, causal, split=None, cache=None, k
     fp8 = kv in FP8_NAME
     qdt = "float16" if fp8 else kv
     for v in (0, float("inf")):
-        monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {"fp8": v, "16": v})
-        monkeypatch.setattr(prefill_ahead, "MIN_READS", {"fp8": v, "16": v})
+        monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {k: v for k in ALL})
+        monkeypatch.setattr(prefill_ahead, "MIN_READS", {k: v for k in ALL})
         w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=kv_layout, backend="fa3")
         w.plan(c["qo_indptr"], c["indptr"], c["indices"], c["last"], hq, hkv, 128, ps, causal=causal,
                q_data_type=qdt, kv_data_type=FP8_NAME[kv] if fp8 else qdt, fixed_split_size=split)
@@ -308,3 +311,44 @@ def test_gathered_ahead_refuses_a_cache_off_16_bytes(ahead):
     with pytest.raises(UnsupportedError, match="paged_kv_cache's rows in 16-byte loads.*K pointer"):
         w.run(_dev(c["q"]), (off, v))
     assert w.run(_dev(c["q"]), (k, v)).shape == (40, 8, 128)
+
+
+# -- a ragged batch of fp8 K / V: converted ahead too (its in-kernel form: the TMA-staged converters)
+
+from tests.prefill_dtype_cases import _check, _oracle, _poisoned, ragged_fp8_case  # noqa: E402
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("kv,qdt,sk,causal,layout", [("e4m3", "float16", "head", True, "NHD"),
+                                                     ("e5m2", "bfloat16", "tensor", False, "HND")])
+def test_ragged_fp8_converted_ahead_matches_oracle_and_the_in_kernel_form(kv, qdt, sk, causal, layout, monkeypatch):
+    """Ragged fp8 K / V (NHD, or HND through transposed views) converted ahead against the float64 oracle, and (f16 q)
+    bit for bit against the contiguous fp8 kernel; V a strided view (every other row of a larger array): K's and V's
+    strides differ."""
+    cp = _cp()
+    qo_lens, kv_lens, hq, hkv = [700, 1, 300], [1500, 900, 300], 16, 4
+    c = ragged_fp8_case(qo_lens, kv_lens, hq, hkv, 128, kv, qdt, sk, seed=21)
+    rows = int(c["qo_indptr"][-1])
+    k = _dev(c["k"])
+    v2 = cp.zeros((2 * c["v"].shape[0],) + c["v"].shape[1:], cp.uint8)
+    v2[::2] = _dev(c["v"])
+    v = v2[::2]
+    if layout == "HND":                                    # (heads, tokens, head_dim); V's a strided view
+        k, v = cp.ascontiguousarray(k.transpose(1, 0, 2)), v.transpose(1, 0, 2)
+    scales = [x if isinstance(x, float) else cp.asarray(x) for x in c["scales"]]
+    got = []
+    for th in (0, float("inf")):
+        monkeypatch.setattr(prefill_ahead, "MIN_SHARING", {k: th for k in ALL})
+        monkeypatch.setattr(prefill_ahead, "MIN_READS", {k: th for k in ALL})
+        w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(kv_layout=layout, backend="fa3")
+        w.plan(_dev(c["qo_indptr"]), _dev(c["kv_indptr"]), hq, hkv, 128, causal=causal, q_data_type=qdt,
+               kv_data_type=FP8_NAME[kv])
+        assert w._plan.kv_ahead is (th == 0) and (("gathered ahead once" in w.describe()) is (th == 0))
+        out, lse = _poisoned((rows, hq, 128), qdt), cp.full((rows, hq), np.nan, np.float32)
+        w.run(_dev(c["q"]), k, v, out=out, lse=lse, k_scale=scales[0], v_scale=scales[1])
+        got.append((cp.asnumpy(out), cp.asnumpy(lse)))
+    ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], causal)
+    _check(cp.asarray(got[0][0]), cp.asarray(got[0][1]), ref_o, ref_s, qdt)
+    if qdt == "float16":
+        assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
