@@ -308,7 +308,7 @@ def test_gathered_ahead_refuses_a_cache_off_16_bytes(ahead):
     buf = _cp().empty(k.size + 16, _cp().uint8)
     off = buf[8:8 + k.size].reshape(k.shape)
     off[...] = k
-    with pytest.raises(UnsupportedError, match="paged_kv_cache's rows in 16-byte loads.*K pointer"):
+    with pytest.raises(UnsupportedError, match="reads the K / V rows in 16-byte loads.*K pointer"):
         w.run(_dev(c["q"]), (off, v))
     assert w.run(_dev(c["q"]), (k, v)).shape == (40, 8, 128)
 
