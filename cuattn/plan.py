@@ -458,7 +458,7 @@ class Plan:
     mask_indptr: np.ndarray | None = None
     head_dim_vo: int | None = None      # v / output columns (prefill; head_dim when they are equal)
     rope_prepass: bool = False          # ragged prefill: run() rotates q and K ahead of a kernel without the RoPE (prefill_rope)
-    kv_ahead: bool = False              # paged fa3 prefill: run() gathers the rows ahead of the contiguous kernel (prefill_ahead)
+    kv_ahead: bool = False              # fa3 prefill (pages, fp8 rows): run() gathers the rows ahead of the contiguous kernel (prefill_ahead)
     # -- the GPU half (defaults on a NumPy plan)
     device: int | None = None
     backend: str = ""                   # prefill: "fa2" | "fa3"

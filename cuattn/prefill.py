@@ -16,7 +16,7 @@ tiles pack the GQA group's heads into rows, so one CTA reads each K/V tile once 
 group. With ``use_cuda_graph=True`` the buffers and the grid keep the capacity of the first plan.
 
 This module holds the three batch wrappers (their plan() arguments and run() paths) and re-exports the
-names below it: their shared machinery (plan halves, kernel launches, run steps) is ``prefill_batch.py``,
+names below it (a batch whose keys many query tiles read runs on its rows gathered ahead: ``prefill_ahead.py``): their shared machinery (plan halves, kernel launches, run steps) is ``prefill_batch.py``,
 the kernel spec and the backend choice ``prefill_spec.py``, the argument checks ``prefill_checks.py``.
 """
 from __future__ import annotations

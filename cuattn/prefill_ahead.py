@@ -9,10 +9,10 @@ Where enough query tiles share each key (``pays``), plan() picks the contiguous 
 and uploads the batch's token offsets as its ``kv_indptr``; run() first copies the batch's rows from the pages into
 a buffer of the wrapper, in token order (page.cu ``cuattn_kv_rows``: one pass; an fp8 cache's rows converted to q's
 16-bit type on the way, exactly: every e4m3 and e5m2 value is an f16 and a bf16 value), and the kernel reads them
-with run()'s k_scale / v_scale as it would the cache's. A ragged batch of fp8 K / V (whose contiguous fp8 kernel
-stages each tile by TMA for converter warps: 0.55-0.65x the fp16 speed, as measured on pages) converts its rows the
-same way, by the same rule. Output: the in-kernel path's, bit for bit in the GPU tests
-(an fp8 cache with a bf16 q keeps its bf16 products, where the fp8 kernel rounds q to f16).
+with run()'s k_scale / v_scale as it would the cache's. A ragged batch of fp8 K / V (``single_prefill_with_kv_cache``
+too), whose contiguous fp8 kernel stages each tile by TMA for converter warps (H100: 0.45-0.64x the fp16 speed),
+converts its rows the same way at every size. Output: the in-kernel path's, bit for bit in the GPU tests (an fp8
+cache with a bf16 q keeps its bf16 products, where the fp8 kernel rounds q to f16).
 
 The buffer holds kv_indptr[-1] x num_kv_heads x (head_dim_qk + head_dim_vo) 16-bit values, sized at plan(), at most
 ``MAX_BYTES`` (a larger batch reads the pages in the kernel). Not in CUDA-graph mode (the first plan fixes the
@@ -70,7 +70,7 @@ def kind(dtype_kv: str, paged: bool = True) -> str:
 
 
 def pays(qo_lens: np.ndarray, kv_lens: np.ndarray, group: int, causal: bool, row_bytes: int, cache: str) -> bool:
-    """Whether a paged fa3 plan of this batch gathers its rows ahead (``row_bytes``: a token's 16-bit K and V rows over
+    """Whether an fa3 plan of this batch gathers its rows ahead (``row_bytes``: a token's 16-bit K and V rows over
     all kv heads; ``cache``: ``kind``)."""
     keys = int(kv_lens.sum()) if len(kv_lens) else 0
     if keys == 0 or keys * row_bytes > MAX_BYTES:
@@ -130,7 +130,7 @@ def gather_rows(ctx, k, v, k_strides: tuple, v_strides: tuple, page_size: int, h
 
 
 class RowsAhead:
-    """A paged wrapper's gathered rows: ``plan(p)`` at every GPU plan sizes the buffer (so run() allocates nothing),
+    """A prefill wrapper's gathered rows: ``plan(p)`` at every GPU plan sizes the buffer (so run() allocates nothing),
     ``gather`` in run() fills it before the attention launch."""
 
     def __init__(self):

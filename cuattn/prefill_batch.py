@@ -103,7 +103,7 @@ class _BatchPrefillBase:
         self._bufs = _buffers.PlanBuffers(self._fn, float_workspace_buffer, use_cuda_graph)
         self._f32q = qcast.F32Q(self._fn, use_cuda_graph)     # an fp32 q's 16-bit copies (qcast.py)
         self._rope = prefill_rope.RopeAhead()                 # ragged fused RoPE: q and K rotated ahead (prefill_rope.py)
-        self._ahead = prefill_ahead.RowsAhead()               # paged on fa3: the rows gathered ahead (prefill_ahead.py)
+        self._ahead = prefill_ahead.RowsAhead()               # fa3: pages / fp8 rows gathered ahead (prefill_ahead.py)
         self._backend_memo: dict[tuple, tuple] = {}   # (backend, kernel spec) by device and spec (_plan_device)
         self._configs: dict[tuple, tuple] = {}        # plan()'s checked configurations (plan.config_key)
         self._runs: dict[tuple, tuple] = {}      # launches of plain GPU run()s by their arrays' layouts (_replay)

@@ -2,18 +2,17 @@
 22; cuattn/prefill_ahead.py, kernels_cu/page.cu cuattn_kv_rows). CPU: when plan() takes it (query tiles sharing each
 key, the buffer's cap), the token offsets it uploads, the gathering kernels compile for sm_80 and sm_90a without
 spills. GPU (sm_90): the gathered rows bit for bit (fp8: against ml_dtypes, every byte value, both formats, f16 and
-bf16 rows; 16-bit: copied), pages of 1, 5, 16, NHD and HND, an empty request; the paged batches of the fp8 gather's
-tests gathered ahead against the float64 oracle (outputs poisoned, every element checked, free slots and pages NaN
-bits); bitwise the in-kernel path's output (fp8 at an f16 q, 16-bit caches of both types); run()'s replay gathering
-the cache's current rows; the cases that read the pages in the kernel."""
+bf16 rows; 16-bit: copied), pages of 1, 5, 16, NHD and HND, an empty request; bitwise the in-kernel path's output (fp8
+at an f16 q, 16-bit caches of both types); run()'s replay gathering the cache's current rows; the cases that read the
+pages in the kernel; a ragged fp8 batch converted ahead. The fp8 gather's batches gathered ahead against the float64
+oracle, and the refusal of a cache off 16 bytes: tests/test_prefill_fp8_gather.py."""
 import numpy as np
 import pytest
 
 import cuattn
 from cuattn import jit, page, prefill_ahead
-from cuattn.errors import UnsupportedError
 from tests.conftest import gpu_cc
-from tests.prefill_dtype_cases import BF16, FP8, FP8_NAME, _cp, _dev, _ids, paged_fp8_case, run_paged_fp8_and_check
+from tests.prefill_dtype_cases import BF16, FP8, FP8_NAME, _cp, _dev, paged_fp8_case, run_paged_fp8_and_check
 
 # ============================================================================ CPU (CI)
 
@@ -147,28 +146,6 @@ def test_gathered_rows_bit_for_bit(page_size, layout):
                 assert np.array_equal(g[~nan], ref[~nan]), (spec.name, which)
 
 
-# the fp8 gather's cases (tests/test_prefill_fp8_gather.py), gathered ahead: one-tile, two-tile and long requests,
-# decode-like rows, kv_len 1, split requests, pages of 1 and 16, head_dim 64 and 128
-from tests.test_prefill_fp8_gather import CASES, _page0_free  # noqa: E402
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
-def test_fp8_gathered_ahead_matches_dequantised_oracle(case, ahead):
-    qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout, d, split = case
-    c = _page0_free(paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 7 + ps))
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
-    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
-           causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv], fixed_split_size=split)
-    spec = w._plan["run_spec"]
-    assert w._plan.kv_ahead and not spec.paged and not spec.dtype_kv and "gathered ahead" in w.describe()
-    assert "converted to 16 bits" in w.describe()
-    assert spec.dtype == {"float16": "f16", "bfloat16": "bf16"}[qdt] and spec.persistent
-    assert split is None or w._plan["work_list"].split
-    run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
-
-
 def _cache16(rng, shape, dtype):
     """A 16-bit cache (uint16 bits of ``dtype``), NaN in every slot, the requests' rows written by _fill16."""
     return np.full(shape, 0x7E00 if dtype == "float16" else 0x7FC0, np.uint16)
@@ -294,23 +271,6 @@ def test_pages_read_in_the_kernel_where_gathering_ahead_does_not_pay(monkeypatch
     w.plan(*bargs, causal=True, **kw)
     assert not w._plan.kv_ahead and not w._ahead.active
     run_paged_fp8_and_check(w, big, 32, 128, "float16", True)
-
-
-@pytest.mark.gpu
-@sm90
-def test_gathered_ahead_refuses_a_cache_off_16_bytes(ahead):
-    c = paged_fp8_case([40], [300], 16, 8, 2, 128, "e4m3", "float16", "one", seed=3)
-    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
-    w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 8, 2, 128, 16,
-           q_data_type="float16", kv_data_type="float8_e4m3fn")
-    assert w._plan.kv_ahead
-    k, v = _dev(c["k"]), _dev(c["v"])
-    buf = _cp().empty(k.size + 16, _cp().uint8)
-    off = buf[8:8 + k.size].reshape(k.shape)
-    off[...] = k
-    with pytest.raises(UnsupportedError, match="reads the K / V rows in 16-byte loads.*K pointer"):
-        w.run(_dev(c["q"]), (off, v))
-    assert w.run(_dev(c["q"]), (k, v)).shape == (40, 8, 128)
 
 
 # -- a ragged batch of fp8 K / V: converted ahead too (its in-kernel form: the TMA-staged converters)

@@ -85,30 +85,46 @@ def _page0_free(c):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-kernel", "ahead"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
-def test_fa3_fp8_gather_matches_dequantised_oracle(case, pages_in_kernel):
+def test_fa3_fp8_gather_matches_dequantised_oracle(case, ahead, monkeypatch):
+    """The fp8 gather (rows converted in the kernel), and the same batches with the rows converted once ahead of the
+    contiguous kernel (cuattn/prefill_ahead.py, forced here at every size)."""
+    from cuattn import prefill_ahead
+    for name in ("MIN_SHARING", "MIN_READS"):
+        monkeypatch.setattr(prefill_ahead, name, {k: 0 if ahead else float("inf") for k in prefill_ahead.MIN_SHARING})
     qo_lens, kv_lens, ps, hq, hkv, kv, qdt, sk, causal, layout, d, split = case
     c = _page0_free(paged_fp8_case(qo_lens, kv_lens, ps, hq, hkv, d, kv, qdt, sk, layout, seed=len(qo_lens) * 3 + ps))
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout, backend="fa3")
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
            causal=causal, q_data_type=qdt, kv_data_type=FP8_NAME[kv], fixed_split_size=split)
     spec = w._plan["run_spec"]
-    assert spec.gather and spec.dtype_kv == kv and not spec.tuning
+    if ahead:
+        assert w._plan.kv_ahead and not spec.paged and not spec.dtype_kv and spec.persistent
+        assert spec.dtype == {"float16": "f16", "bfloat16": "bf16"}[qdt] and "converted to 16 bits" in w.describe()
+    else:
+        assert spec.gather and spec.dtype_kv == kv and not spec.tuning and not w._plan.kv_ahead
     assert split is None or w._plan["work_list"].split
     run_paged_fp8_and_check(w, c, hq, d, qdt, causal)
 
 
 @pytest.mark.gpu
 @sm90
-def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(pages_in_kernel):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-kernel", "ahead"])
+def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(ahead, monkeypatch):
+    """The gather's 16-byte loads, and the rows gathered ahead (prefill_ahead: its loads are 16 bytes too)."""
+    from cuattn import prefill_ahead
+    for name in ("MIN_SHARING", "MIN_READS"):
+        monkeypatch.setattr(prefill_ahead, name, {k: 0 if ahead else float("inf") for k in prefill_ahead.MIN_SHARING})
     c = paged_fp8_case([5], [40], 16, 8, 2, 128, "e4m3", "float16", "one", seed=3)
     w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
     w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), 8, 2, 128, 16,
            q_data_type="float16", kv_data_type="float8_e4m3fn")
+    assert w._plan.kv_ahead is ahead
     k, v = _dev(c["k"]), _dev(c["v"])
     buf = _cp().empty(k.size + 16, _cp().uint8)
     off = buf[8:8 + k.size].reshape(k.shape)                   # K's pointer 8 bytes off 16
     off[...] = k
-    with pytest.raises(UnsupportedError, match="fp8 paged_kv_cache in 16-byte loads.*K pointer"):
+    with pytest.raises(UnsupportedError, match="16-byte loads.*K pointer"):
         w.run(_dev(c["q"]), (off, v))
     assert w.run(_dev(c["q"]), (k, v)).shape == (5, 8, 128)
