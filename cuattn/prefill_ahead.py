@@ -118,10 +118,14 @@ def gather_rows(ctx, k, v, k_strides: tuple, v_strides: tuple, page_size: int, h
     item = k.dtype.itemsize
     if nnz == 0 or heads == 0:
         return
-    chunks = head_dim * item // 16           # 16-byte pieces of a row
-    launch = jit.get_launcher(spec, "cuattn_kv_rows", ctx.device, "ppppppp" "q" "iiii" "qqqqqq")
+    chunks = head_dim // 8                   # pieces of 8 values a row (16 bytes out; head_dim 64 .. 256: a power of two)
     total = nnz * heads * chunks
-    args = (k.ptr, v.ptr, *ptrs, k_out, v_out, nnz, batch, heads, chunks, page_size,
+    if chunks & (chunks - 1) or total >= 2 ** 31:
+        raise UnsupportedError(f"gathering K / V rows ahead: {head_dim}-value rows and {total} pieces of 8 values "
+                               f"(a power of two a row, under 2**31 in all) have no launch")
+    launch = jit.get_launcher(spec, "cuattn_kv_rows", ctx.device, "ppppppp" "iiiiii" "qqqqqq")
+    args = (k.ptr, v.ptr, *ptrs, k_out, v_out, nnz, batch, heads, chunks.bit_length() - 1, page_size,
+            page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
             *(x * item for x in k_strides), *(x * item for x in v_strides))
     grid = (-(-total // _THREADS),)
     if record is not None:
@@ -155,8 +159,9 @@ class RowsAhead:
                fn: str, pdl: bool = False):
         """The plan's rows of K / V (device tensors; (page, slot, head) element strides; ``page_size`` None: contiguous
         rows of a ragged batch, ``k_strides`` then (token, head)) gathered (fp8: converted) into the buffer on the
-        run's stream; returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). The rows are
-        read in 16-byte loads: pointers and byte strides must be multiples of 16 (else UnsupportedError)."""
+        run's stream; returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). Pointers and byte
+        strides must be multiples of 16, as for the fa3 gather's 16-byte loads (else UnsupportedError; the pass itself
+        loads 16 bytes of a 16-bit row, 8 of an fp8 one)."""
         meta = plan.meta
         if page_size is None:            # one "page" a request, numbered by its first row: page stride = row stride
             k_strides, v_strides = (k_strides[0], *k_strides), (v_strides[0], *v_strides)

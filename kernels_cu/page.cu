@@ -215,9 +215,11 @@ extern "C" __global__ void cuattn_page_append_fp8(
 // fa3 kernel's contiguous form (cuattn/prefill_ahead.py: paged prefill gathering each row once, not once per query
 // tile that reads it). Token t of request b (tok_indptr[b] <= t < tok_indptr[b + 1]) sits at position
 // p = t - tok_indptr[b]: page kv_indices[page_indptr[b] + p / page_size], slot p % page_size (contiguous rows, a ragged
-// batch's: one page a request, its first row's index as its id, page stride = slot stride). One thread a 16-byte
-// piece of a K row and the same piece of its V row (fp8: 32 bytes out each); a warp covers 512 bytes of one token's
-// heads, so its request search reads the same few indptr words. Launched with PDL (sm_90) behind the previous
+// batch's: one page a request, its first row's index as its id, page stride = slot stride). One thread a piece of a
+// K row and the same piece of its V row, 16 bytes out each (16-bit: 16 bytes in; fp8: 8 bytes in: every store
+// instruction of a warp writes 512 contiguous bytes; with 16 bytes in and 32 out a thread, the pass ran at 1.27-1.39x
+// the time of a copy of its bytes, 1.05x for the 16-bit copy); a warp covers one token's heads, so its request search
+// reads the same few indptr words. Launched with PDL (sm_90) behind the previous
 // kernel and before the attention kernel: it lets the attention kernel start its prologue at once (that kernel
 // waits for this grid before reading K / V) and waits for the previous one before reading the cache.
 // grid ceil(nnz * num_heads * chunks_per_row / 256), block 256.
@@ -252,34 +254,35 @@ extern "C" __global__ void cuattn_kv_rows(
     const int32_t* __restrict__ kv_indices,
     uint4* __restrict__ k_out,                  // [nnz, num_heads, head_dim] of 16-bit values, contiguous
     uint4* __restrict__ v_out,
-    int64_t nnz, int batch, int num_heads, int chunks_per_row, int page_size,
+    int nnz, int batch, int num_heads, int chunk_shift, int page_size, int page_shift,
     int64_t c_page, int64_t c_slot, int64_t c_head, int64_t v_page, int64_t v_slot, int64_t v_head) {
+  // (32-bit index math: the launch keeps nnz x num_heads x chunks under 2^31; chunks a row and, where page_shift >= 0,
+  //  the page size are powers of two: shifts)
   cuattn::allow_next_grid();
   cuattn::wait_prior_grids();
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= nnz * num_heads * chunks_per_row) return;
-  const int c = int(i % chunks_per_row);
-  const int64_t r = i / chunks_per_row;
-  const int head = int(r % num_heads);
-  const int t = int(r / num_heads);
+  const int i = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
+  const int r = i >> chunk_shift;                  // (token, head) row
+  if (r >= nnz * num_heads) return;
+  const int c = i & ((1 << chunk_shift) - 1);
+  const int t = r / num_heads;
+  const int head = r - t * num_heads;
   int lo = 0, hi = batch;          // the last request b with tok_indptr[b] <= t (an empty one before it: skipped)
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (tok_indptr[mid] <= t) lo = mid; else hi = mid;
   }
   const int p = t - tok_indptr[lo];
-  const int64_t page = kv_indices[page_indptr[lo] + p / page_size];
-  const int64_t slot = p % page_size;
-  const uint4 k = *reinterpret_cast<const uint4*>(k_cache + page * c_page + slot * c_slot + head * c_head + c * 16);
-  const uint4 v = *reinterpret_cast<const uint4*>(v_cache + page * v_page + slot * v_slot + head * v_head + c * 16);
+  const int pi = page_shift >= 0 ? p >> page_shift : p / page_size;
+  const int64_t page = kv_indices[page_indptr[lo] + pi];
+  const int64_t slot = p - pi * page_size;
 #if KV_FP8
-  k_out[2 * i] = cuattn::dequant8(k.x, k.y);
-  k_out[2 * i + 1] = cuattn::dequant8(k.z, k.w);
-  v_out[2 * i] = cuattn::dequant8(v.x, v.y);
-  v_out[2 * i + 1] = cuattn::dequant8(v.z, v.w);
+  const uint2 k = *reinterpret_cast<const uint2*>(k_cache + page * c_page + slot * c_slot + head * c_head + c * 8);
+  const uint2 v = *reinterpret_cast<const uint2*>(v_cache + page * v_page + slot * v_slot + head * v_head + c * 8);
+  k_out[i] = cuattn::dequant8(k.x, k.y);
+  v_out[i] = cuattn::dequant8(v.x, v.y);
 #else
-  k_out[i] = k;
-  v_out[i] = v;
+  k_out[i] = *reinterpret_cast<const uint4*>(k_cache + page * c_page + slot * c_slot + head * c_head + c * 16);
+  v_out[i] = *reinterpret_cast<const uint4*>(v_cache + page * v_page + slot * v_slot + head * v_head + c * 16);
 #endif
 }
 #endif
