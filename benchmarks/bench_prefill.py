@@ -8,7 +8,9 @@ calls back to back) and "us" (one eager call on an idle stream: host time before
 the kernel, and slower again when the GPU idled ms before it; --diagnose splits it). TFLOP/s = 4 * qo * kv * num_qo_heads * head_dim / time; causal halves the work.
 fp8 columns (--fp8 e4m3 / e5m2, default e4m3; "none" skips): the same paged batch over an fp8 cache with
 per-kv-head k_scale / v_scale (backend "auto": fa3 on sm_90, else fa2; GPU alone), its ratio to the fp16 paged time (fp16 us / fp8 us: the
-issue-22 target is >= 0.95), and FlashInfer's fp8 paged prefill (same cache bytes) when importable.
+issue-22 target is >= 0.95), the same ratio against the fp16 paged call over a cache of the fp8 cache's values ("16=": the
+tensor cores see the same numbers; an H100's clock under its power cap depends on the data), and FlashInfer's fp8 paged
+prefill (same cache bytes) when importable.
 The fp16 matmul ceiling (cuBLAS through CuPy, 8192^3) is measured in the same run. SDPA and
 FlashInfer are timed the same way when importable; otherwise the PEERS.md H100 numbers are
 printed, labelled as not from this run. JSON goes to benchmarks/results/ (or --out).
@@ -179,6 +181,24 @@ def paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_si
     return (lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])), cache, scales, form
 
 
+def paged_same_values_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size, dtype, kv, cache8, scales):
+    """The fp16 / bf16 paged call (q's dtype) over a 16-bit cache holding exactly the fp8 cache's values, with the
+    same scales: the tensor cores see the same numbers as in the fp8 run (an H100's clock under its power cap depends
+    on the data: the randn cache of the fp16 column draws more power than the fp8 cache's values)."""
+    import ml_dtypes
+    fp8_t = ml_dtypes.float8_e4m3fn if kv == "e4m3" else ml_dtypes.float8_e5m2
+    to = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    lut = cp.asarray(np.arange(256, dtype=np.uint8).view(fp8_t).astype(to).view(np.uint16))
+    cache = lut[cache8]
+    cache = cache if dtype == "bfloat16" else cache.view(cp.float16)
+    batch = len(indptr) - 1
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper()
+    wp.plan(indptr, np.arange(batch + 1, dtype=np.int32) * pages_per, perm, last, hq, hkv, d, page_size,
+            causal=causal, q_data_type=dtype)
+    out = cp.empty_like(q)
+    return lambda: wp.run(q, cache, out=out, k_scale=scales[0], v_scale=scales[1])
+
+
 def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, flashinfer=None, fp8="e4m3",
              flashinfer_fp8=None):
     res = dict(batch=batch, qo_len=length, kv_len=length, causal=causal, num_qo_heads=hq, num_kv_heads=hkv,
@@ -208,11 +228,14 @@ def run_case(batch, length, causal, hq, hkv, d, dtype, reps, page_size, sdpa, fl
         res.update(flashinfer(q, cache, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size, dtype, reps, f))
     del cache, paged
     if fp8 != "none":        # -- the same batch over an fp8 cache (auto: fa3 on sm_90), next to the fp16 paged time
-        paged8, cache8, _, backend8 = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size,
-                                                     dtype, fp8)
+        paged8, cache8, scales8, backend8 = paged_fp8_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d,
+                                                           page_size, dtype, fp8)
         g8 = gpu_us(paged8, reps)
+        g16s = gpu_us(paged_same_values_call(q, indptr, perm, last, pages_per, causal, hq, hkv, d, page_size, dtype, fp8,
+                                             cache8, scales8), reps)
         res.update(fp8=fp8, paged_fp8_backend=backend8, paged_fp8_gpu_us=g8, paged_fp8_gpu_tflops=f / (g8 * 1e-6) / 1e12,
-                   paged_fp8_speed_vs_fp16=gp / g8)
+                   paged_fp8_speed_vs_fp16=gp / g8, paged_fp16_same_values_gpu_us=g16s,
+                   paged_fp8_speed_vs_fp16_same_values=g16s / g8)
         if flashinfer_fp8 is not None:
             res.update(flashinfer_fp8(q, cache8, indptr, pages_per, perm, last, causal, hq, hkv, d, page_size,
                                       dtype, reps, f, kv=fp8))
@@ -686,19 +709,22 @@ def main():
           "contiguous K/V, what backend='auto' runs there), GPU alone; FI3/fa3 = FlashInfer fa3 (paged) over it.")
     fp8_rows = [r for r in rows if "paged_fp8_gpu_us" in r]
     if fp8_rows:
-        print(f"\n{'case (paged, fp8 KV)':<26}{'fp16 us':>9}{'fp8 us':>9}{'TF/s':>7}{'16/8':>7}{'FI2 fp8':>9}{'FI2/8':>7}"
-              f"{'FI3 fp8':>9}{'FI3/8':>7}")
+        print(f"\n{'case (paged, fp8 KV)':<26}{'fp16 us':>9}{'fp8 us':>9}{'TF/s':>7}{'16/8':>7}{'16= us':>9}{'16=/8':>7}"
+              f"{'FI2 fp8':>9}{'FI2/8':>7}{'FI3 fp8':>9}{'FI3/8':>7}")
         for r in fp8_rows:
             case = (f"{r['fp8']} {r.get('paged_fp8_backend', '')} hd{r['head_dim']} {r['batch']}x{r['qo_len']}"
                     f"{' c' if r['causal'] else ''}")
             g8 = r["paged_fp8_gpu_us"]
             peers = _peer_cols(r, "_fp8", g8)
             print(f"{case:<26}{r['paged_gpu_us']:9.1f}{g8:9.1f}{r['paged_fp8_gpu_tflops']:7.0f}"
-                  f"{r['paged_fp8_speed_vs_fp16']:7.2f}{peers}")
+                  f"{r['paged_fp8_speed_vs_fp16']:7.2f}{r['paged_fp16_same_values_gpu_us']:9.1f}"
+                  f"{r['paged_fp8_speed_vs_fp16_same_values']:7.2f}{peers}")
         print("fp8 = cuattn paged prefill over an fp8 cache (per-kv-head scales; backend named in the case: 'auto' "
               "picks it, as for the fp16 paged column; '+ahead': the batch's rows gathered and converted to 16 bits once, "
               "ahead of the contiguous kernel, prefill_ahead.py), GPU alone; 16/8 = fp16 paged GPU "
-              "time over it (target >= 0.95); FI2/8, FI3/8 = FlashInfer fp8 paged (fa2 / fa3) over ours (> 1: cuattn "
+              "time over it (target >= 0.95); 16= = the fp16 paged call over a cache holding the fp8 cache's values "
+              "(same scales: the same numbers in the tensor cores, whose clock under the power cap depends on the data), "
+              "16=/8 its time over fp8's; FI2/8, FI3/8 = FlashInfer fp8 paged (fa2 / fa3) over ours (> 1: cuattn "
               "faster), same run.")
 
 
