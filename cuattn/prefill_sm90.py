@@ -64,6 +64,7 @@ class Sm90PrefillSpec:
     dtype_kv: str = ""         # "" (K/V of q's dtype) | "e4m3" | "e5m2"
     persistent: bool = False   # at most one CTA per SM, each looping over work items (PERSISTENT; make_spec: persists)
     block_m: int = 128         # packed query rows a CTA: 128 (two consumer warpgroups) or 64 (one: small_tile)
+    fp8_ring: int = 0          # the fp8 gather: 0 rows through registers, n a cp.async ring of n fp8 tiles (FP8_RING)
     backend = "fa3"
     archs = (ARCH,)            # built for sm_90a alone (cli.shipped_specs(arch))
     source = _SOURCE
@@ -86,17 +87,16 @@ class Sm90PrefillSpec:
                 f"-DDTYPE=cuattn::{self.dtype}", f"-DCAUSAL={int(self.causal)}", f"-DBLOCK_N={self.block_n}",
                 f"-DSTAGES={self.stages}", f"-DPAGED={2 if self.gather else int(self.paged)}", f"-DKV_FP8={KV_FP8.get(self.dtype_kv, 0)}",
                 f"-DSPEC_SMEM_BYTES={self.smem_bytes}", f"-DPERSISTENT={int(self.persistent)}",
-                f"-DNUM_CONSUMERS={self.block_m // 64}") + tuple(f"-D{v}" for v in self.tuning)
+                f"-DNUM_CONSUMERS={self.block_m // 64}", f"-DFP8_RING={self.fp8_ring}") + tuple(f"-D{v}" for v in self.tuning)
 
     @property
     def spill_bytes(self) -> int:
-        """The ptxas spill (stores, loads, stack frame, bytes each) this spec may have; 0 but for one: the persistent
-        fp8 gather at head_dim 128 over e4m3, whose producer spills 36 bytes at its 104 registers (NVRTC 12.9; the
-        consumers need the other 2 x 200, e5m2 and head_dim 64 spill nothing). It is the fastest form measured
-        (H100: 0.86-1.05x the fp16 paged kernel's speed, against 0.82-0.98 one CTA an item; the spill-free
-        byte-trick conversion 0.71-0.99, 112 producer registers 0.81-1.00 with a 4-byte consumer spill;
-        benchmarks/results/prefill_sm90_notes.md, session 20). Tests check every spec against this bound."""
-        return 64 if self.persistent and self.gather and self.dtype_kv == "e4m3" and self.head_dim_qk == 128 else 0
+        """The ptxas spill (stores, loads, stack frame, bytes each) this spec may have: 0 for every spec make_spec
+        gives. The persistent fp8 gather's register form at head_dim 128 over e4m3 (shipped until session 22, now the
+        ring's: ``ring``) spills 36 bytes at its 104 producer registers (NVRTC 12.9); an experiment that builds it
+        (fp8_ring=0, stages=3) may. Tests check every spec against this bound."""
+        return 64 if self.persistent and self.gather and self.dtype_kv == "e4m3" and self.head_dim_qk == 128 and \
+            not self.fp8_ring else 0
 
     @property
     def kv_bytes(self) -> int:     # bytes per K/V element as the TMA loads it
@@ -124,6 +124,7 @@ class Sm90PrefillSpec:
         if self.persistent:      # two item slots (64 bytes) and their two mbarriers each
             bars += 4
             total += 2 * 64
+        total += self.fp8_ring * self.block_n * kv_cols      # the fp8 ring's K and V tiles
         return total + 8 * bars
 
 
@@ -135,6 +136,7 @@ def spec_name(family: str, head_dim_qk: int, head_dim_vo: int, dtype: str, causa
     return (f"{family}_hd{head_dim_qk}{vo}_q{dtype}_{'causal' if causal else 'full'}{layout}"
             f"{'_kv' + spec.dtype_kv if spec.dtype_kv else ''}_bm{spec.block_m}_bn{spec.block_n}_s{spec.stages}"
             f"{'_persist' if getattr(spec, 'persistent', False) else ''}"
+            f"{f'_ring{spec.fp8_ring}' if getattr(spec, 'fp8_ring', 0) else ''}"
             + "".join("_" + v.replace("=", "").lower() for v in spec.tuning) + spec.variant.name)
 
 
@@ -144,7 +146,9 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
               gather: bool | None = None, small: bool = False) -> Sm90PrefillSpec:
     """``dtype_kv``: "" or q's dtype for a 16-bit cache, "e4m3" / "e5m2" for an fp8 one; ``head_dim_vo``
     None: ``head_dim_qk``. ``gather`` None: the paged producer ``use_gather`` picks (``page_size`` None:
-    any page size). The gather takes 3 K/V stages where they fit shared memory (head_dim 64, 128). ``small``:
+    any page size). The gather takes 3 K/V stages where they fit shared memory (head_dim 64, 128); the fp8 gather at
+    head_dim 128 copies its rows by cp.async into a ring of 2 fp8 tiles ahead of their conversion, with 2 stages (``ring``:
+    FP8_RING). ``small``:
     every request has at most 64 packed query rows (block-sparse row blocks, decode and speculative steps):
     64-row tiles where ``small_tile`` allows, else the 128-row one."""
     dv = head_dim_qk if head_dim_vo is None else int(head_dim_vo)
@@ -154,9 +158,22 @@ def make_spec(dtype: str, causal: bool, variant: variants.Composite = variants.D
     bm = 64 if small and small_tile(int(head_dim_qk), dv, kv, variant) else 128
     spec = Sm90PrefillSpec(dtype, bool(causal), int(head_dim_qk), dv, tile_n(dv) if bm == 128 else 64, variant=variant,
                            paged=bool(paged), gather=bool(gather), dtype_kv=kv,
-                           persistent=persists(int(head_dim_qk), kv, bool(gather), variant), block_m=bm)
+                           persistent=persists(int(head_dim_qk), kv, bool(gather), variant), block_m=bm,
+                           fp8_ring=ring(bool(gather), kv, int(head_dim_qk)))
+    if spec.fp8_ring:
+        return spec
     deeper = dataclasses.replace(spec, stages=3)
     return deeper if spec.gather and deeper.smem_bytes <= (SMEM_LIMIT if bm == 128 else SMEM_LIMIT_2) else spec
+
+
+def ring(gather: bool, dtype_kv: str, head_dim_qk: int) -> int:
+    """The fp8 gather's ring (FP8_RING, prefill_sm90_gather_fp8.cuh): its rows copied by cp.async into 2 fp8 tiles ahead
+    of their conversion (up to 2 tiles of K and V in flight a CTA; through registers, one half tile), 2 K/V stages (the
+    ring takes the third's shared memory), 56 producer registers where the register form took 104 and spilled. H100,
+    head_dim 128, against the register form (3 stages), bitwise the same output: 0.85-0.96x the time at every shape
+    measured (8 x 64 queries over 4096 keys 0.85, 16 x 16 over 8192 0.83, 1 x 16384 causal 0.96); at head_dim 64 (8-byte
+    copies) 1.03-1.06x: not there (prefill_sm90_notes.md, session 22)."""
+    return 2 if gather and dtype_kv in KV_FP8 and head_dim_qk == 128 else 0
 
 
 def small_tile(head_dim_qk: int, head_dim_vo: int, dtype_kv: str, variant: variants.Composite) -> bool:

@@ -9,9 +9,10 @@
 // generic-proxy stores, wgmma reads async-proxy). The page ids of tile t + 1 are loaded while the thread waits
 // for tile t + 1's buffer. A thread's rows are unrolled (GATHER_ROWS; 56 producer registers) where the
 // consumers keep enough registers.
-// fp8 K/V (KV_FP8): the same page-id machinery, the rows through registers (loaded, converted to f16 by the hardware's
-// cvt, stored; keys past the request's end read row 0, zeroed by the consumers): prefill_sm90_gather_fp8.cuh. No staging
-// tiles, so 3 stages fit where the TMA-staged converters (prefill_sm90_fp8.cuh) had 2.
+// fp8 K/V (KV_FP8): the same page-id machinery; head_dim 128 copies the rows by cp.async into a ring of FP8_RING fp8
+// tiles ahead of their conversion (2 stages), head_dim 64 through registers (loaded, converted, stored; 3 stages); the
+// conversion is the hardware's cvt to f16 either way (keys past the request's end read row 0, zeroed by the
+// consumers): prefill_sm90_gather_fp8.cuh.
 #pragma once
 #include "common/mma.cuh"
 #include "common/tma.cuh"

@@ -9,6 +9,11 @@
 // on across a CTA's items, tile t of an item is the CTA's tile tb + t, as the 16-bit gather's). Chosen by an H100 A/B of 7 variants
 // (benchmarks/results/prefill_sm90_notes.md, session 17; the others, 8-byte loads at hd128, other load orders, the shipped
 // loop before it, L1::no_allocate, are in git history at 3165f91). Producer registers: prefill_sm90_layout.cuh.
+// FP8_RING n > 0 (head_dim 128, prefill_sm90.py ring): the rows are not held in registers between a load and its
+// conversion but copied as fp8 by cp.async (the tile-0 staging below, for every tile) into a ring of n K + V tiles, n
+// tiles ahead; a thread reads back only its own copies (after its cp.async.wait_group), so no barrier. Up to n tiles a
+// CTA in flight against the register form's half tile: on an H100 0.83-0.96x its time at every shape, most where few
+// query tiles share the keys (prefill_sm90_notes.md, session 22).
 #pragma once
 #include "common/dtypes.cuh"
 #include "common/mma.cuh"
@@ -128,14 +133,58 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
   const Fp8Gather g(tid);
   const uint8_t* kp = opaque(kb + g.piece);   // (one 64-bit addend: a row address is one IMAD.WIDE.U32)
   const uint8_t* vp = opaque(vb + g.piece);
-  int rid[R];                             // the row ids of the thread's rows of the tile being loaded
-  int cur = 0;                            // PERSISTENT: the lane's looked-up row id of that tile; V's row ids shuffled
-                                          // from it again (8 fewer live registers: rid's spilled the producer)
-  uint32_t x[R][W];                       // its rows in flight
   const auto publish = [&](uint32_t full) {
     fence_proxy_async();                  // generic stores -> the consumers' wgmma reads
     mbar_arrive(full);
   };
+#if FP8_RING
+  // -- the ring: tile u's K and V rows copied as fp8 by cp.async (no registers: a thread's own rows, read back by it
+  //    alone) into ring slot (tb + u) % FP8_RING, FP8_RING tiles ahead of their conversion, one commit group a tile;
+  //    the thread's page id of tile u + 1 loaded when tile u's copies are issued
+  const auto issue = [&](int u) {
+    if (u < num_tiles) {
+      const int row = row_of(u);
+      if (u + 1 < num_tiles) load_page(u + 1);
+      const int slot = (tb + u) % FP8_RING;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const int rid = g.row_id(row, i);
+        g.stage(sm.k8 + slot * RING_K_BYTES, tid, i, kp, ks_row, rid);
+        g.stage(sm.v8 + slot * RING_V_BYTES, tid, i, vp, vs_row, rid);
+      }
+    }
+    cp_async_commit();                    // (past the last tile: an empty group, so the wait below counts alike)
+  };
+#pragma unroll
+  for (int u = 0; u < FP8_RING; ++u) issue(u);
+  for (int t = 0; t < num_tiles; ++t) {
+    const int s = (tb + t) % STAGES, slot = (tb + t) % FP8_RING;
+    const uint32_t ph = ((tb + t) / STAGES) & 1;
+    cp_async_wait<FP8_RING - 1>();        // the thread's copies of tile t
+    mbar_wait(sm.empty_k(s), ph ^ 1);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      uint32_t y[W];
+      g.unstage(y, sm.k8 + slot * RING_K_BYTES, tid, i);
+      g.store(y, sm.k + s * K_TILE_BYTES, i);
+    }
+    publish(sm.full_k(s));
+    on_k_tile(t);
+    mbar_wait(sm.empty_v(s), ph ^ 1);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      uint32_t y[W];
+      g.unstage(y, sm.v8 + slot * RING_V_BYTES, tid, i);
+      g.store(y, sm.v + s * V_TILE_BYTES, i);
+    }
+    publish(sm.full_v(s));
+    issue(t + FP8_RING);                  // the slot just read, refilled
+  }
+#else
+  int rid[R];                             // the row ids of the thread's rows of the tile being loaded
+  int cur = 0;                            // PERSISTENT: the lane's looked-up row id of that tile; V's row ids shuffled
+                                          // from it again (8 fewer live registers: rid's spilled the producer)
+  uint32_t x[R][W];                       // its rows in flight
   // -- each row reloaded as soon as it is stored: K(t) -> V(t) -> K(t + 1)
   int t0 = 0;                             // (tile 0 peeled; PERSISTENT: not, its K rows loaded before the loop while the
                                           // consumers still work through the previous item's tiles in the stages; the
@@ -213,5 +262,6 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     cur = next;
     publish(sm.full_v(s));
   }
+#endif
 }
 #endif

@@ -25,6 +25,9 @@
 #ifndef PERSIST_DYNAMIC     // PERSISTENT, batch mode: the CTAs take items from a global counter as they free up (0: in
 #define PERSIST_DYNAMIC 1   // turns, a fixed schedule: prefill_sm90.cu for_each_item_of)
 #endif
+#ifndef FP8_RING            // PAGED == 2 with fp8 K/V: 0 the rows through registers; n > 0 the rows copied by cp.async into
+#define FP8_RING 0          // a ring of n fp8 tiles (K and V) ahead of their conversion (prefill_sm90_gather_fp8.cuh)
+#endif
 #ifndef GATHER_UNROLL       // PAGED == 2: rows a gather thread copies per loop iteration (> 1: 56 producer registers);
 #define GATHER_UNROLL 0     // 0: all 8 at head_dim_qk <= 128 (H100 A/B, prefill_sm90_notes.md: 0.84-0.99x the time of
 #endif                      // a rolled loop), else 1 (spills: consumers at 192 / 256, key-transform producers)
@@ -73,7 +76,8 @@ static_assert(!((Q_XFORM || K_XFORM) && KV_FP8),
 // what is left of 3 x 168 (the entry count at 384 threads): 232 plain, 224, 208, 200 (one consumer, two CTAs per SM: what is
 // left of 2 x 128)
 constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !K_XFORM ? 8 : 1;
-// (the fp8 gather, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
+// (the fp8 gather's ring (FP8_RING) holds nothing in registers between a copy and its conversion: 56, consumers 224;
+// its register form, prefill_sm90_gather_fp8.cuh, holds a tile's rows in flight: 104, consumers 200; a count where no spec
 // spilled (f16 / bf16 q, causal or not, e4m3 / e5m2, head_dim 64 / 128): ptxas's allocation in the setmaxnreg region
 // moves non-monotonically with the count, tests/test_prefill_fp8_gather.py checks. PERSISTENT: the e4m3 producer at
 // head_dim 128 spills 36 bytes at 104; at 112 the causal consumers (192) spill 4 and ran slower on an H100, as did the
@@ -81,7 +85,8 @@ constexpr int GATHER_ROWS = GATHER_UNROLL > 0 ? GATHER_UNROLL : D_QK <= 128 && !
 // (PERSISTENT: the item loop's state too, thread 0's item fetch (PERSIST_DYNAMIC): the RoPE gather 112 and boxes 104, TMA
 // boxes 56, where 104 / 88 / 40 spilled; a mask variant's
 // gather 48: the causal custom mask's spilled 76 bytes at 56 since the item loop, none at 40 or 48)
-constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? 104
+static_assert(FP8_RING == 0 || (PAGED == 2 && KV_FP8), "FP8_RING: the fp8 gather's cp.async ring");
+constexpr int PRODUCER_REGS = PAGED == 2 && KV_FP8 ? (FP8_RING ? 56 : 104)
                             : CUATTN_VARIANT_ROPE ? (PERSISTENT && PAGED == 2 ? 112 : PERSISTENT && PAGED ? 104 : 88)
                             : PERSISTENT && PAGED == 1 ? 56
                             : PAGED == 2 && GATHER_ROWS > 1 && variant::HAS_MASK && !K_XFORM ? 48
@@ -121,9 +126,10 @@ static_assert(FP8_STAGED || (LoadK::BYTES == K_TILE_BYTES && LoadV::BYTES == V_T
 constexpr int ITEM_SLOTS = PERSISTENT ? 2 : 0;
 constexpr uint32_t ITEM_SLOT_BYTES = 64;
 constexpr int NUM_BARS = 4 * STAGES + (FP8_STAGED ? 4 * LOAD_STAGES : K_XFORM ? STAGES : 0) + 2 * ITEM_SLOTS;
+constexpr uint32_t RING_K_BYTES = BLOCK_N * D_QK, RING_V_BYTES = BLOCK_N * D_VO;   // FP8_RING: an fp8 tile each
 constexpr uint32_t SMEM_BYTES = 1024 + Q_BYTES + STAGES * (K_TILE_BYTES + V_TILE_BYTES) +
-                                (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) + 8 * NUM_BARS +
-                                ITEM_SLOTS * ITEM_SLOT_BYTES;
+                                (FP8_STAGED ? LOAD_STAGES * (LoadK::BYTES + LoadV::BYTES) : 0) +
+                                FP8_RING * (RING_K_BYTES + RING_V_BYTES) + 8 * NUM_BARS + ITEM_SLOTS * ITEM_SLOT_BYTES;
 
 static_assert(D_QK % 64 == 0 && D_QK <= 256 && D_VO % 64 == 0 && D_VO <= D_QK,
               "prefill_sm90: head dims of whole 64-column blocks, V's at most K's (split-KV rows: head_dim_qk floats)");
@@ -158,12 +164,12 @@ __device__ __forceinline__ void sts128(uint32_t a, uint4 x) {
 //    freeV: LOAD_STAGES each (the staging tiles: landed, read by the converters)
 struct Smem {
   uint32_t q, k, v;                        // Q, the 16-bit K and V tiles
-  uint32_t k8, v8;                         // FP8_STAGED: the fp8 staging tiles
+  uint32_t k8, v8;                         // FP8_STAGED: the fp8 staging tiles; FP8_RING: the ring's fp8 tiles
   uint32_t bars;
   __device__ __forceinline__ explicit Smem(uint32_t base)
       : q(base), k(q + Q_BYTES), v(k + STAGES * K_TILE_BYTES), k8(v + STAGES * V_TILE_BYTES),
-        v8(k8 + (FP8_STAGED ? LOAD_STAGES * LoadK::BYTES : 0)),
-        bars(v8 + (FP8_STAGED ? LOAD_STAGES * LoadV::BYTES : 0)) {}
+        v8(k8 + (FP8_STAGED ? LOAD_STAGES * LoadK::BYTES : FP8_RING * RING_K_BYTES)),
+        bars(v8 + (FP8_STAGED ? LOAD_STAGES * LoadV::BYTES : FP8_RING * RING_V_BYTES)) {}
   __device__ __forceinline__ uint32_t full_k(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ uint32_t full_v(int s) const { return bars + 8 * (STAGES + s); }
   __device__ __forceinline__ uint32_t empty_k(int s) const { return bars + 8 * (2 * STAGES + s); }

@@ -106,9 +106,10 @@ def test_fa3_where_it_has_no_kernel_raises_naming_the_case():
             spec = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, head_dim_qk=dk, head_dim_vo=dv)
             assert spec.gather and "_gather" in spec.name and "-DPAGED=2" in spec.defines()
             assert spec.stages == (3 if dk <= 128 else 2) and spec.smem_bytes <= prefill_sm90.SMEM_LIMIT
-            if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:   # fp8: no staging tiles, 3 stages too
+            if (dk, dv) in prefill_sm90.FP8_HEAD_DIMS:   # fp8: 3 stages at 64; at 128 the ring of 2 fp8 tiles, 2 stages
                 f8 = prefill_sm90.make_spec("f16", True, paged=True, page_size=ps, dtype_kv="e4m3", head_dim_qk=dk)
-                assert f8.gather and f8.stages == 3 and f8.smem_bytes <= prefill_sm90.SMEM_LIMIT
+                assert f8.gather and (f8.stages, f8.fp8_ring) == ((2, 2) if dk == 128 else (3, 0))
+                assert f8.smem_bytes <= prefill_sm90.SMEM_LIMIT and ("_ring2" in f8.name) is (dk == 128)
         r256 = prefill_sm90.make_spec("f16", True, rope, paged=True, page_size=ps, head_dim_qk=256)
         assert r256.gather is (prefill_sm90.page_box(ps, 64) is None) and ("-DPAGED=1" in r256.defines()) is not r256.gather
     with pytest.raises(UnsupportedError, match="sm_90"):
@@ -179,10 +180,15 @@ def test_sm90_smem_mirror_counts_fp8_staging_and_transform_barriers():
             contig = prefill_sm90.make_spec("f16", True, head_dim_qk=dk, head_dim_vo=dv)
             assert f8.smem_bytes == contig.smem_bytes - slots + 2 * bn * (dk + dv) + 8 * 4 * 2 <= 227 * 1024
             assert "-DKV_FP8=2" in f8.defines() and f"-DSPEC_SMEM_BYTES={f8.smem_bytes}" in f8.defines()
-            # gathered (paged): converted in registers, no staging: the 16-bit gather's smem, 3 stages
+            # gathered (paged): head_dim 64 converted in registers (the 16-bit gather's smem, 3 stages); 128 through the
+            # ring (FP8_RING 2: 2 stages, + 2 fp8 K and V tiles)
             g8 = prefill_sm90.make_spec("f16", True, paged=True, dtype_kv="e4m3", head_dim_qk=dk, head_dim_vo=dv)
             g16 = prefill_sm90.make_spec("f16", True, paged=True, head_dim_qk=dk, head_dim_vo=dv)
-            assert g8.gather and g8.persistent and g8.smem_bytes == g16.smem_bytes and g8.stages == g16.stages == 3
+            assert g8.gather and g8.persistent and g16.stages == 3
+            # (the ring's 2 fp8 tiles take the third stage's bytes; its 4 mbarriers go)
+            assert g8.smem_bytes == g16.smem_bytes - (bn * (dk + dv) * 2 - 2 * bn * (dk + dv) + 8 * 4 if dk == 128 else 0)
+            assert g8.smem_bytes <= 227 * 1024
+            assert f"-DFP8_RING={g8.fp8_ring}" in g8.defines() and g8.stages == (2 if dk == 128 else 3)
 
 
 def test_fa3_refuses_fp8_at_head_dims_its_staging_cannot_hold():
