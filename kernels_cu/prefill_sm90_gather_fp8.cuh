@@ -12,7 +12,7 @@
 // FP8_RING n > 0 (head_dim 128, prefill_sm90.py ring): the rows are not held in registers between a load and its
 // conversion but copied as fp8 by cp.async (the tile-0 staging below, for every tile) into a ring of n K + V tiles, n
 // tiles ahead; a thread reads back only its own copies (after its cp.async.wait_group), so no barrier. Up to n tiles a
-// CTA in flight against the register form's half tile: on an H100 0.83-0.96x its time at every shape, most where few
+// CTA in flight against the register form's half tile: on an H100 0.81-0.98x its time at every shape, most where few
 // query tiles share the keys (prefill_sm90_notes.md, session 22).
 #pragma once
 #include "common/dtypes.cuh"
