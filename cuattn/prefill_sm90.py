@@ -172,8 +172,7 @@ def ring(gather: bool, dtype_kv: str, head_dim_qk: int) -> int:
     ring takes the third's shared memory), 56 producer registers where the register form took 104 and spilled. H100,
     head_dim 128, against the register form (3 stages), bitwise the same output: 0.81-0.98x the time at every shape
     measured (8 x 64 queries over 4096 keys 0.85, 64 x 4 over 4096 0.81, 16 x 16 over 8192 0.83, 1 x 4096 causal 0.98,
-    1 x 16384 causal 0.96); at head_dim 64 (8-byte
-    copies) 1.03-1.06x: not there (prefill_sm90_notes.md, session 22)."""
+    1 x 16384 causal 0.96); at head_dim 64 (8-byte copies) 1.03-1.06x: not there (prefill_sm90_notes.md, session 22)."""
     return 2 if gather and dtype_kv in KV_FP8 and head_dim_qk == 128 else 0
 
 

@@ -155,6 +155,14 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     }
     cp_async_commit();                    // (past the last tile: an empty group, so the wait below counts alike)
   };
+  const auto convert = [&](uint32_t ring_tile, uint32_t tile) {   // the thread's rows of a ring tile -> the 16-bit tile
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      uint32_t y[W];
+      g.unstage(y, ring_tile, tid, i);
+      g.store(y, tile, i);
+    }
+  };
 #pragma unroll
   for (int u = 0; u < FP8_RING; ++u) issue(u);
   for (int t = 0; t < num_tiles; ++t) {
@@ -162,21 +170,11 @@ __device__ __forceinline__ void fp8_gather_tiles(const Smem& sm, int tid, const 
     const uint32_t ph = ((tb + t) / STAGES) & 1;
     cp_async_wait<FP8_RING - 1>();        // the thread's copies of tile t
     mbar_wait(sm.empty_k(s), ph ^ 1);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      uint32_t y[W];
-      g.unstage(y, sm.k8 + slot * RING_K_BYTES, tid, i);
-      g.store(y, sm.k + s * K_TILE_BYTES, i);
-    }
+    convert(sm.k8 + slot * RING_K_BYTES, sm.k + s * K_TILE_BYTES);
     publish(sm.full_k(s));
     on_k_tile(t);
     mbar_wait(sm.empty_v(s), ph ^ 1);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      uint32_t y[W];
-      g.unstage(y, sm.v8 + slot * RING_V_BYTES, tid, i);
-      g.store(y, sm.v + s * V_TILE_BYTES, i);
-    }
+    convert(sm.v8 + slot * RING_V_BYTES, sm.v + s * V_TILE_BYTES);
     publish(sm.full_v(s));
     issue(t + FP8_RING);                  // the slot just read, refilled
   }
