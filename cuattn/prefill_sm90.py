@@ -189,16 +189,13 @@ def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Co
     """Whether a spec runs persistent (PERSISTENT: at most one CTA per SM, two with 64-row tiles, each taking the next
     work item from a counter as it frees up, in turns with a logits mask; the producer hands each item to the consumers
     through shared memory, and the next item's K/V tiles and Q load while one finishes): 16-bit K/V at head_dim_qk <=
-    128, but not a custom mask's gather spec, and the fp8 gather (at head_dim 128, its ring: every variant; at 64, plain
-    attention). H100, against the one-CTA-an-item
+    128, but not a custom mask's gather spec, and the fp8 gather of plain attention. H100, against the one-CTA-an-item
     grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed
     step 0.99x (benchmarks/results/prefill_sm90_notes.md, session 18); the fp8 gather 0.93-0.98x at 8 x 2048 and 1 x
     4096, 1 x 16384 within the noise (session 20). Where it is not used, its registers spilled (head_dim 192 and 256:
-    8-76 bytes, the custom mask's gather: 12, the fp8 gather's register form with a variant's logits transform: 104;
-    its ring, 56 producer registers, spills nothing), or the fp8 producers count their tiles from 0 (contiguous fp8,
-    the TMA-staged converters)."""
-    return ((not dtype_kv or (gather and (variant.is_default or ring(gather, dtype_kv, head_dim_qk) > 0)))
-            and head_dim_qk <= 128 and not (gather and variant.has_custom_mask))
+    8-76 bytes, the custom mask's gather: 12, the fp8 gather with a variant's logits transform: 104), or the fp8
+    producers count their tiles from 0 (contiguous fp8, the TMA-staged converters)."""
+    return (not dtype_kv or (gather and variant.is_default)) and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
 def use_gather(page_size: int | None, block_n: int, rope_256: bool = False) -> bool:
