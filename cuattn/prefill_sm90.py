@@ -193,8 +193,9 @@ def persists(head_dim_qk: int, dtype_kv: str, gather: bool, variant: variants.Co
     grid: 0.88-0.95x the time at 8 x 2048, 0.95-0.99x at 1 x 4096 and 1 x 1024, 1 x 16384 within the noise, the mixed
     step 0.99x (benchmarks/results/prefill_sm90_notes.md, session 18); the fp8 gather 0.93-0.98x at 8 x 2048 and 1 x
     4096, 1 x 16384 within the noise (session 20). Where it is not used, its registers spilled (head_dim 192 and 256:
-    8-76 bytes, the custom mask's gather: 12, the fp8 gather with a variant's logits transform: 104), or the fp8
-    producers count their tiles from 0 (contiguous fp8, the TMA-staged converters)."""
+    8-76 bytes, the custom mask's gather: 12, the fp8 gather's register form with a variant's logits transform: 104;
+    its ring spills nothing there, but persistent it ran 0.93-1.04x the one-CTA time with variants, session 22: not
+    taken), or the fp8 producers count their tiles from 0 (contiguous fp8, the TMA-staged converters)."""
     return (not dtype_kv or (gather and variant.is_default)) and head_dim_qk <= 128 and not (gather and variant.has_custom_mask)
 
 
