@@ -312,3 +312,45 @@ def test_ragged_fp8_converted_ahead_matches_oracle_and_the_in_kernel_form(kv, qd
     _check(cp.asarray(got[0][0]), cp.asarray(got[0][1]), ref_o, ref_s, qdt)
     if qdt == "float16":
         assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+
+
+@pytest.mark.gpu
+@sm90
+def test_fp8_graph_mode_replays_the_kernels_gather_after_replans():
+    """CUDA-graph mode reads an fp8 cache in the kernel (the ring at head_dim 128, persistent): captured once,
+    re-planned with other lengths (the same number of queries; the work padded to the first plan's capacity), each
+    replay against the float64 oracle of the dequantised K / V, outputs poisoned."""
+    cp = _cp()
+    from tests.prefill_dtype_cases import _check, _oracle
+    hq, hkv, d, ps = 16, 4, 128, 16
+    plans = [([300, 40], [700, 900]), ([170, 170], [3000, 50]), ([340], [340])]
+    cases = [paged_fp8_case(qo, kv, ps, hq, hkv, d, "e4m3", "float16", "tensor", seed=40 + i)
+             for i, (qo, kv) in enumerate(plans)]
+    pages = max(c["k"].shape[0] for c in cases)
+    kbuf, vbuf = (cp.zeros((pages,) + cases[0]["k"].shape[1:], cp.uint8) for _ in range(2))
+    q = cp.zeros((340, hq, d), cp.float16)
+    out, lse = cp.full(q.shape, np.nan, np.float16), cp.full(q.shape[:2], np.nan, np.float32)
+    w = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend="fa3", use_cuda_graph=True)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def load(c):
+        w.plan(_dev(c["qo_indptr"]), _dev(c["indptr"]), _dev(c["indices"]), _dev(c["last"]), hq, hkv, d, ps,
+               causal=True, q_data_type="float16", kv_data_type="float8_e4m3fn")
+        n = c["k"].shape[0]
+        kbuf[:n], vbuf[:n], q[...] = _dev(c["k"]), _dev(c["v"]), cp.asarray(c["q"])
+    with stream:
+        load(cases[0])
+        spec = w._plan["run_spec"]
+        assert not w._plan.kv_ahead and spec.gather and spec.fp8_ring == 2 and spec.persistent
+        w.run(q, (kbuf, vbuf), out=out, lse=lse, k_scale=0.37, v_scale=1.9)      # warm-up: compiles
+        stream.begin_capture()
+        w.run(q, (kbuf, vbuf), out=out, lse=lse, k_scale=0.37, v_scale=1.9)
+        graph = stream.end_capture()
+        for c in cases:
+            load(c)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch()
+            stream.synchronize()
+            ref_o, ref_s = _oracle(c["q"], c["ks"], c["vs"], c["qo_indptr"], True)
+            _check(out, lse, ref_o, ref_s, "float16")
