@@ -16,8 +16,9 @@ tiles pack the GQA group's heads into rows, so one CTA reads each K/V tile once 
 group. With ``use_cuda_graph=True`` the buffers and the grid keep the capacity of the first plan.
 
 This module holds the three batch wrappers (their plan() arguments and run() paths) and re-exports the
-names below it (a batch whose keys many query tiles read runs on its rows gathered ahead: ``prefill_ahead.py``): their shared machinery (plan halves, kernel launches, run steps) is ``prefill_batch.py``,
-the kernel spec and the backend choice ``prefill_spec.py``, the argument checks ``prefill_checks.py``.
+names below it: their shared machinery (plan halves, kernel launches, run steps) is ``prefill_batch.py``,
+the kernel spec and the backend choice ``prefill_spec.py``, the argument checks ``prefill_checks.py``; a batch whose
+keys many query tiles read runs on its rows gathered once ahead of the kernel (``prefill_ahead.py``).
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         k_tok, k_head = tok, head
         if self._rope.active:       # fused RoPE: q and the keys rotated once, contiguous NHD (prefill_rope.py)
             (qk, kt), k_tok, k_head = self._rope.rotate(ctx, plan, qk, kt, tok, head), 0, 1
-        v_tok, v_head = tok, head
+        v_tok, v_head, caches = tok, head, (kt.ptr, vt.ptr)     # (the caller's K / V: _keep_record)
         if plan.kv_ahead:           # fp8 K / V converted once, contiguous NHD in q's type (prefill_ahead.py)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 kt, vt = self._ahead.gather(ctx, plan, kt, vt, (kt.strides[tok], kt.strides[head]),
@@ -162,7 +163,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                     k_strides=(kt.strides[k_tok], kt.strides[k_head], 0), v_strides=(vt.strides[tok], vt.strides[head], 0),
                     sm_scale=scale, variant_args=vargs, meta=plan.meta, pdl=pdl, scales=scales, record=record)
         self._merge(ctx, plan, ot, lse_ptr, record)
-        self._keep_record(plan, key, record, dict(q=qk.ptr, out=ot.ptr, lse=lse_ptr), (kt.ptr, vt.ptr))
+        self._keep_record(plan, key, record, dict(q=qk.ptr, out=ot.ptr, lse=lse_ptr), caches)
         o = arrays.export(ctx, out, arrays.logical_dtype(qt.dtype))
         return (o, arrays.export(ctx, lse)) if return_lse else o
 
