@@ -37,8 +37,7 @@ from bench_decode import decode_bytes, l2_flush, setup_case, time_events  # noqa
 from bench_prefill import flops, gpu_us, rand  # noqa: E402
 
 USER_SOFTCAP = cuattn.Variant("user_softcap", params=(("cap", "float"),),
-                              logits_transform="return params.cap * fast_tanh(logits * (logit_scale * (1.f / params.cap)));",
-                              raw_logits=True)
+                              logits_transform="return params.cap * fast_tanh(logits * (1.f / params.cap));")
 
 
 ONLY: list = []     # --variants: the names to time (plain always), default all

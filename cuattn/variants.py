@@ -28,24 +28,14 @@ Each hook is a CUDA function body that returns a value. It sees ``params`` (a st
 decode); ``qo_pos`` (its position in the key sequence, bottom-right aligned: ``qo_idx + kv_len -
 qo_len``; ``kv_len - 1`` in decode); ``kv_idx``; ``qo_head_idx``; ``kv_head_idx``; ``qo_len``;
 ``kv_len``. ``logits_transform`` also sees ``logits``, ``row`` and ``kv_base``, ``logits_mask`` ``row``
-(0.f without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0, and
-``logit_scale``. ``kv_base`` is a
+(0.f without a row_state); ``row_state`` sees the same positions with ``kv_idx`` 0. ``kv_base`` is a
 key index the kernel holds fixed over the logits of one row it transforms together (a thread's first
 key of a key tile): ``kv_idx - kv_base`` is then a compile-time constant in the kernels' unrolled loops,
 and a term computed from ``kv_base``, ``row`` and the query alone is computed once per row and tile, so
 a transform that splits its position arithmetic that way does its per-logit work with immediates (the
 built-in ALiBi: ``row * (kv_idx - qo_pos)`` as ``row * (kv_base - qo_pos) + row * (kv_idx - kv_base)``,
 an FFMA by an immediate per logit instead of an integer add and a conversion). Its result must not
-depend on ``kv_base`` beyond rounding. Two options of a transform save the kernels' per-logit multiplies
-(each is an instruction on the softmax's critical path: H100 fa3 prefill issues ~10 a logit for plain attention):
-``raw_logits=True`` hands it the raw dot product (``q . k``, the key scale folded in where the kernel folds it)
-instead of natural units, with ``logit_scale`` (the factor to natural units: ``sm_scale`` times the key scale) in
-scope, so a transform that scales its input anyway folds that factor into its own constant (the built-in
-soft-cap: ``cap * tanh(logits * (logit_scale / cap))``, one multiply less); ``output_scale`` (a CUDA expression of
-``params`` and ``logit_scale``) says the transform returns the logit divided by that factor, which the kernels
-fold into the softmax's scale once per row instead of multiplying each logit (ALiBi returns raw units,
-``output_scale="logit_scale"``, so plain attention's scale applies). Composed transforms
-stay exact: the composite converts between the pieces' units. ``sink`` sees ``params``, ``batch_idx``,
+depend on ``kv_base`` beyond rounding. ``sink`` sees ``params``, ``batch_idx``,
 ``qo_idx`` and ``qo_head_idx``; ``kv_begin`` sees ``params``, ``batch_idx``, ``qo_pos``,
 ``qo_len`` and ``kv_len``. Helpers in ``kernels_cu/common/variant_base.cuh`` (``fast_tanh``,
 ``fast_sigmoid``, ``small_int_to_float``, ``alibi_slope``) are in scope.
@@ -91,15 +81,14 @@ PARAM_KINDS = {"float": ("float", "f"), "int": ("int", "i"), "float*": ("const f
 _ARRAY_DTYPES = {"float*": np.dtype(np.float32), "int*": np.dtype(np.int32), "uint8*": np.dtype(np.uint8)}
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = {"sm_scale", "params", "logits", "row", "batch_idx", "qo_idx", "qo_pos", "kv_idx", "qo_head_idx",
-             "kv_head_idx", "qo_len", "kv_len", "x", "pair", "kv_base", "logit_scale"}
+             "kv_head_idx", "qo_len", "kv_len", "x", "pair", "kv_base"}
 _POS_ARGS = ("int batch_idx, int qo_idx, int qo_pos, int kv_idx, int qo_head_idx, int kv_head_idx, "
              "int qo_len, int kv_len")
 _POS_NAMES = "batch_idx, qo_idx, qo_pos, kv_idx, qo_head_idx, kv_head_idx, qo_len, kv_len"
 # ROW: the piece's row-state type (what its row_state returns; float without one)
 _SIGNATURES = {
-    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}, int kv_base, "
-                                 "float logit_scale"),
-    "row_state": ("auto", f"const Params& params, {_POS_ARGS}, float logit_scale"),
+    "logits_transform": ("float", f"const Params& params, ROW row, float logits, {_POS_ARGS}, int kv_base"),
+    "row_state": ("auto", f"const Params& params, {_POS_ARGS}"),
     "logits_mask": ("bool", f"const Params& params, ROW row, {_POS_ARGS}"),
     "kv_begin": ("int", "const Params& params, int batch_idx, int qo_pos, int qo_len, int kv_len"),
     "sink": ("float", "const Params& params, int batch_idx, int qo_idx, int qo_head_idx"),
@@ -128,14 +117,6 @@ class Variant:
         CUDA function bodies (see the module docstring for what each sees and returns).
     use_softmax : bool
         False: the transformed logits are the attention weights (no softmax; no LSE).
-    raw_logits : bool
-        The logits_transform receives the raw dot product (``logits * logit_scale`` is the logit in natural
-        units; ``logit_scale`` is in scope) instead of the natural-unit logit: one multiply a logit less
-        where the transform folds ``logit_scale`` into a constant of its own.
-    output_scale : str, optional
-        A CUDA expression of ``params`` and ``logit_scale``: the logits_transform returns the logit (natural
-        units) divided by it, and the kernels fold the factor into the softmax's scale (once a row, not once
-        a logit). Needs use_softmax=True. The NumPy hooks stay in natural units either way.
     numpy : dict, optional
         NumPy versions of the hooks for the CPU path, by hook name; a hook without one makes
         the NumPy path refuse the variant.
@@ -154,8 +135,6 @@ class Variant:
     numpy: dict = field(default_factory=dict)
     query_transform: str | None = None
     key_transform: str | None = None
-    raw_logits: bool = False
-    output_scale: str | None = None
 
     def __post_init__(self):
         fn = "cuattn.Variant"
@@ -184,22 +163,13 @@ class Variant:
             raise ValueError(f"{fn}: use_softmax=False needs a logits_transform (the attention weight)")
         if not self.use_softmax and self.sink is not None:
             raise ValueError(f"{fn}: a sink joins the softmax denominator; it needs use_softmax=True")
-        if not isinstance(self.raw_logits, bool):
-            raise TypeError(f"{fn}: raw_logits must be a bool, got {type(self.raw_logits).__name__}")
-        if self.output_scale is not None and not isinstance(self.output_scale, str):
-            raise TypeError(f"{fn}: output_scale must be a CUDA expression (str), got {type(self.output_scale).__name__}")
-        if (self.raw_logits or self.output_scale is not None) and self.logits_transform is None:
-            raise ValueError(f"{fn}: raw_logits and output_scale describe the logits_transform's units; give one")
-        if self.output_scale is not None and not self.use_softmax:
-            raise ValueError(f"{fn}: output_scale is folded into the softmax's scale; it needs use_softmax=True")
         object.__setattr__(self, "numpy", dict(self.numpy))
 
     @property
     def code(self) -> tuple:
         """What the kernel depends on (equality and hashing: two objects with the same code are one variant)."""
         return (self.name, self.params, self.logits_transform, self.row_state, self.logits_mask, self.kv_begin, self.sink,
-                self.use_softmax, self.query_transform, self.key_transform) + \
-            ((self.raw_logits, self.output_scale) if self.raw_logits or self.output_scale is not None else ())
+                self.use_softmax, self.query_transform, self.key_transform)
 
     def __eq__(self, other):
         return isinstance(other, Variant) and self.code == other.code
@@ -226,15 +196,11 @@ def _alibi_slopes_np(num_heads: int) -> np.ndarray:
     return np.where(h < n, m0 ** (h + 1), m1 ** (2 * (h - n) + 1)).astype(np.float32)
 
 
-# cap * tanh(x / cap) as tanh of the raw dot product times one per-kernel constant (logit_scale / cap: resolve()
-# sets logits_soft_cap_inv = 1 / cap, and the product is computed once, not per logit): two multiplies and a tanh
-# a logit; the natural-unit form (the kernel's scale multiply, the 1 / cap multiply, tanh, the cap multiply) took
-# one more. Folding cap into the softmax scale as well (output_scale, one multiply a logit) made fa3's consumers
-# spill 84-132 bytes at head_dim 128 (ptxas: with any multiply after the tanh, none)
+# logits_soft_cap_inv = 1 / cap (resolve() sets it): a multiply per logit, not a division (the
+# kernels' special-function unit already evaluates exp2 once per logit; tanh is a second use)
 SOFT_CAP = Variant(
     "softcap", params=(("logits_soft_cap", "float"), ("logits_soft_cap_inv", "float")),
-    logits_transform="return params.logits_soft_cap * fast_tanh(logits * (logit_scale * params.logits_soft_cap_inv));",
-    raw_logits=True,
+    logits_transform="return params.logits_soft_cap * fast_tanh(logits * params.logits_soft_cap_inv);",
     numpy={"logits_transform": lambda p, pos, logits: p["logits_soft_cap"] * np.tanh(logits / p["logits_soft_cap"])})
 
 SLIDING_WINDOW = Variant(
@@ -246,16 +212,15 @@ SLIDING_WINDOW = Variant(
 # 2^(alibi_b * (2 (h - p) + 1)); resolve() sets p, a = -8 / p, b = -4 / p (no division per logit);
 # key - query distances of up to 2^24 tokens (exact in float). The bias split at kv_base (module
 # docstring): float(kv_base - qo_pos) once per row and tile, then per logit two FFMAs (the second by the
-# immediate kv_idx - kv_base). In raw units (raw_logits, output_scale = logit_scale: the softmax scale of
-# plain attention) with the slope divided by logit_scale once a row (row_state): 2 instructions a logit; natural units
-# took the kernel's scale multiply too (3), and before the kv_base split 4-5. Of the equivalent forms tried
-# this one leaves fa3's paged (gather) kernel spill-free: logits + fmaf(row, kv_idx - kv_base, row * d) (the
-# add contracted) spilled 68 bytes in contiguous fa3 and 136 with the gather; (d + (kv_idx - kv_base)) * row, 24.
+# immediate kv_idx - kv_base) after the kernel's scale multiply: 3 instructions a logit, was 4 (an IADD,
+# small_int_to_float's FADD, an FFMA, the scale FMUL), and 5 with the key scale's own multiply. Of the
+# equivalent forms tried this one leaves fa3's paged (gather) kernel spill-free: the 2-instruction form
+# (logits + fmaf(row, kv_idx - kv_base, row * d), the add contracted) spilled 68 bytes in contiguous fa3
+# and 136 with the gather; (d + (kv_idx - kv_base)) * row, 24 with the gather.
 ALIBI = Variant(
     "alibi", params=(("alibi_p", "int"), ("alibi_a", "float"), ("alibi_b", "float")),
-    row_state="return alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b) / logit_scale;",
+    row_state="return alibi_slope(qo_head_idx, params.alibi_p, params.alibi_a, params.alibi_b);",
     logits_transform="return fmaf(row, float(kv_idx - kv_base), fmaf(row, float(kv_base - qo_pos), logits));",
-    raw_logits=True, output_scale="logit_scale",
     numpy={"logits_transform": lambda p, pos, logits: logits + _alibi_slopes_np(p["alibi_heads"])[pos.qo_head_idx]
            * (pos.kv_idx - pos.qo_pos).astype(np.float32)})
 
@@ -419,7 +384,7 @@ class Composite:
                 lines += [f'#line {len(lines) + 2} "{tu_name}"', "}"]     # back to the TU's own numbering
                 calls[hook].append(fname)
                 if hook == "row_state":
-                    zeros = ", ".join(["0"] * 9)
+                    zeros = ", ".join(["0"] * 8)
                     lines.append(f"typedef decltype({fname}(*(const Params*)nullptr, {zeros})) Row{i};")
             if hook == "row_state":
                 lines += [f"typedef float Row{i};" for i, v in enumerate(self.pieces) if v.row_state is None]
@@ -428,26 +393,15 @@ class Composite:
         rows = {i: f"row_state_{i}_{v.name}" if v.row_state is not None else None
                 for i, v in enumerate(self.pieces) if v.logits_transform is not None or v.logits_mask is not None}
         lines += ["struct RowState {"] + [f"  Row{i} r{i};" for i in rows] + ["};"]
-        lines += [f"__device__ __forceinline__ RowState row_state(const Params& params, {_POS_ARGS}, float logit_scale) {{",
+        lines += [f"__device__ __forceinline__ RowState row_state(const Params& params, {_POS_ARGS}) {{",
                   "  RowState rs;"]
-        lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES}, logit_scale);" if f else f"  rs.r{i} = 0.f;"
-                  for i, f in rows.items()]
+        lines += [f"  rs.r{i} = {f}(params, {_POS_NAMES});" if f else f"  rs.r{i} = 0.f;" for i, f in rows.items()]
         lines += ["  return rs;", "}"]
-        # -- the transforms in order on the raw dot product (logits * logit_scale: natural units), each piece given
-        #    the units it asks for (raw_logits) and its result's factor (output_scale) carried to the next piece or,
-        #    after the last, to the kernels' softmax scale (output_scale(): once a row, not a multiply a logit)
         lines += ["__device__ __forceinline__ float logits_transform(const Params& params, const RowState& rs, "
-                  f"float logits, {_POS_ARGS}, int kv_base, float logit_scale) {{"]
-        unit = "logit_scale"            # the current value times `unit` is the logit in natural units
-        for i, f in zip([i for i, v in enumerate(self.pieces) if v.logits_transform is not None], t):
-            want = "logit_scale" if self.pieces[i].raw_logits else "1.f"
-            arg = "logits" if unit == want else f"logits * ({unit})" if want == "1.f" else f"logits * (({unit}) / logit_scale)"
-            lines.append(f"  logits = {f}(params, rs.r{i}, {arg}, {_POS_NAMES}, kv_base, logit_scale);")
-            unit = self.pieces[i].output_scale or "1.f"
-        lines += ["  return logits;", "}",
-                  "// the factor the kernels fold into the softmax scale of a transform's result (natural units: 1)",
-                  "__device__ __forceinline__ float output_scale(const Params& params, float logit_scale) {",
-                  f"  return {unit if t else '1.f'};", "}"]
+                  f"float logits, {_POS_ARGS}, int kv_base) {{"]
+        lines += [f"  logits = {f}(params, rs.r{i}, logits, {_POS_NAMES}, kv_base);"
+                  for i, f in zip([i for i, v in enumerate(self.pieces) if v.logits_transform is not None], t)]
+        lines += ["  return logits;", "}"]
         lines += [f"__device__ __forceinline__ bool logits_mask(const Params& params, const RowState& rs, {_POS_ARGS}) {{",
                   "  return " + (" && ".join(f"{f}(params, rs.r{i}, {_POS_NAMES})" for i, f in
                                              zip([i for i, v in enumerate(self.pieces) if v.logits_mask is not None], m))

@@ -41,8 +41,7 @@ assert worst < 1e-2
 # -- 2. a soft-cap as a user variant: the same code as the built-in, so the same bits
 softcap = cuattn.Variant(
     "my_softcap", params=[("cap", "float")],
-    logits_transform="return params.cap * fast_tanh(logits * (logit_scale * (1.f / params.cap)));",
-    raw_logits=True,
+    logits_transform="return params.cap * fast_tanh(logits * (1.f / params.cap));",
     numpy={"logits_transform": lambda p, pos, x: p["cap"] * np.tanh(x / p["cap"])})
 mine = cuattn.single_prefill_with_kv_cache(xp.asarray(q), xp.asarray(k), xp.asarray(v), causal=True,
                                            variant=softcap, variant_args=(5.0,))

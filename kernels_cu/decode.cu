@@ -413,8 +413,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   variant::RowState rs[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
-    rs[h] = variant::row_state(vp, req, 0, kv_len - 1, 0, head0 + min(lane / 4 + 8 * h, rows - 1), kv_head, 1, kv_len,
-                               vp.sm_scale);
+    rs[h] = variant::row_state(vp, req, 0, kv_len - 1, 0, head0 + min(lane / 4 + 8 * h, rows - 1), kv_head, 1, kv_len);
   // rows lane/4 and lane/4 + 8, base-2 scaled units (without softmax: 0, the weights are final)
   float m_i[2] = {variant::USE_SOFTMAX ? neg_inf() : 0.f, variant::USE_SOFTMAX ? neg_inf() : 0.f};
   float l_i[2] = {0.f, 0.f};               // this thread's partial row sums
@@ -427,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cuattn_decode_paged(
   // a logits transform sees the raw dot product (times sm_scale): the key factor goes first there
   constexpr bool K_FIRST = variant::HAS_TRANSFORM || !variant::USE_SOFTMAX;
   const float qk_fac = K_FIRST ? k_fac : 1.f;
-  const float sl2 = K_FIRST ? scale_log2 * variant::output_scale(vp, vp.sm_scale) : scale_log2 * k_fac;
+  const float sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
   // ldmatrix row offsets of k-step kk % 4 in a 64-column block (lane j = lane / 8 picks the matrix):
   // K (S = Q K^T) rows (lane % 8) + (j >> 1) * 8, chunk 2 kk + (j & 1); V (P V, transposed)
   // rows (lane % 8) + (j & 1) * 8, chunk 2 kk + (j >> 1)

@@ -481,9 +481,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
 #endif
 #if SCALE_SMEM
   __shared__ float s_sl2;
-  if (tid == 0) s_sl2 = K_FIRST ? scale_log2 * variant::output_scale(vp, logit_scale) : scale_log2 * k_fac;
+  if (tid == 0) s_sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
 #else
-  const float s_sl2 = K_FIRST ? scale_log2 * variant::output_scale(vp, logit_scale) : scale_log2 * k_fac;
+  const float s_sl2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
 #endif
 
 
@@ -509,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) cuattn_prefill(
     for (int h = 0; h < 2; ++h) {
       const int pr = row0 + warp * WARP_ROWS + i * 16 + g + 8 * h;
       rs[i][h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
-                                    qo_len, kv_len, logit_scale);
+                                    qo_len, kv_len);
     }
 
 #if CUATTN_VARIANT_ROPE

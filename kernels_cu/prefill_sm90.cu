@@ -447,8 +447,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     static_assert(variant::USE_SOFTMAX || K_FIRST, "use_softmax=False needs a logits transform");
     float k_fac = k_scale * FP8_FACTOR;
     if (k_scales != nullptr) k_fac *= k_scales[(scale_per_head & 1) ? kvh : 0];
+    const float qk_scale_log2 = K_FIRST ? scale_log2 : scale_log2 * k_fac;
     const float logit_scale = k_fac * vp.sm_scale;
-    const float qk_scale_log2 = K_FIRST ? scale_log2 * variant::output_scale(vp, logit_scale) : scale_log2 * k_fac;
 
     // -- per-thread rows: local row wg * 64 + warp * 16 + g + 8 h
     const int my_row0 = row0 + wg * WG_ROWS + warp * 16 + g;
@@ -465,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     for (int h = 0; h < 2; ++h) {
       const int pr = my_row0 + 8 * h;
       rs[h] = variant::row_state(vp, req, pr / group, pr / group + causal_shift, 0, kvh * group + pr % group, kvh,
-                                 qo_len, kv_len, logit_scale);
+                                 qo_len, kv_len);
     }
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) acc[i] = 0.f;

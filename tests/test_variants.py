@@ -31,8 +31,7 @@ IDS = [b[0] for b in BUILTINS]
 
 USER_SOFTCAP = cuattn.Variant(
     "user_softcap", params=(("cap", "float"),),
-    logits_transform="return params.cap * fast_tanh(logits * (logit_scale * (1.f / params.cap)));",
-    raw_logits=True,
+    logits_transform="return params.cap * fast_tanh(logits * (1.f / params.cap));",
     numpy={"logits_transform": lambda p, pos, x: p["cap"] * np.tanh(x / p["cap"])})
 SIGMOID = cuattn.Variant(
     "sigmoid", params=(("bias", "float"),), use_softmax=False,
@@ -71,43 +70,6 @@ def test_variant_rejects_bad_descriptions():
         cuattn.Variant("v", use_softmax=False)
     with pytest.raises(TypeError, match="CUDA function body"):
         cuattn.Variant("v", logits_mask=lambda x: x)
-    with pytest.raises(ValueError, match="raw_logits and output_scale describe the logits_transform"):
-        cuattn.Variant("v", logits_mask="return true;", raw_logits=True)
-    with pytest.raises(ValueError, match="raw_logits and output_scale describe the logits_transform"):
-        cuattn.Variant("v", logits_mask="return true;", output_scale="2.f")
-    with pytest.raises(ValueError, match="output_scale is folded into the softmax"):
-        cuattn.Variant("v", logits_transform="return logits;", output_scale="2.f", use_softmax=False)
-    with pytest.raises(TypeError, match="raw_logits must be a bool"):
-        cuattn.Variant("v", logits_transform="return logits;", raw_logits=1)
-    with pytest.raises(TypeError, match="output_scale must be a CUDA expression"):
-        cuattn.Variant("v", logits_transform="return logits;", output_scale=2.0)
-    with pytest.raises(ValueError, match="reserved"):
-        cuattn.Variant("v", params=(("logit_scale", "float"),))
-
-
-# a natural-unit transform and a raw one with an output factor (each against the oracle on the GPU below)
-USCALE = cuattn.Variant("uscale", params=(("f", "float"),), logits_transform="return logits * params.f;",
-                        numpy={"logits_transform": lambda p, pos, x: x * p["f"]})
-URAW = cuattn.Variant("uraw", params=(("g", "float"),), raw_logits=True, output_scale="logit_scale",
-                       logits_transform="return logits * params.g;",
-                       numpy={"logits_transform": lambda p, pos, x: x * p["g"]})
-
-
-def test_transform_units_convert_between_pieces():
-    """The composite hands each piece its units: natural pieces x * unit, raw pieces x * unit / logit_scale (x
-    itself where the unit is logit_scale), and the last piece's output_scale goes to the softmax scale."""
-    out2 = cuattn.Variant("out2", logits_transform="return 0.5f * logits;", output_scale="2.f")
-    raw = cuattn.Variant("raw", logits_transform="return logits;", raw_logits=True)
-    src = variants.Composite((USCALE, out2, raw, URAW)).prelude("t.cu")
-    calls = [line.strip() for line in src.splitlines() if line.strip().startswith("logits = logits_transform_")]
-    assert [c.split("(", 1)[1].split(",")[2].strip() for c in calls] == [
-        "logits * (logit_scale)", "logits", "logits * ((2.f) / logit_scale)", "logits * ((1.f) / logit_scale)"]
-    assert "return logit_scale;" in src.split("float output_scale(")[1].split("}")[0]
-    plain_last = variants.Composite((URAW, USCALE)).prelude("t.cu")
-    assert "logits * (logit_scale)" in plain_last and "return 1.f;" in plain_last.split("float output_scale(")[1]
-    # the built-ins: ALiBi in raw units (plain attention's scale), the soft-cap raw in and natural out
-    b = variants.resolve("f", num_qo_heads=8, pos_encoding_mode="ALIBI", logits_soft_cap=5.0).composite.prelude("t.cu")
-    assert "logits * (" not in b.split("float logits_transform(")[1].split("return logits;")[0]
 
 
 def test_resolve_refuses_options_without_kernel_and_bad_values():
@@ -165,8 +127,7 @@ def test_builtin_variants_compile_for_every_family(arch, tmp_cache_dir):
 def test_prefill_transform_variants_compile_without_spills(arch):
     """fa2 (and fa3 on sm_90a) at head_dim 64 / 128 / 256 with the built-in transforms: soft-cap, ALiBi, and
     (fa2) all of them with a window (fa3 spills 80 bytes there at head_dim 128, 84 before kv_base). Known:
-    fa2 ALiBi at head_dim 256 (contiguous, sm_90a: fa3 runs head_dim 256 there) spills 8 bytes alone and 12 with
-    the soft-cap and window (4 before ALiBi took raw units: its slope divided by logit_scale once a row)."""
+    fa2 ALiBi at head_dim 256 (contiguous, sm_90a) spills 4 bytes, as it did before kv_base."""
     from cuattn import prefill_sm90
     jobs = []
     for opts in (dict(logits_soft_cap=30.0), dict(pos_encoding_mode="ALIBI"),
@@ -181,7 +142,7 @@ def test_prefill_transform_variants_compile_without_spills(arch):
     jit.precompile([(spec, arch) for spec in jobs])
     known = "prefill_hd256_qf16_causal_bm64_bn32_s2_valibi-" if arch == "sm_90a" else None
     for spec in jobs:
-        limit = 24 if known and spec.name.startswith(known) else 0      # (8 / 12 bytes spilled, 8 / 16 of stack)
+        limit = 8 if known and spec.name.startswith(known) else 0      # (bytes of stack: 4 spilled)
         for entry, r in jit.compile_kernel(spec, arch).resources.items():
             assert r["spill_stores"] <= limit // 2 and r["spill_loads"] <= limit // 2 and r["stack_frame"] <= limit, \
                 (spec.name, entry, r)
@@ -263,11 +224,15 @@ def test_user_variant_equals_builtin_softcap_on_cpu():
     assert np.array_equal(builtin, user)
 
 
-@pytest.mark.parametrize("user", [USCALE, URAW], ids=["natural", "raw-out"])
-def test_user_transform_composed_with_builtins_matches_oracle_on_cpu(user):
+# a user transform scaling the logit (natural units), composed before ALiBi and the soft-cap
+USCALE = cuattn.Variant("uscale", params=(("f", "float"),), logits_transform="return logits * params.f;",
+                        numpy={"logits_transform": lambda p, pos, x: x * p["f"]})
+
+
+def test_user_transform_composed_with_builtins_matches_oracle_on_cpu():
     rng = np.random.default_rng(31)
     q, k, v = _rand(rng, (20, 8, 64), scale=2), _rand(rng, (33, 2, 64), scale=2), _rand(rng, (33, 2, 64))
-    out, lse = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, variant=user, variant_args=(1.5,),
+    out, lse = cuattn.single_prefill_with_kv_cache(q, k, v, causal=True, variant=USCALE, variant_args=(1.5,),
                                                    pos_encoding_mode="ALIBI", logits_soft_cap=6.0, return_lse=True)
     want, want_lse = variant_attention(q, k, v, sm_scale=1.5 / 8, causal=True, soft_cap=6.0, alibi=True)
     _check(out, want, lse, want_lse)
@@ -451,19 +416,16 @@ def test_softcap_builtin_and_user_match_oracle_on_gpu(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("user", [USCALE, URAW], ids=["natural", "raw-out"])
-def test_user_transform_units_compose_with_builtins_on_gpu(user):
-    """A user transform in natural units (ALiBi after it converts to raw units) and one in raw units with an output
-    factor (ALiBi takes it as it is), each scaling the logit by 1.5, then ALiBi and the soft-cap: decode, fa2 and
-    fa3 against the float64 oracle at sm_scale x 1.5."""
+def test_user_transform_composed_with_builtins_on_gpu():
+    """A user transform (the logit times 1.5), then ALiBi and the soft-cap, composed in one kernel: fa2, fa3 and
+    decode against the float64 oracle at sm_scale x 1.5."""
     cp = _cp()
     rng = np.random.default_rng(31)
     d, hq, hkv = 128, 16, 4
     q, k, v = _rand(rng, (200, hq, d), scale=2), _rand(rng, (260, hkv, d), scale=2), _rand(rng, (260, hkv, d))
-    opts = dict(variant=user, pos_encoding_mode="ALIBI", logits_soft_cap=6.0)
+    opts = dict(variant=USCALE, pos_encoding_mode="ALIBI", logits_soft_cap=6.0)
     want, want_lse = variant_attention(q, k, v, sm_scale=1.5 / math.sqrt(d), causal=True, soft_cap=6.0, alibi=True)
-    backends = ["fa2"] + (["fa3"] if jit.device_arch(0) == "sm_90a" else [])
-    for backend in backends:
+    for backend in ["fa2"] + (["fa3"] if jit.device_arch(0) == "sm_90a" else []):
         w = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
         w.plan(np.array([0, 200], np.int32), np.array([0, 260], np.int32), hq, hkv, d, causal=True,
                q_data_type="float16", **opts)
@@ -472,7 +434,7 @@ def test_user_transform_units_compose_with_builtins_on_gpu(user):
         w.run(cp.asarray(q), cp.asarray(k), cp.asarray(v), 1.5, out=out, lse=lse)
         assert w.backend == backend
         _check(cp.asnumpy(out), want, cp.asnumpy(lse), want_lse)
-    d_out, d_lse = cuattn.single_decode_with_kv_cache(cp.asarray(q[-1]), cp.asarray(k), cp.asarray(v), variant=user,
+    d_out, d_lse = cuattn.single_decode_with_kv_cache(cp.asarray(q[-1]), cp.asarray(k), cp.asarray(v), variant=USCALE,
                                                       variant_args=(1.5,), pos_encoding_mode="ALIBI",
                                                       logits_soft_cap=6.0, return_lse=True)
     _check(cp.asnumpy(d_out)[None], want[-1:], cp.asnumpy(d_lse)[None], want_lse[-1:])

@@ -63,19 +63,17 @@ constexpr float VARIANT_LN2 = 0.69314718055994531f;
 
 // A logit: the raw dot product s of (query at qo_idx / qo_pos, key kv_idx) -> the value the kernel's
 // softmax multiplies by its scale_log2 (variants.Composite.scale_log2: log2 e when there is a
-// transform, times variant::output_scale(), which the kernel folds in once per row; sm_scale * log2 e
-// otherwise), or -inf when the variant drops the key. With a transform, s * logit_scale is the logit in
-// natural units (logit_scale: sm_scale, times the key scale where the kernel folds it in); the generated
-// logits_transform multiplies by it only where a piece asks for natural units (variants.py raw_logits).
-// rs: the row's variant::row_state(), computed once per query row by the kernel (before its key loop);
-// kv_base: the transform's (variants.py).
+// transform, sm_scale * log2 e otherwise), or -inf when the variant drops the key. With a transform,
+// s * logit_scale is the logit in natural units (logit_scale: sm_scale, times the key scale where the
+// kernel folds it in: one multiply per logit). rs: the row's variant::row_state(), computed once per
+// query row by the kernel (before its key loop); kv_base: the transform's (variants.py).
 __device__ __forceinline__ float variant_score(const variant::Params& vp, const variant::RowState& rs, float s,
                                                float logit_scale, int batch, int qo_idx, int qo_pos, int kv_idx,
                                                int kv_base, int qo_head, int kv_head, int qo_len, int kv_len,
                                                int kv_lo) {
   if (variant::HAS_TRANSFORM)
-    s = variant::logits_transform(vp, rs, s, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len, kv_base,
-                                  logit_scale);
+    s = variant::logits_transform(vp, rs, s * logit_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                  kv_len, kv_base);
   bool keep = true;
   if (variant::HAS_KV_BEGIN) keep = kv_idx >= kv_lo;
   if (variant::HAS_MASK)
@@ -89,8 +87,8 @@ __device__ __forceinline__ float variant_score(const variant::Params& vp, const 
 __device__ __forceinline__ float variant_transform(const variant::Params& vp, const variant::RowState& rs, float s,
                                                    float logit_scale, int batch, int qo_idx, int qo_pos, int kv_idx,
                                                    int kv_base, int qo_head, int kv_head, int qo_len, int kv_len) {
-  return variant::logits_transform(vp, rs, s, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len, kv_len, kv_base,
-                                   logit_scale);
+  return variant::logits_transform(vp, rs, s * logit_scale, batch, qo_idx, qo_pos, kv_idx, qo_head, kv_head, qo_len,
+                                   kv_len, kv_base);
 }
 
 // The output scale (multiplies the accumulated P V) and natural-log LSE of a finished row, from its
