@@ -138,12 +138,11 @@ class RowsAhead:
     ``gather`` in run() fills it before the attention launch."""
 
     def __init__(self):
-        self.active = False
-        self._buf = None            # uint16 CuPy array: K's rows, then V's
+        self._buf = None            # uint16 CuPy array: K's rows, then V's (kept across plans, grown where needed)
 
     def plan(self, p) -> None:
-        self.active = p.kv_ahead and p.device is not None
-        if not self.active:
+        """Sizes the buffer for a GPU plan ``p`` that gathers its rows ahead (``p.kv_ahead``); else nothing."""
+        if not (p.kv_ahead and p.device is not None):
             return
         self._nnz = nnz = int(p.kv_lens.sum())
         h = p.num_kv_heads

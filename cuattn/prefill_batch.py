@@ -209,7 +209,6 @@ class _BatchPrefillBase:
         plan.device = device
         self._f32q.plan(plan)       # fp32 q: the 16-bit copies of q and out
         self._rope.plan(plan)       # ragged fused RoPE: the buffer of the rotated q and K
-        self._ahead.plan(plan)      # (inactive until this plan gathers its rows ahead, below)
         if device is None or plan.spec is None:
             return
         composite = plan.spec.variant       # the kernel's (the plan's, or without its RoPE: prefill_rope.py)
