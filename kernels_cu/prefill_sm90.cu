@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #pragma unroll
     for (int n = 0; n < ITEM_SLOTS; ++n) {   // (PERSISTENT) the producer's thread 0 publishes, consumer warps read
       mbar_init(sm.item_full(n), 1);
-      mbar_init(sm.item_read(n), 4 * NUM_CONSUMERS + (DYNAMIC ? (SOLO ? 1 : 4) : 0));   // (DYNAMIC: the producer too)
+      mbar_init(sm.item_read(n), 4 * NUM_CONSUMERS + (DYNAMIC ? 4 : 0));   // (DYNAMIC: producer warps read too)
     }
     mbar_init_fence();
   }
@@ -275,7 +275,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
   if (tid < 128) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<PRODUCER_REGS>();
-    if (SOLO && tid != 0) return;          // (thread 0 issues every TMA load and publishes the items)
 #if CUATTN_VARIANT_ROPE || CUATTN_VARIANT_QK
     // -- K tile t transformed in place once it has landed (FULL_K), then handed to both consumers (READY_K)
     const int xt = tid - (128 - XFORM_THREADS);   // (producer warps 1..3)
@@ -333,15 +332,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
 #if PERSISTENT && PERSIST_DYNAMIC
     if (DYNAMIC) {
       const int num_items = num_work * num_kv_heads;
-      int ahead = -1;                      // (ITEM_OVERLAP & 4) the next item's index, taken an item early
       for (int n = 0;; ++n) {
         if (tid == 0) {                    // -- the next item that is not padding, or the end, loaded into the slot
           Item* d = claim_slot(sm, n);
           int i;
           bool more;
           do {
-            i = ahead >= 0 ? ahead : atomicAdd(sched, 1);
-            ahead = -1;
+            i = atomicAdd(sched, 1);
             more = i < num_items;
           } while (more && !(PERSIST_ORDER == 1 ? load_item(*d, i / num_kv_heads, i % num_kv_heads)
                                                 : load_item(*d, i % num_work, i / num_work)));
@@ -353,7 +350,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
             }
           }
           post_slot(sm, n);
-          if ((ITEM_OVERLAP & 4) && more) ahead = atomicAdd(sched, 1);   // (its latency under this item's loads)
         }
         Item it;
         if (!read_item(sm, n, it, tid % 32)) break;
@@ -434,7 +430,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
   // -- item it (PERSISTENT: the producer's n-th), its Q staged already (staged: by the previous item) or not; once its Q
   //    rows are read no more (after its last S), before the epilogue, PERSISTENT stages the next item's Q
   bool staged = false;
-  bool opened = false;                     // (ITEM_OVERLAP & 2) consumer 1's last turn opened consumer 0's next one
   const auto consume = [&](const Item& it, int n) {
     const int req = it.req, qo_len = it.qo_len, kv_len = it.kv_len, kv_lo = it.kv_lo, num_tiles = it.num_tiles;
     const int kvh = it.kvh;
@@ -444,20 +439,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     const int causal_shift = kv_len - qo_len;   // bottom-right alignment: key j <= i + shift
     if (!staged) q_issue(it);
     q_finish(it);
-    // -- PERSISTENT: the next item's Q staged once this item's Q rows are read no more; ITEM_OVERLAP & 1: before the
-    //    last P.V where the producer has published that item already (a thread's own decision)
-    bool more = false, next_staged = false;
-    const auto stage_next = [&](bool early) {
-#if PERSISTENT
-      if (next_staged || (early && !mbar_done(sm.item_full((n + 1) % ITEM_SLOTS), ((n + 1) / ITEM_SLOTS) & 1))) return;
-      next_staged = true;
-      Item next;
-      more = peek_item(sm, n + 1, next);
-      if (more) q_issue(next);
-#else
-      (void)early;
-#endif
-    };
 
     // -- the call's key scale (read after the PDL wait: a previous kernel may write it): folded into the
     //    softmax scale, or (a logits transform: variants.py allows no softmax without one) into the
@@ -599,13 +580,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     auto turn_wait = [&]() {
       if (PINGPONG) named_barrier(4 + wg, 256);
     };
-    constexpr bool TURNS_ON = PINGPONG && PERSISTENT && (ITEM_OVERLAP & 2);
     auto turn_pass = [&](bool last) {
-      if (PINGPONG && !(last && wg == 1 && !TURNS_ON)) named_barrier_arrive(4 + (wg ^ 1), 256);
+      if (PINGPONG && !(last && wg == 1)) named_barrier_arrive(4 + (wg ^ 1), 256);
     };
 
     if (num_tiles > 0) {
-      if (PINGPONG && wg == 1 && !opened) named_barrier_arrive(4, 256);
+      if (PINGPONG && wg == 1) named_barrier_arrive(4, 256);
       {  // -- tile 0: S, softmax, P (O is still zero: nothing to rescale)
         float s[S_REGS], corr[2];
         mbar_wait(sm.k_landed(stage(0)), phase(0));
@@ -616,7 +596,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
         wgmma_wait<0>();
         wgmma_fence_regs(s);
         release(sm.empty_k(stage(0)));
-        if ((ITEM_OVERLAP & 1) && num_tiles == 1) stage_next(true);
         mask_tile(s, 0);
         softmax(s, corr);
         pack_p(s);
@@ -640,7 +619,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
         wgmma_wait<0>();
         wgmma_fence_regs(acc);
         release(sm.empty_v(ps));
-        if ((ITEM_OVERLAP & 1) && t == num_tiles - 1) stage_next(true);
         rescale_o(corr);
         pack_p(s);
       }
@@ -670,11 +648,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
       wgmma_wait<0>();
       wgmma_fence_regs(acc);
       release(sm.empty_v(stage(lt)));
-      opened = TURNS_ON;
     }
-    stage_next(false);                       // (Q is read no more)
-    staged = more;
-#if !PERSISTENT
+
+#if PERSISTENT
+    {   // (Q is read no more)
+      Item next;
+      staged = peek_item(sm, n + 1, next);
+      if (staged) q_issue(next);
+    }
+#else
     (void)n;
 #endif
     if (!PERSISTENT) allow_next_grid();    // only the epilogue is left: the next kernel may start its prologue
@@ -714,7 +696,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, CTAS_PER_SM) cuattn_pr
     if (!read_item(sm, n, it, lane)) break;
     consume(it, n);
   }
-  if (PINGPONG && wg == 0 && opened) named_barrier(4, 256);   // (ITEM_OVERLAP & 2) the turn left open, taken
 #else
   for_each_item([&](const Item& it) { consume(it, 0); });
 #endif

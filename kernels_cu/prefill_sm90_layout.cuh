@@ -22,9 +22,6 @@
 #ifndef PERSIST_ORDER       // PERSISTENT: the order of the items the CTAs take in turns (prefill_sm90.cu for_each_item_of):
 #define PERSIST_ORDER (CAUSAL ? 1 : 2)   // 1 kv head fastest, 2 work item fastest
 #endif
-#ifndef ITEM_OVERLAP        // PERSISTENT, bits: 1 a consumer stages the next item's Q before its last P.V where that item
-#define ITEM_OVERLAP 0      // is published already; 2 (PINGPONG) the GEMM turns run on across items (consumer 1's last turn
-#endif                      // opens consumer 0's first of the next item); 4 (DYNAMIC) the next item's index taken an item early
 #ifndef PERSIST_DYNAMIC     // PERSISTENT, batch mode: the CTAs take items from a global counter as they free up (0: in
 #define PERSIST_DYNAMIC 1   // turns, a fixed schedule: prefill_sm90.cu for_each_item_of)
 #endif
@@ -68,10 +65,6 @@ constexpr uint32_t V_TILE_BYTES = (D_VO / 64) * HALF_BYTES;
 // -- query / key transforms (see the header); plain attention: both false, today's code
 constexpr bool Q_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_QUERY_TRANSFORM;
 constexpr bool K_XFORM = CUATTN_VARIANT_ROPE || variant::HAS_KEY_TRANSFORM;
-#ifndef PRODUCER_SOLO       // the TMA producer with no fp8 converter or key transform: every producer thread but thread 0
-#define PRODUCER_SOLO 0     // leaves after setmaxnreg instead of following the items (0), which spun on each item's slot
-#endif
-constexpr bool SOLO = PRODUCER_SOLO && PAGED != 2 && !KV_FP8 && !K_XFORM;
 constexpr int XFORM_THREADS = 96;                   // producer warps 1..3
 // RoPE: rotary_dim is a power of two <= D_QK, so its rotary_dim / 16 chunks divide this largest one
 constexpr int ROPE_MAX_CHUNKS = D_QK >= 256 ? 16 : D_QK >= 128 ? 8 : D_QK >= 64 ? 4 : D_QK >= 32 ? 2 : 1;
