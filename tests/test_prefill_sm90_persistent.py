@@ -60,10 +60,25 @@ CASES = [   # (page size or None: ragged, causal, fixed_split_size, GQA (qo head
 @sm90
 @pytest.mark.parametrize("page_size,causal,split,heads", CASES)
 def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, heads, monkeypatch):
+    _check_both_forms(page_size, causal, split, heads, [300, 1, 77, 129, 2048], [300, 3000, 1037, 200, 2048], monkeypatch)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("page_size", [16, None])
+def test_persistent_items_with_no_keys_last(page_size, monkeypatch):
+    """Causal with more queries than keys: the query tiles before the first key have no key tiles, and as the causal
+    work list runs longest first they are the CTAs' last items (no GEMM turn, no stage, but Q staged and an epilogue).
+    Bitwise the one-CTA-an-item form, rows that see no key give 0 and the others do not."""
+    o1 = _check_both_forms(page_size, True, None, (32, 8), [1000, 600, 40, 3], [100, 64, 2000, 3], monkeypatch)
+    assert not o1[:900].any() and not o1[1000:1536].any()
+    assert (np.abs(o1[900:1000].astype(np.float32)).sum(axis=(1, 2)) > 0).all()
+
+
+def _check_both_forms(page_size, causal, split, heads, qo_lens, kv_lens, monkeypatch):
     import cupy as cp
     rng = np.random.default_rng(7)
     hq, hkv = heads
-    qo_lens, kv_lens = [300, 1, 77, 129, 2048], [300, 3000, 1037, 200, 2048]
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     q = cp.asarray(rand(rng, (qo_indptr[-1], hq, 128), np.float16))
     if page_size is None:
@@ -87,6 +102,7 @@ def test_persistent_equals_one_cta_an_item_bitwise(page_size, causal, split, hea
     (o1, s1, d1), (o2, s2, d2) = _both_forms(monkeypatch, run)
     assert "_persist" in d1 and "persistent CTAs" in d1 and "_persist" not in d2 and "CTAs on" in d2
     assert np.isfinite(o1).all() and np.array_equal(o1, o2) and np.array_equal(s1, s2)
+    return o1
 
 
 @pytest.mark.gpu
