@@ -3,8 +3,10 @@ PINGPONG=0, GATHER_UNROLL=1, MASK_SPLIT=0), every tuning's kernel timed interlea
 
 Each case is planned once per tuning on its own wrapper (backend "fa3"; the tuning goes into the spec, so
 each gets its own specialization) and timed GPU-alone (bench_prefill.gpu_us: a matmul queued before each
-timed call keeps host time out of the events), median of 8 calls, in --rounds rounds; the report gives the
-median over rounds, TFLOP/s and the time over the first tuning's. 32:8 heads, head_dim 128, fp16, page 16
+timed call keeps host time out of the events), median of 8 calls, in --rounds rounds (each round starts a case's
+tunings at another one); the report gives the median over rounds, TFLOP/s, the time over the first tuning's, and the
+same ratio paired within rounds (median and range). Run a tuning twice (e.g. "" and "GATHER_UNROLL=0", the same code
+under another name) to see the harness's spread on the machine. 32:8 heads, head_dim 128, fp16, page 16
 in random order. Cases: KIND:BxN[:c] with KIND contig (ragged), paged, pagedseq (pages in order), fp8 (e4m3 pages, scales 0.5 / 0.25),
 fp8e5 (e5m2 pages), softcap / alibi (contiguous, with the variant); ":c" = causal. sm_90 only. Where the cases hold a
 paged case of an fp8 case's shape, a last table gives the fp8 case's speed over it (fp16 paged time / fp8 time, both
@@ -111,18 +113,26 @@ def main():
             elif kind == "mixed":                  # (the other kinds draw new inputs per tuning)
                 print(f"{case} {','.join(tun)}: output bitwise equal to the first tuning's: "
                       f"{bool(cp.array_equal(out.view(cp.uint16), first.view(cp.uint16)))}", flush=True)
+    # -- round r times each case's tunings starting from tuning r (mod their number): the first call of a case in a
+    #    round ran up to 7% faster than the next on a loaded H100 host (session 24, an A / B / A' run), so each tuning
+    #    takes every place in turn; 'paired' is the median over rounds of the time over the first tuning's in the same
+    #    round, with its range (an A/A pair's range is the harness's spread on that machine)
     times = {key: [] for key in calls}
-    for _ in range(args.rounds):
-        for key, (fn, _) in calls.items():
-            times[key].append(gpu_us(fn, 8))
+    for r in range(args.rounds):
+        for case in args.cases:
+            for tun in tunings[r % len(tunings):] + tunings[:r % len(tunings)]:
+                times[(case, tun)].append(gpu_us(calls[(case, tun)][0], 8))
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, 32:8, hd128, fp16, page {PS}, GPU alone")
     for case in args.cases:
-        base = statistics.median(times[(case, tunings[0])])
+        t0 = times[(case, tunings[0])]
+        base = statistics.median(t0)
         for tun in tunings:
             t = times[(case, tun)]
             m = statistics.median(t)
+            paired = [a / b for a, b in zip(t, t0)]
             print(f"{case:<22} {','.join(tun) or 'default':<30} {m:9.1f} us {calls[(case, tun)][1] / m / 1e6:6.0f} TF/s"
-                  f"  x{m / base:.3f}  rounds {[round(x) for x in t]}", flush=True)
+                  f"  x{m / base:.3f}  paired x{statistics.median(paired):.3f} [{min(paired):.3f}, {max(paired):.3f}]"
+                  f"  rounds {[round(x) for x in t]}", flush=True)
     # -- fp8 speed over the fp16 paged kernel of the same shape (its first tuning's time)
     for case in args.cases:
         kind, rest = case.split(":", 1)
