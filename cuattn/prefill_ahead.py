@@ -147,6 +147,8 @@ class RowsAhead:
         self._nnz = nnz = int(p.kv_lens.sum())
         h = p.num_kv_heads
         self._k_elems = nnz * h * p.head_dim
+        short = arrays.SHORT_NAME[p.kv_dtype]      # the pass's kernel: fp8 converted to the kernel's type, or copied
+        self._spec = KvRowsSpec(short, p.run_spec.dtype) if kind(short) != "16" else KvRowsSpec("b16")
         need = max(self._k_elems + nnz * h * p.head_dim_vo, 8)
         if self._buf is None or self._buf.size < need or self._buf.device.id != p.device:
             cp = arrays.cupy_module()
@@ -178,10 +180,8 @@ class RowsAhead:
                                    + ", ".join(f"{n} {x}" for n, x in bad.items()))
         nnz, h = self._nnz, plan.num_kv_heads
         base = self._buf.data.ptr
-        short, dt = arrays.SHORT_NAME[plan.kv_dtype], plan.run_spec.dtype
-        spec = KvRowsSpec(short, dt) if kind(short) != "16" else KvRowsSpec("b16")
-        gather_rows(ctx, k, v, k_strides, v_strides, page_size, h, plan.head_dim, spec, ptrs, nnz, plan.batch, base,
-                    base + 2 * self._k_elems, record, pdl)
-        dtype = arrays.bfloat16 if dt == "bf16" else np.dtype(np.float16)
+        gather_rows(ctx, k, v, k_strides, v_strides, page_size, h, plan.head_dim, self._spec, ptrs, nnz, plan.batch,
+                    base, base + 2 * self._k_elems, record, pdl)
+        dtype = arrays.bfloat16 if plan.run_spec.dtype == "bf16" else np.dtype(np.float16)
         return tuple(arrays.Tensor(ptr, (nnz, h, d), (h * d, d, 1), dtype, ctx.device, "cupy", self._buf)
                      for ptr, d in ((base, plan.head_dim), (base + 2 * self._k_elems, plan.head_dim_vo)))
