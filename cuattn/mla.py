@@ -276,12 +276,13 @@ class BatchMLAPagedAttentionWrapper:
                 # -- the attention kernel (mla.cu or mla_sm90.cu: one work list, page table and partial layout)
                 #    and mla.cu's spec, whose merge kernel joins split pieces of either
                 fa2 = MLASpec(short, stages_for(arch, kv), kv)
-                hit = (backend, fa2, fa2 if backend == "fa2" else mla_sm90.Sm90MLASpec(short))
+                hit = (backend, fa2, fa2 if backend == "fa2" else mla_sm90.schedule_specs(short))
             _plan.memo_put(self._device_memo, key, hit)
         backend, fa2, spec = hit
         if fa2 is None:
             return
         p.spec = fa2
+        fa3_specs, spec = (spec, spec[0]) if backend == "fa3" else (None, spec)    # (one block_n: the split's unit)
         h, qo_lens = p.num_qo_heads, p.qo_lens
         items = _plan.prefill_items(qo_lens, p.kv_lens, h, BLOCK_M, p.causal, p.qo_range)
         # -- the extents' range (and sum, for the scheduler's choice), read once: the split choice and the work list
@@ -297,6 +298,15 @@ class BatchMLAPagedAttentionWrapper:
         wl = _plan.prefill_work_list(qo_lens, p.kv_lens, h, BLOCK_M, spec.block_n, p.causal, chunk, items, stats[:2])
         if len(wl.work) > 2 ** 31 - 1:
             raise UnsupportedError(f"{fn}: {len(wl.work)} work items exceed the grid limit")
+        if fa3_specs is not None and len(wl.work):
+            # -- the fa3 schedule. Graph mode: the first plan's (its kernel must stay), chosen by the tiles' rows
+            #    alone (a capture's first plan may be a short warm-up batch; its rows per request are the step's)
+            rows_per_tile = h * int(p.qo_indptr[-1]) / len(items[2])
+            if bufs.graph and bufs.kernel is not None:
+                spec = fa3_specs[int(bufs.kernel[0] == fa3_specs[1].name)]
+            else:
+                keys = math.inf if bufs.graph else (stats[2] if len(stats) > 2 else int(items[2].sum())) / len(wl.work)
+                spec = mla_sm90.pick_schedule(fa3_specs, rows_per_tile, keys)
         segments = [("kv_chunk", (wl.chunk,), 0), ("qo_indptr", p.qo_indptr, 0),       # (int64 values: the
                     ("kv_indptr", p.kv_indptr, 0), ("kv_len", p.kv_lens, 0),             # staging copy casts)
                     ("kv_indices", p.kv_indices, 0), ("work", wl.work.reshape(-1), -1),

@@ -6,10 +6,14 @@
 tile), so the plan and mla.cu's merge kernel serve both kernels; only the spec, the key tile (64 keys
 instead of 32, which sets the split granularity) and the launch geometry differ.
 
-Each key stage fills and frees as two halves with their own mbarriers, so a stage's refill overlaps the
-products instead of following them (the header of mla_sm90.cu; a version that filled and freed a stage whole
-was removed: H100, 64 x 16k, 128 heads 853 -> 691 us, 16 heads 84 -> 92% of the read ceiling; 16 heads x
-4096 4% slower; benchmarks/results/mla_H100_2026-11-25_session11_v1_v2.log).
+Two schedules of one source (the header of mla_sm90.cu; ``pick_schedule`` chooses per plan):
+- halves (``seesaw=False``): consumer A computes S and P for every tile and shares P with consumer B; each key
+  stage fills and frees as two halves with their own mbarriers, so a stage's refill overlaps the products
+  instead of following them (a version that filled and freed a stage whole was removed: H100, 64 x 16k, 128
+  heads 853 -> 691 us, 16 heads 84 -> 92% of the read ceiling; benchmarks/results/mla_H100_2026-11-25_session11_v1_v2.log);
+- seesaw (FlashMLA's schedule): tiles in pairs, each warpgroup computes S of one tile of the pair and both
+  P V halves of its output columns, the running max handed over through shared memory: the tensor work split
+  evenly between the consumers (H100, 128 heads: 1.05-1.11x at 4k-16k keys a request).
 
 Cases with a kernel: device sm_90, q and the latent caches float16 or bfloat16 of one dtype (no fp8
 cache), any page size (the producer warpgroup gathers rows through the page table with cp.async),
@@ -31,6 +35,7 @@ _D_QK = 512 + 64
 @dataclass(frozen=True)
 class Sm90MLASpec:
     dtype: str              # "f16" | "bf16": q, ckv / kpe caches and out
+    seesaw: bool = False    # FlashMLA's seesaw schedule (both warpgroups compute S, of alternate tiles)
     source = "mla_sm90.cu"
     entry = ENTRY
     threads = THREADS
@@ -40,22 +45,43 @@ class Sm90MLASpec:
 
     @property
     def name(self) -> str:   # "mla_sm90_ckv512_kpe64_qf16_bm64_bn64_v2" (_v2: the name it had beside version 1)
-        return f"mla_sm90_ckv512_kpe64_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_v2"
+        return f"mla_sm90_ckv512_kpe64_q{self.dtype}_bm{BLOCK_M}_bn{BLOCK_N}_" + ("seesaw" if self.seesaw else "v2")
 
     def defines(self) -> tuple[str, ...]:
-        return (f"-DDTYPE=cuattn::{self.dtype}",)
+        return (f"-DDTYPE=cuattn::{self.dtype}", f"-DSEESAW={int(self.seesaw)}")
 
     @property
     def smem_bytes(self) -> int:
         """mla_sm90.cu SMEM_BYTES + 1024 of alignment slack: Q, 2 key tiles (64 x 576 16-bit each), P
         (64 x 64 16-bit), two rows of 64 floats, 10 mbarriers."""
         tile = BLOCK_M * _D_QK * 2
+        if self.seesaw:     # P in the key stages; 5 rows of 64 floats
+            return 1024 + 3 * tile + 5 * 256 + 10 * 8
         return 1024 + 3 * tile + BLOCK_M * BLOCK_N * 2 + 2 * 256 + 10 * 8
 
 
 def shipped_specs() -> list[Sm90MLASpec]:
     """Compiled for sm_90a only (``cuattn precompile`` on an sm_90 device, CPU tests)."""
-    return [Sm90MLASpec(d) for d in ("f16", "bf16")]
+    return [Sm90MLASpec(d, seesaw) for d in ("f16", "bf16") for seesaw in (False, True)]
+
+
+# The seesaw schedule runs where every query tile is full (decode at >= 64 heads: compute bound) and work items
+# stream at least this many keys on average. H100, bf16, page 64 (benchmarks/results/mla_notes.md, session 25):
+# 128 heads 1.05-1.11x the halves schedule at 16-64 x 4k-16k, 1.00x at 64 x 1k (16 tiles an item), 0.97x at
+# 1 x 16k split into pieces of 4 tiles (both warpgroups wait for their first tile: a longer start); 16 heads
+# (16 rows of a 64-row tile) 0.98-1.01x.
+SEESAW_MIN_KEYS = 1024
+
+
+def schedule_specs(dtype: str) -> tuple[Sm90MLASpec, Sm90MLASpec]:
+    """The two schedules' specs of a dtype: (halves, seesaw); ``pick_schedule`` chooses per plan."""
+    return Sm90MLASpec(dtype), Sm90MLASpec(dtype, True)
+
+
+def pick_schedule(specs: tuple[Sm90MLASpec, Sm90MLASpec], rows_per_tile: float, keys_per_item: float) -> Sm90MLASpec:
+    """Seesaw where the plan's query tiles hold BLOCK_M packed rows on average (all full) and its work items
+    ``keys_per_item`` >= SEESAW_MIN_KEYS on average; the halves schedule otherwise."""
+    return specs[1] if rows_per_tile >= BLOCK_M and keys_per_item >= SEESAW_MIN_KEYS else specs[0]
 
 
 def unsupported_reason(arch: str | None, q_dtype: str | None, kv_dtype: str | None) -> str | None:

@@ -1,7 +1,9 @@
 // mla_sm90.cu — launched by cuattn/mla_sm90.py (Sm90MLASpec, PARAMS: mla.cu's parameter list under another
 // entry name; tests/test_mla_sm90.py checks the two agree). The Hopper MLA kernel (backend "fa3"; sm_90a only:
 // wgmma, mbarriers, setmaxnreg). Split pieces are merged by mla.cu's cuattn_mla_merge (same partial layout).
-// Compile-time: DTYPE (cuattn::f16 | cuattn::bf16: q, caches and out).
+// Compile-time: DTYPE (cuattn::f16 | cuattn::bf16: q, caches and out); SEESAW (0: the schedule described below,
+// "halves"; 1: FlashMLA's seesaw schedule, described at its consumers: the same producer refilling each stage in
+// other groups, P in the stages' kpe blocks; mla_sm90.pick_schedule chooses per plan).
 // Fixed: head_dim_ckv 512, head_dim_kpe 64, BLOCK_M 64 packed query rows, BLOCK_N 64 keys, 2 key-tile stages.
 // Grid (num_work); block 384 (3 warpgroups); dynamic smem 1024 (alignment) + SMEM_BYTES (mla_sm90.py mirrors it).
 //
@@ -63,11 +65,21 @@ constexpr int BLOCK_M = 64, BLOCK_N = 64, STAGES = 2;
 constexpr int CHUNKS = D_QK / 8;                      // 16-byte chunks per row: 64 of ckv, 8 of kpe
 constexpr uint32_t COL_BLOCK = 64 * 128;              // one [64 rows][64 elements] swizzled column block
 constexpr uint32_t TILE_BYTES = (D_QK / 64) * COL_BLOCK;   // Q or a key tile: 9 column blocks
-constexpr uint32_t OFF_K = TILE_BYTES, OFF_P = OFF_K + STAGES * TILE_BYTES;
+#ifndef SEESAW
+#define SEESAW 0
+#endif
+constexpr uint32_t OFF_K = TILE_BYTES;
+#if SEESAW   // P(t) lives in column block 8 of its own key stage (the kpe block, free once S(t) is done)
+constexpr uint32_t OFF_SCALE = OFF_K + STAGES * TILE_BYTES;   // 3 x 64 floats: scale0, scale1, the running max
+constexpr uint32_t OFF_L = OFF_SCALE + 3 * 256;               // 2 x 64 floats: each warpgroup's row sums
+constexpr uint32_t OFF_BAR = OFF_L + 2 * 256;
+#else
+constexpr uint32_t OFF_P = OFF_K + STAGES * TILE_BYTES;
 constexpr uint32_t OFF_SCALE = OFF_P + COL_BLOCK;     // 64 floats: the rows' rescale factors of the current P
 constexpr uint32_t OFF_L = OFF_SCALE + 256;           // 64 floats: the rows' final sums (epilogue)
-constexpr int NUM_BARS = 4 * STAGES + 2;
 constexpr uint32_t OFF_BAR = OFF_L + 256;   // full_hi[2], empty_hi[2], full_lo[2], empty_lo[2], p_full, p_empty
+#endif
+constexpr int NUM_BARS = 4 * STAGES + 2;
 constexpr uint32_t SMEM_BYTES = OFF_BAR + 8 * NUM_BARS;
 constexpr int V_HALF = D_CKV / 2;                     // output columns per consumer warpgroup
 constexpr int WORK_COLS = 4;                          // plan.PREFILL_COLS
@@ -118,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   const int tile = item[1], piece = item[2], slot_out = item[3];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;
   uint8_t* smem = smem_raw + (base - smem_u32(smem_raw));        // the same bytes, generic address
-  const uint32_t sQ = base, sK = base + OFF_K, sP = base + OFF_P;
+  const uint32_t sQ = base, sK = base + OFF_K;
   float* s_scale = reinterpret_cast<float*>(smem + OFF_SCALE);
   float* s_l = reinterpret_cast<float*>(smem + OFF_L);
   const uint32_t bars = base + OFF_BAR;
@@ -151,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(FULL_HI(s), 128);       // every producer thread's cp.async arrival
-      mbar_init(EMPTY_HI(s), 8);        // lane 0 of every consumer warp
+      mbar_init(EMPTY_HI(s), SEESAW ? 4 : 8);   // lane 0 of every consumer warp (seesaw: of one warpgroup)
       mbar_init(FULL_LO(s), 128);
       mbar_init(EMPTY_LO(s), 4);        // lane 0 of every consumer-A warp (the low half's only reader)
     }
@@ -184,14 +196,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     // a power-of-two page size (1, 16, 64: what serving uses) by shift and mask, any other by division
     const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
     int page[4];                        // the page ids of this thread's rows of the next tile
-    auto page_ids = [&](int t) {
+    auto page_ids = [&](int (&pg)[4], int t) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int key = kv_lo + t * BLOCK_N + r16 + 16 * j;
-        page[j] = key < kv_end ? kv_indices[page_base + (page_shift >= 0 ? key >> page_shift : key / page_size)] : 0;
+        pg[j] = key < kv_end ? kv_indices[page_base + (page_shift >= 0 ? key >> page_shift : key / page_size)] : 0;
       }
     };
-    if (num_tiles > 0) page_ids(0);
+    if (num_tiles > 0) page_ids(page, 0);
     // a row's source: two 32 x 32 -> 64-bit multiply-adds (page, slot) on byte strides under 4 GiB (mla.py
     // checks them: mla_sm90.check_cache_strides); chunk sub + 8 i of row r16 + 16 j sits at dst0 + j 16 rows +
     // i column blocks (the row's swizzle, r16 % 8, is the thread's own)
@@ -207,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       const uint8_t* kpe[4];
       int rem;
     };
-    auto rows_of = [&](int t) {
+    auto rows_of = [&](const int (&pg)[4], int t) {
       Rows w;
       const int key0 = kv_lo + t * BLOCK_N + r16;
       w.rem = kv_end - key0;
@@ -215,8 +227,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       for (int j = 0; j < 4; ++j) {        // (unrolled: page[] stays in registers)
         const int key = key0 + 16 * j;
         const uint32_t slot = uint32_t(page_shift >= 0 ? key & (page_size - 1) : key % page_size);
-        w.ckv[j] = ckv_b + uint64_t(uint32_t(page[j])) * ckv_sp + uint64_t(slot) * ckv_st;
-        w.kpe[j] = kpe_b + uint64_t(uint32_t(page[j])) * kpe_sp + uint64_t(slot) * kpe_st;
+        w.ckv[j] = ckv_b + uint64_t(uint32_t(pg[j])) * ckv_sp + uint64_t(slot) * ckv_st;
+        w.kpe[j] = kpe_b + uint64_t(uint32_t(pg[j])) * kpe_sp + uint64_t(slot) * kpe_st;
       }
       return w;
     };
@@ -230,11 +242,37 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
         if (with_kpe) cp_async_16_zfill(dst + dst0 + j * 2048 + 8 * COL_BLOCK, w.kpe[j], 16 * j >= w.rem);
       }
     };
+#if SEESAW
+    // -- pairs of tiles (2 j in stage 0, 2 j + 1 in stage 1; past the piece: zero rows), each stage in two
+    //    groups refilled in the order the consumers free them: stage 0's blocks 0..3 (consumer 0's P V), stage
+    //    1's 4..7 (consumer 1's P V), stage 0's 4..8 (consumer 1's P0 V), stage 1's 0..3 and 8 (consumer 0's P1 V)
+    int page1[4];
+    if (num_tiles > 0) page_ids(page1, 1);
+#pragma unroll 1
+    for (int j = 0; j < (num_tiles + 1) / 2; ++j) {
+      const uint32_t ph = (j & 1) ^ 1, dst1 = sK + TILE_BYTES;
+      const Rows w0 = rows_of(page, 2 * j), w1 = rows_of(page1, 2 * j + 1);
+      mbar_wait(EMPTY_HI(0), ph);
+      copy_rows(sK, w0, 0, 4, false);
+      cp_async_mbar_arrive_noinc(FULL_HI(0));        // (pair 0's arrivals cover the Q copies too)
+      mbar_wait(EMPTY_HI(1), ph);
+      copy_rows(dst1, w1, 4, 8, false);
+      cp_async_mbar_arrive_noinc(FULL_HI(1));
+      mbar_wait(EMPTY_LO(0), ph);
+      copy_rows(sK, w0, 4, 8, true);
+      cp_async_mbar_arrive_noinc(FULL_LO(0));
+      mbar_wait(EMPTY_LO(1), ph);
+      copy_rows(dst1, w1, 0, 4, true);
+      cp_async_mbar_arrive_noinc(FULL_LO(1));
+      page_ids(page, 2 * j + 2);
+      page_ids(page1, 2 * j + 3);
+    }
+#else
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
       const int s = t % STAGES;
       const uint32_t ph = ((t / STAGES) & 1) ^ 1, dst = sK + s * TILE_BYTES;
-      const Rows w = rows_of(t);
+      const Rows w = rows_of(page, t);
       mbar_wait(EMPTY_HI(s), ph);          // the consumers are done with the high half of tile t - STAGES
       // -- the high half (ckv 256..511, kpe) first: it frees first (consumer B's P V and the S product are its
       //    readers) and S(t) reads it first; then the low half once consumer A's P V of tile t - STAGES is done
@@ -243,8 +281,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       mbar_wait(EMPTY_LO(s), ph);
       copy_rows(dst, w, 0, 4, false);
       cp_async_mbar_arrive_noinc(FULL_LO(s));
-      if (t + 1 < num_tiles) page_ids(t + 1);
+      if (t + 1 < num_tiles) page_ids(page, t + 1);
     }
+#endif
     cp_async_wait<0>();                 // no copy lands after this thread has left
     return;
   }
@@ -268,7 +307,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  auto release_hi = [&](int s) { arrive_warp(EMPTY_HI(s)); };   // done reading key stage s's high half
   auto rescale = [&](float c0, float c1) {
 #pragma unroll
     for (int n = 0; n < V_HALF / 8; ++n) {
@@ -279,6 +317,241 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     }
   };
 
+#if SEESAW
+  // ------------------------------------------------------------------ seesaw consumers (FlashMLA's schedule)
+  // Tiles come in pairs: 2 j (stage 0, "tile 0") and 2 j + 1 (stage 1, "tile 1"; past the piece: zero rows, all
+  // masked). Warpgroup 0 holds O[:, 0:256] and computes S0 = Q K0^T, warpgroup 1 holds O[:, 256:512] and S1; the
+  // running row max passes from one to the other through shared memory (s_m), so
+  //   wg 0: m0 = max(m, rowmax S0), P0 = exp2(S0 - m0), O_L = O_L c0 + P0 V0_L               (c0 = exp2(m - m0))
+  //   wg 1: m1 = max(m0, rowmax S1), P1 = exp2(S1 - m1), O_R = O_R c0 c1 + P1 V1_R + (P0 c1) V0_R   (c1 = exp2(m0 - m1))
+  //   wg 0: O_L = O_L c1 + P1 V1_L
+  // with P0 c1 and P1 through shared memory (column block 8 of their own stage: its kpe part, read by S only).
+  // Each warpgroup does one S and two P V products a pair (the tensor work split evenly) and its softmax
+  // overlaps the other's products. Hand-offs are named barriers (an arrive by one warpgroup, a sync by the other).
+  // Shared-memory stores are made with no wgmma of the storing warpgroup in flight (ptxas C7513).
+  constexpr int BAR_SC0 = 2, BAR_SC1 = 3, BAR_P0 = 4, BAR_PV0R = 5;
+  float* s_sc0 = s_scale;                  // s_l: [2][64], each warpgroup's row sums
+  float* s_sc1 = s_sc0 + 64;
+  float* s_m = s_sc0 + 128;
+  int lim[2];                              // first key a row may not see
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pr = row0 + r_lo + 8 * h;
+    lim[h] = causal ? min(kv_end, pr / num_heads + shift + 1) : kv_end;
+  }
+  const int lim_min = min(lim[0], lim[1]);
+  const int num_pairs = (num_tiles + 1) / 2;
+  const uint32_t stage0 = sK, stage1 = sK + TILE_BYTES;
+  // -- S = Q K(stage)^T over column blocks [b0, b1) (k-steps of 16), the first one starting the sum
+  auto qk_blocks = [&](float (&s)[32], uint32_t stage, int b0, int b1, bool first) {
+    const uint64_t dq = wgmma_desc(opaque(sQ), 16, 1024);
+    const uint64_t dk = wgmma_desc(opaque(stage), 16, 1024);
+#pragma unroll
+    for (int kk = 4 * b0; kk < 4 * b1; ++kk) {
+      const uint32_t off = ((kk / 4) * COL_BLOCK + (kk % 4) * 32) >> 4;
+      wgmma_m64n64k16_ss<T>(s, dq + off, dk + off, !first || kk > 4 * b0);
+    }
+  };
+  // -- a stage's group once it has landed (full barrier `bar`, parity ph)
+  auto landed = [&](uint32_t bar, uint32_t ph) {
+    mbar_wait(bar, ph);
+    fence_proxy_async();                   // cp.async writes (seen through the mbarrier) -> wgmma reads
+    wgmma_fence();
+  };
+  // -- S of tile 0 reads blocks 0..3 (freed first) then 4..8; S of tile 1 blocks 4..7, then 8 and 0..3 (each
+  //    warpgroup calls its own: no wgmma on a path that depends on the warpgroup, ptxas C7520)
+  auto s0_first = [&](float (&s)[32], uint32_t ph) {
+    landed(FULL_HI(0), ph);
+    qk_blocks(s, stage0, 0, 4, true);
+    wgmma_commit();
+  };
+  auto s0_second = [&](float (&s)[32], uint32_t ph) {
+    landed(FULL_LO(0), ph);
+    qk_blocks(s, stage0, 4, 9, false);
+    wgmma_commit();
+  };
+  auto s1_all = [&](float (&s)[32], uint32_t ph) {
+    landed(FULL_HI(1), ph);
+    qk_blocks(s, stage1, 4, 8, true);
+    wgmma_commit();
+    landed(FULL_LO(1), ph);
+    qk_blocks(s, stage1, 8, 9, false);
+    qk_blocks(s, stage1, 0, 4, false);
+    wgmma_commit();
+  };
+  auto mask = [&](float (&s)[32], int t) {
+    const int key0 = kv_lo + t * BLOCK_N;
+    if (key0 + BLOCK_N <= lim_min) return;
+#pragma unroll
+    for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (key0 + 8 * n + 2 * t4 + e >= lim[h]) s[4 * n + 2 * h + e] = neg_inf;
+  };
+  auto softmax = [&](float (&s)[32], float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      corr[h] = online_softmax_row<BLOCK_N / 4>([&](int k) { return s[4 * (k >> 1) + 2 * h + (k & 1)]; },
+                                                [&](int k, float v) { s[4 * (k >> 1) + 2 * h + (k & 1)] = v; },
+                                                m_i[h], l_i[h], sl2);
+  };
+  // -- P (fp32, scaled by c) as the 16-bit A fragments of 4 k-steps of 16 keys
+  uint32_t p[BLOCK_N / 16][4];
+  auto pack_p = [&](const float (&s)[32], const float (&c)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      p[kk][0] = pack2<T>(s[8 * kk + 0] * c[0], s[8 * kk + 1] * c[0]);
+      p[kk][1] = pack2<T>(s[8 * kk + 2] * c[1], s[8 * kk + 3] * c[1]);
+      p[kk][2] = pack2<T>(s[8 * kk + 4] * c[0], s[8 * kk + 5] * c[0]);
+      p[kk][3] = pack2<T>(s[8 * kk + 6] * c[1], s[8 * kk + 7] * c[1]);
+    }
+  };
+  // -- p into column block 8 of `stage` in the swizzled K-major layout of a [64 rows][64 keys] A operand
+  auto store_p = [&](uint32_t stage) {
+    uint8_t* sp = smem + (stage - base) + 8 * COL_BLOCK;
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {        // keys 16 kk + 8 i + 2 t4, + 1: 16-byte chunk 2 kk + i of the row
+        const int col = (((2 * kk + i) ^ g) << 4) + 4 * t4;   // (r_lo + 8) % 8 == r_lo % 8 == g
+        *reinterpret_cast<uint32_t*>(sp + r_lo * 128 + col) = p[kk][2 * i];
+        *reinterpret_cast<uint32_t*>(sp + (r_lo + 8) * 128 + col) = p[kk][2 * i + 1];
+      }
+    fence_proxy_async();                   // generic stores -> the wgmma reads of either warpgroup
+  };
+  // -- O[:, wg half] += P V over the stage's value columns of this warpgroup: P from registers or from block 8
+  const uint32_t v_off = uint32_t(wg) * 4 * COL_BLOCK;
+  auto pv_regs = [&](uint32_t stage) {
+    const uint64_t dv = wgmma_desc(opaque(stage + v_off), COL_BLOCK, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_m64n256k16_rs_tb<T>(acc, p[kk], dv + ((kk * 16 * 128) >> 4));
+    wgmma_commit();
+  };
+  auto pv_smem = [&](uint32_t stage) {
+    const uint64_t dv = wgmma_desc(opaque(stage + v_off), COL_BLOCK, 1024);
+    const uint64_t dp = wgmma_desc(opaque(stage + 8 * COL_BLOCK), 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+      wgmma_m64n256k16_ss_tb<T>(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+    wgmma_commit();
+  };
+  const float one[2] = {1.f, 1.f};
+  float s[32];
+  if (num_pairs > 0 && wg == 0) {
+    // ------------------------------------------------------------------ warpgroup 0: O[:, 0:256], tiles 2 j
+    s0_first(s, 0);
+    s0_second(s, 0);
+    wgmma_wait<0>();
+    wgmma_fence_regs(s);
+    // -- one pair; `more`: S of the next pair's tile 0 is issued at its end (a constant at each call: the last
+    //    pair is peeled, so no wgmma or wgmma wait sits under a run-time condition, ptxas C7520)
+    auto pair = [&](int j, bool more) {   // (inlined at two sites with a constant `more`)
+      float c0[2], c1[2];
+      mask(s, 2 * j);
+      softmax(s, c0);                      // m_i: m0; l_i: tile 0's rows summed in
+      if (t4 == 0) {
+        s_sc0[r_lo] = c0[0], s_sc0[r_lo + 8] = c0[1];
+        s_m[r_lo] = m_i[0], s_m[r_lo + 8] = m_i[1];
+      }
+      named_barrier_arrive(BAR_SC0, 256);
+      rescale(c0[0], c0[1]);
+      pack_p(s, one);
+      pv_regs(stage0);                     // O_L += P0 V0_L
+      wgmma_wait<0>();
+      wgmma_fence_regs(acc);
+      arrive_warp(EMPTY_HI(0));            // stage 0's blocks 0..3 are read
+      named_barrier(BAR_SC1, 256);         // warpgroup 1's m1 and c1
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        c1[h] = s_sc1[r_lo + 8 * h];
+        m_i[h] = s_m[r_lo + 8 * h];
+        l_i[h] *= c1[h];
+      }
+      pack_p(s, c1);                       // P0 c1 to warpgroup 1
+      store_p(stage0);
+      named_barrier_arrive(BAR_P0, 256);
+      named_barrier(BAR_PV0R, 256);        // P1 is in stage 1's block 8
+      rescale(c1[0], c1[1]);
+      pv_smem(stage1);                     // O_L += P1 V1_L
+      if (more) {
+        s0_first(s, (j + 1) & 1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      wgmma_fence_regs(acc);
+      arrive_warp(EMPTY_LO(1));            // stage 1's blocks 0..3 and P1 are read
+      if (more) {
+        s0_second(s, (j + 1) & 1);
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+      }
+    };
+#pragma unroll 1
+    for (int j = 0; j + 1 < num_pairs; ++j) pair(j, true);
+    pair(num_pairs - 1, false);
+  } else if (num_pairs > 0) {
+    // ------------------------------------------------------------------ warpgroup 1: O[:, 256:512], tiles 2 j + 1
+    s1_all(s, 0);
+    wgmma_wait<0>();
+    wgmma_fence_regs(s);
+    auto pair = [&](int j, bool more) {   // (inlined at two sites with a constant `more`)
+      float c0[2], c1[2];
+      mask(s, 2 * j + 1);
+      named_barrier(BAR_SC0, 256);         // warpgroup 0's m0 and c0
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        c0[h] = s_sc0[r_lo + 8 * h];
+        m_i[h] = s_m[r_lo + 8 * h];
+        l_i[h] *= c0[h];
+      }
+      softmax(s, c1);                      // m_i: m1
+      if (t4 == 0) {
+        s_sc1[r_lo] = c1[0], s_sc1[r_lo + 8] = c1[1];
+        s_m[r_lo] = m_i[0], s_m[r_lo + 8] = m_i[1];
+      }
+      named_barrier_arrive(BAR_SC1, 256);
+      rescale(c0[0] * c1[0], c0[1] * c1[1]);
+      pack_p(s, one);
+      store_p(stage1);                     // P1 to warpgroup 0
+      pv_regs(stage1);                     // O_R += P1 V1_R
+      named_barrier(BAR_P0, 256);
+      pv_smem(stage0);                     // O_R += (P0 c1) V0_R
+      named_barrier_arrive(BAR_PV0R, 256);
+      wgmma_wait<1>();
+      arrive_warp(EMPTY_HI(1));            // stage 1's blocks 4..7 are read
+      wgmma_wait<0>();
+      wgmma_fence_regs(acc);
+      arrive_warp(EMPTY_LO(0));            // stage 0's blocks 4..8 and P0 are read
+      if (more) {
+        s1_all(s, (j + 1) & 1);
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+      }
+    };
+#pragma unroll 1
+    for (int j = 0; j + 1 < num_pairs; ++j) pair(j, true);
+    pair(num_pairs - 1, false);
+  }
+  // -- each warpgroup's row sums (quad-reduced) for the epilogue; m_i is m1 of the last pair in both
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+  }
+  if (t4 == 0) {
+    s_l[wg * 64 + r_lo] = l_i[0];
+    s_l[wg * 64 + r_lo + 8] = l_i[1];
+  }
+  named_barrier(1, 256);
+  auto row_sum = [&](int r) { return s_l[r] + s_l[64 + r]; };
+#else
+  const uint32_t sP = base + OFF_P;
+  auto release_hi = [&](int s) { arrive_warp(EMPTY_HI(s)); };   // done reading key stage s's high half
   if (wg == 0) {
     // ---------------------------------------------------------------- consumer A
     int lim[2];                            // first key a row may not see
@@ -438,6 +711,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     }
   }
   named_barrier(1, 256);                   // consumer A's row sums are in s_l
+  auto row_sum = [&](int r) { return s_l[r]; };
+#endif
 
   float v_fac = v_scale;                   // the value's scale multiplies the normalized rows (final or partial)
   if (v_scales != nullptr) v_fac *= v_scales[0];
@@ -447,7 +722,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h, pr = row0 + r;
     if (pr >= rows) continue;
-    const float l = s_l[r];
+    const float l = row_sum(r);
     const float inv = l > 0.f ? v_fac / l : 0.f;
     const float lse2 = l > 0.f ? m_i[h] + __log2f(l) : neg_inf;     // (m_i: consumer A's alone)
     if (slot_out < 0) {

@@ -1,7 +1,8 @@
 """The Hopper MLA kernel (backend "fa3", kernels_cu/mla_sm90.cu): its compile (sm_90a, no spills, no
 serialized wgmma), parameter list and backend choice on the CPU; on an sm_90 GPU (gpu marker) the kernel
 against tests/test_mla.py's float64 oracle (decode at 16, 64 and 128 heads, multi-token causal, page sizes
-1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay), each asserting that the fa3 kernel ran."""
+1 / 16 / 64, fp16 / bf16, split-KV, CUDA-graph replay), each asserting that the fa3 kernel ran, under both
+schedules (halves and seesaw) where a test's fixture `schedule` forces one."""
 import numpy as np
 import pytest
 
@@ -29,7 +30,7 @@ def test_sm90_mla_compiles_without_spills_or_serialized_wgmma(spec):
 
 def test_sm90_mla_specs_are_shipped_for_sm90a_only():
     names = {s.name for s in mla_sm90.shipped_specs()}
-    assert len(names) == 2
+    assert len(names) == 4       # f16 / bf16 x the halves / seesaw schedules
     assert names <= {s.name for s in cli.shipped_specs("sm_90a")}
     assert not names & {s.name for s in cli.shipped_specs("sm_80")}
 
@@ -37,8 +38,22 @@ def test_sm90_mla_specs_are_shipped_for_sm90a_only():
 def test_sm90_mla_spec_name_and_defines():
     spec = mla_sm90.Sm90MLASpec("bf16")
     assert spec.name == "mla_sm90_ckv512_kpe64_qbf16_bm64_bn64_v2"   # the name it had as version 2 (results, logs)
-    assert spec.defines() == ("-DDTYPE=cuattn::bf16",)
+    assert spec.defines() == ("-DDTYPE=cuattn::bf16", "-DSEESAW=0")
     assert spec.smem_bytes == 230992     # 1024 slack + Q + 2 key stages (64 x 576 x 2 B) + P + 2 x 256 + 10 mbarriers
+    seesaw = mla_sm90.Sm90MLASpec("f16", True)
+    assert seesaw.name == "mla_sm90_ckv512_kpe64_qf16_bm64_bn64_seesaw"
+    assert seesaw.defines() == ("-DDTYPE=cuattn::f16", "-DSEESAW=1")
+    assert seesaw.smem_bytes == 223568   # P in the stages' kpe blocks: no P buffer; 5 x 256 + 10 mbarriers
+
+
+def test_mla_fa3_schedule_rule():
+    specs = mla_sm90.schedule_specs("bf16")
+    assert [s.seesaw for s in specs] == [False, True]
+    pick = mla_sm90.pick_schedule
+    assert pick(specs, 64, 4096) is specs[1]                     # 128 heads x 4k: full tiles, long items
+    assert pick(specs, 64, mla_sm90.SEESAW_MIN_KEYS) is specs[1]
+    assert pick(specs, 64, 256) is specs[0]                      # short pieces: the halves' shorter start
+    assert pick(specs, 16, 16384) is specs[0]                    # 16 heads: 16 rows of a 64-row tile
 
 
 def test_sm90_mla_takes_mla_cu_parameter_list():
@@ -113,12 +128,22 @@ def entries(monkeypatch):
     return seen
 
 
-def ran_fa3(entries, dtype=np.float16):
-    """The fa3 kernel of ``dtype`` ran (and mla.cu's attention kernel did not)."""
-    name = mla_sm90.Sm90MLASpec("bf16" if dtype == BF16 else "f16").name
+def ran_fa3(entries, dtype=np.float16, seesaw=None):
+    """The fa3 kernel of ``dtype`` ran (of the schedule ``seesaw``; None: either) and mla.cu's attention kernel
+    did not; returns its spec name."""
+    names = [s.name for s in mla_sm90.schedule_specs("bf16" if dtype == BF16 else "f16")
+             if seesaw is None or s.seesaw == seesaw]
     assert mla_sm90.ENTRY in entries and mla._ENTRY not in entries
-    assert name in entries.specs, (name, entries.specs)
-    return name
+    ran = [n for n in names if n in entries.specs]
+    assert ran, (names, entries.specs)
+    return ran[0]
+
+
+@pytest.fixture(params=[False, True], ids=["halves", "seesaw"])
+def schedule(request, monkeypatch):
+    """Every fa3 plan of the test runs this schedule (pick_schedule's rule set aside)."""
+    monkeypatch.setattr(mla_sm90, "pick_schedule", lambda specs, *a: specs[int(request.param)])
+    return request.param
 
 
 def run_fa3(c, causal, dtype, backend="fa3", lse_base_e=False, **plan_kw):
@@ -151,10 +176,10 @@ FA3_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'ful
 @sm90
 @pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal", FA3_CASES, ids=FA3_IDS)
 @pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
-def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, entries):
+def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, schedule, entries):
     c = mla_case(31, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
     w, out, lse = run_fa3(c, causal, dtype, lse_base_e=dtype == BF16)
-    name = ran_fa3(entries, dtype)
+    name = ran_fa3(entries, dtype, schedule)
     assert f"kernel: {name} (backend fa3)" in w.describe()
     check_gpu(c, causal, dtype, out, lse, lse_base_e=dtype == BF16)
 
@@ -176,7 +201,7 @@ def test_mla_auto_runs_fa3_on_sm90_and_fa2_when_asked(entries):
 
 @pytest.mark.gpu
 @sm90
-def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(entries):
+def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(schedule, entries):
     c = mla_case(33, [1, 1, 4], [9000, 3000, 2000], 16, heads=128)
     w, out_split, lse_split = run_fa3(c, True, np.float16, fixed_split_size=1000)
     assert "pieces of 1024 keys" in w.describe() and mla._MERGE_ENTRY in entries
@@ -187,22 +212,36 @@ def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(entries):
     a, b = (_cp().asnumpy(x).astype(np.float64) for x in (out_split, out_one))
     assert rel_err(a, b) < 2e-3
     assert entries.count(mla_sm90.ENTRY) == 2
-    ran_fa3(entries)
+    ran_fa3(entries, seesaw=schedule)
 
 
 @pytest.mark.gpu
 @sm90
-def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(entries):
+def test_mla_fa3_plan_picks_the_schedule(entries):
+    c = mla_case(36, [1] * 3, [3000, 2500, 4000], 64, heads=128)     # full tiles, long items: seesaw
+    w, out, lse = run_fa3(c, False, BF16, lse_base_e=True)
+    assert ran_fa3(entries, BF16, True) in w.describe()
+    check_gpu(c, False, BF16, out, lse, lse_base_e=True)
+    entries.clear()
+    c = mla_case(37, [1] * 3, [3000, 2500, 4000], 64, heads=16)      # 16 rows a tile: halves
+    w, out, lse = run_fa3(c, False, BF16, lse_base_e=True)
+    assert ran_fa3(entries, BF16, False) in w.describe()
+    check_gpu(c, False, BF16, out, lse, lse_base_e=True)
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_fa3_zero_length_kv_gives_zeros_and_minus_inf(schedule, entries):
     c = mla_case(34, [1, 1, 2], [0, 50, 0], 16)
     _, out, lse = run_fa3(c, False, np.float16)
     o, s = _cp().asnumpy(out), _cp().asnumpy(lse)
     assert np.all(o[0] == 0) and np.all(o[2:] == 0) and np.all(s[0] == -np.inf) and np.all(s[2:] == -np.inf)
     check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
-    ran_fa3(entries)
+    ran_fa3(entries, seesaw=schedule)
 
 
 @pytest.mark.gpu
 @sm90
 def test_mla_fa3_cuda_graph_replays_after_replan(entries):
     graph_replay_after_replan(128, "fa3", 35)
-    ran_fa3(entries)
+    ran_fa3(entries, seesaw=True)          # 128 heads: full tiles; graph mode keeps the first plan's schedule
