@@ -67,10 +67,10 @@ def shipped_specs() -> list[Sm90MLASpec]:
 
 # The seesaw schedule runs where every query tile is full (decode at >= 64 heads: compute bound) and work items
 # stream at least this many keys on average. H100, bf16, page 64 (benchmarks/results/mla_notes.md, session 25):
-# 128 heads 1.05-1.11x the halves schedule at 16-64 x 4k-16k, 1.00x at 64 x 1k (16 tiles an item), 0.97x at
-# 1 x 16k split into pieces of 4 tiles (both warpgroups wait for their first tile: a longer start); 16 heads
-# (16 rows of a 64-row tile) 0.98-1.01x.
-SEESAW_MIN_KEYS = 1024
+# 128 heads, batch 64, no split, keys an item 64 / 256 / 1024 / 2048 / 4096 / 8192: 0.91 / 0.92 / 0.97 / 1.02 /
+# 1.04 / 1.06x the halves schedule's speed (both warpgroups wait for their own first tile: a longer start, then
+# a shorter time a tile); at 16-128 x 4k-16k 1.05-1.11x; 16 heads (16 rows of a 64-row tile) 0.98-1.01x.
+SEESAW_MIN_KEYS = 2048
 
 
 def schedule_specs(dtype: str) -> tuple[Sm90MLASpec, Sm90MLASpec]:

@@ -52,7 +52,7 @@ def test_mla_fa3_schedule_rule():
     pick = mla_sm90.pick_schedule
     assert pick(specs, 64, 4096) is specs[1]                     # 128 heads x 4k: full tiles, long items
     assert pick(specs, 64, mla_sm90.SEESAW_MIN_KEYS) is specs[1]
-    assert pick(specs, 64, 256) is specs[0]                      # short pieces: the halves' shorter start
+    assert pick(specs, 64, 1024) is specs[0]                     # short items: the halves' shorter start
     assert pick(specs, 16, 16384) is specs[0]                    # 16 heads: 16 rows of a 64-row tile
 
 
@@ -218,13 +218,19 @@ def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(schedule, entries)
 @pytest.mark.gpu
 @sm90
 def test_mla_fa3_plan_picks_the_schedule(entries):
-    c = mla_case(36, [1] * 3, [3000, 2500, 4000], 64, heads=128)     # full tiles, long items: seesaw
-    w, out, lse = run_fa3(c, False, BF16, lse_base_e=True)
+    c = mla_case(36, [1] * 3, [3000, 2500, 4000], 64, heads=128, dtype=BF16)      # full tiles, long items: seesaw
+    w, out, lse = run_fa3(c, False, BF16, lse_base_e=True, disable_split_kv=True)
     assert ran_fa3(entries, BF16, True) in w.describe()
     check_gpu(c, False, BF16, out, lse, lse_base_e=True)
     entries.clear()
-    c = mla_case(37, [1] * 3, [3000, 2500, 4000], 64, heads=16)      # 16 rows a tile: halves
+    c = mla_case(37, [1] * 3, [3000, 2500, 4000], 64, heads=16, dtype=BF16)       # 16 rows a tile: halves
+    w, out, lse = run_fa3(c, False, BF16, lse_base_e=True, disable_split_kv=True)
+    assert ran_fa3(entries, BF16, False) in w.describe()
+    check_gpu(c, False, BF16, out, lse, lse_base_e=True)
+    entries.clear()
+    c = mla_case(38, [1] * 3, [3000, 2500, 4000], 64, heads=128, dtype=BF16)      # split into short pieces: halves
     w, out, lse = run_fa3(c, False, BF16, lse_base_e=True)
+    assert "split-KV: 6 query tiles" in w.describe()
     assert ran_fa3(entries, BF16, False) in w.describe()
     check_gpu(c, False, BF16, out, lse, lse_base_e=True)
 
