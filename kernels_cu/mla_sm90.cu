@@ -439,6 +439,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       wgmma_m64n256k16_ss_tb<T>(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
     wgmma_commit();
   };
+  // -- the running max's hand-off: publish this warpgroup's factors c and its max m_i (to sc and s_m); take the
+  //    other's (c its factors, m_i its max, l_i rescaled by c)
+  auto publish = [&](float* sc, const float (&c)[2]) {
+    if (t4 == 0) {
+      sc[r_lo] = c[0], sc[r_lo + 8] = c[1];
+      s_m[r_lo] = m_i[0], s_m[r_lo + 8] = m_i[1];
+    }
+  };
+  auto take = [&](const float* sc, float (&c)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      c[h] = sc[r_lo + 8 * h];
+      m_i[h] = s_m[r_lo + 8 * h];
+      l_i[h] *= c[h];
+    }
+  };
   const float one[2] = {1.f, 1.f};
   float s[32];
   if (num_pairs > 0 && wg == 0) {
@@ -453,10 +469,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       float c0[2], c1[2];
       mask(s, 2 * j);
       softmax(s, c0);                      // m_i: m0; l_i: tile 0's rows summed in
-      if (t4 == 0) {
-        s_sc0[r_lo] = c0[0], s_sc0[r_lo + 8] = c0[1];
-        s_m[r_lo] = m_i[0], s_m[r_lo + 8] = m_i[1];
-      }
+      publish(s_sc0, c0);
       named_barrier_arrive(BAR_SC0, 256);
       rescale(c0[0], c0[1]);
       pack_p(s, one);
@@ -465,12 +478,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       wgmma_fence_regs(acc);
       arrive_warp(EMPTY_HI(0));            // stage 0's blocks 0..3 are read
       named_barrier(BAR_SC1, 256);         // warpgroup 1's m1 and c1
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        c1[h] = s_sc1[r_lo + 8 * h];
-        m_i[h] = s_m[r_lo + 8 * h];
-        l_i[h] *= c1[h];
-      }
+      take(s_sc1, c1);
       pack_p(s, c1);                       // P0 c1 to warpgroup 1
       store_p(stage0);
       named_barrier_arrive(BAR_P0, 256);
@@ -503,17 +511,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       float c0[2], c1[2];
       mask(s, 2 * j + 1);
       named_barrier(BAR_SC0, 256);         // warpgroup 0's m0 and c0
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        c0[h] = s_sc0[r_lo + 8 * h];
-        m_i[h] = s_m[r_lo + 8 * h];
-        l_i[h] *= c0[h];
-      }
+      take(s_sc0, c0);
       softmax(s, c1);                      // m_i: m1
-      if (t4 == 0) {
-        s_sc1[r_lo] = c1[0], s_sc1[r_lo + 8] = c1[1];
-        s_m[r_lo] = m_i[0], s_m[r_lo + 8] = m_i[1];
-      }
+      publish(s_sc1, c1);
       named_barrier_arrive(BAR_SC1, 256);
       rescale(c0[0] * c1[0], c0[1] * c1[1]);
       pack_p(s, one);
