@@ -52,10 +52,11 @@ class Sm90MLASpec:
 
     @property
     def smem_bytes(self) -> int:
-        """mla_sm90.cu SMEM_BYTES + 1024 of alignment slack: Q, 2 key tiles (64 x 576 16-bit each), P
-        (64 x 64 16-bit), two rows of 64 floats, 10 mbarriers."""
+        """mla_sm90.cu SMEM_BYTES + 1024 of alignment slack: Q, 2 key tiles (64 x 576 16-bit each), then the halves
+        schedule's P (64 x 64 16-bit) and two rows of 64 floats, or the seesaw's five rows of 64 floats (its P
+        lives in the key tiles), and 10 mbarriers."""
         tile = BLOCK_M * _D_QK * 2
-        if self.seesaw:     # P in the key stages; 5 rows of 64 floats
+        if self.seesaw:
             return 1024 + 3 * tile + 5 * 256 + 10 * 8
         return 1024 + 3 * tile + BLOCK_M * BLOCK_N * 2 + 2 * 256 + 10 * 8
 
