@@ -67,11 +67,12 @@ def shipped_specs() -> list[Sm90MLASpec]:
 
 
 # The seesaw schedule runs where every query tile is full (decode at >= 64 heads: compute bound) and work items
-# stream at least this many keys on average. H100, bf16, page 64 (benchmarks/results/mla_notes.md, session 25):
-# 128 heads, batch 64, no split, keys an item 64 / 256 / 1024 / 2048 / 4096 / 8192: 0.91 / 0.92 / 0.97 / 1.02 /
-# 1.04 / 1.06x the halves schedule's speed (both warpgroups wait for their own first tile: a longer start, then
-# a shorter time a tile); at 16-128 x 4k-16k 1.05-1.11x; 16 heads (16 rows of a 64-row tile) 0.98-1.01x.
-SEESAW_MIN_KEYS = 2048
+# stream at least this many keys on average. H100, bf16, page 64, 128 heads (benchmarks/results/mla_notes.md,
+# session 26, both schedules with the staged epilogue): seesaw's speed over the halves schedule's at batch 64
+# x 2k / 4k / 8k / 16k / 32k keys 0.95 / 0.98 / 1.00 / 1.02 / 1.02x, 128 x 8k 1.01x, 16 x 16k in pieces of 4k 0.99x
+# (both warpgroups wait for their own first tile: a longer start, then a shorter time a tile); 16 heads (16
+# rows of a 64-row tile) 0.98-1.01x (session 25).
+SEESAW_MIN_KEYS = 8192
 
 
 def schedule_specs(dtype: str) -> tuple[Sm90MLASpec, Sm90MLASpec]:

@@ -716,8 +716,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
 
   float v_fac = v_scale;                   // the value's scale multiplies the normalized rows (final or partial)
   if (v_scales != nullptr) v_fac *= v_scales[0];
-  // -- epilogue: O / l; consumer A also writes the LSE. Final rows (DTYPE) or, for a split item, fp32 partials
+  // -- epilogue: O / l; consumer A also writes the LSE. Final rows (DTYPE) or, for a split item, fp32 partials.
+  //    Final rows go through shared memory (Q's bytes: both consumers are past their last product, barrier 1
+  //    above) when out's rows and strides allow 16-byte stores: each warpgroup stages its [64 rows][256 columns]
+  //    (16-byte chunk c of row r at r * 512 + (c ^ (r % 8)) * 16: the accumulator layout's writes conflict-free),
+  //    then stores whole 512-byte row halves, a warp a row. (The accumulators' own layout stores 16 bytes a row per
+  //    instruction: H100, 128 heads x 64 requests, one key tile 20.7 -> 16.2 us staged, 4k keys 1.09x / 1.01x
+  //    faster halves / seesaw; benchmarks/results/mla_notes.md, session 26.)
   const int col0 = wg * V_HALF + 2 * t4;
+  constexpr int HALF_ROW = V_HALF * int(sizeof(T));     // bytes of a staged row half
+  const bool staged = slot_out < 0 &&
+      ((reinterpret_cast<unsigned long long>(out) | uint64_t(o_s_tok | o_s_head) * sizeof(T)) & 15) == 0;
+  uint8_t* const stage = smem + wg * (BLOCK_M * HALF_ROW);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r_lo + 8 * h, pr = row0 + r;
@@ -728,10 +738,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
     if (slot_out < 0) {
       const int64_t tok = q_base + pr / num_heads;
       const int head = pr % num_heads;
-      T* orow = out + tok * o_s_tok + head * o_s_head + col0;
+      if (staged) {
+        uint8_t* srow = stage + r * HALF_ROW + 4 * t4;
 #pragma unroll
-      for (int n = 0; n < V_HALF / 8; ++n)
-        *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
+        for (int n = 0; n < V_HALF / 8; ++n)
+          *reinterpret_cast<uint32_t*>(srow + ((n ^ (r & 7)) << 4)) =
+              pack2<T>(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
+      } else {
+        T* orow = out + tok * o_s_tok + head * o_s_head + col0;
+#pragma unroll
+        for (int n = 0; n < V_HALF / 8; ++n)
+          *reinterpret_cast<uint32_t*>(orow + n * 8) = pack2<T>(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
+      }
       if (lse != nullptr && wg == 0 && t4 == 0) lse[tok * num_heads + head] = lse2 * lse_scale;
     } else {
       const int64_t prow = int64_t(slot_out) * BLOCK_M + r;
@@ -740,6 +758,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) cuattn_mla_sm90(
       for (int n = 0; n < V_HALF / 8; ++n)
         *reinterpret_cast<float2*>(orow + n * 8) = make_float2(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
       if (wg == 0 && t4 == 0) part_lse[prow] = lse2;
+    }
+  }
+  if (staged) {
+    named_barrier(6 + wg, 128);            // this warpgroup's staged rows are complete
+    const int n_rows = min(BLOCK_M, rows - row0);
+#pragma unroll 4
+    for (int i = wt; i < n_rows * (HALF_ROW / 16); i += 128) {
+      const int r = i / (HALF_ROW / 16), c = i % (HALF_ROW / 16), pr = row0 + r;
+      const int4 v = *reinterpret_cast<const int4*>(stage + r * HALF_ROW + ((c ^ (r & 7)) << 4));
+      const int64_t tok = q_base + pr / num_heads;
+      *reinterpret_cast<int4*>(out + tok * o_s_tok + (pr % num_heads) * o_s_head + wg * V_HALF + c * 8) = v;
     }
   }
 #undef FULL_HI

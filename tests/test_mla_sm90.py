@@ -50,9 +50,9 @@ def test_mla_fa3_schedule_rule():
     specs = mla_sm90.schedule_specs("bf16")
     assert [s.seesaw for s in specs] == [False, True]
     pick = mla_sm90.pick_schedule
-    assert pick(specs, 64, 4096) is specs[1]                     # 128 heads x 4k: full tiles, long items
+    assert pick(specs, 64, 16384) is specs[1]                    # 128 heads x 16k: full tiles, long items
     assert pick(specs, 64, mla_sm90.SEESAW_MIN_KEYS) is specs[1]
-    assert pick(specs, 64, 1024) is specs[0]                     # short items: the halves' shorter start
+    assert pick(specs, 64, 4096) is specs[0]                     # shorter items: the halves' shorter start
     assert pick(specs, 16, 16384) is specs[0]                    # 16 heads: 16 rows of a 64-row tile
 
 
@@ -219,7 +219,7 @@ def test_mla_fa3_split_and_unsplit_agree_and_match_the_oracle(schedule, entries)
 @pytest.mark.gpu
 @sm90
 def test_mla_fa3_plan_picks_the_schedule(entries):
-    c = mla_case(36, [1] * 3, [3000, 2500, 4000], 64, heads=128, dtype=BF16)      # full tiles, long items: seesaw
+    c = mla_case(36, [1] * 3, [9000, 8500, 10000], 64, heads=128, dtype=BF16)     # full tiles, long items: seesaw
     w, out, lse = run_fa3(c, False, BF16, lse_base_e=True, disable_split_kv=True)
     assert ran_fa3(entries, BF16, True) in w.describe()
     check_gpu(c, False, BF16, out, lse, lse_base_e=True)
@@ -229,11 +229,28 @@ def test_mla_fa3_plan_picks_the_schedule(entries):
     assert ran_fa3(entries, BF16, False) in w.describe()
     check_gpu(c, False, BF16, out, lse, lse_base_e=True)
     entries.clear()
-    c = mla_case(38, [1] * 3, [3000, 2500, 4000], 64, heads=128, dtype=BF16)      # split into short pieces: halves
+    c = mla_case(38, [1] * 3, [9000, 8500, 10000], 64, heads=128, dtype=BF16)     # split into short pieces: halves
     w, out, lse = run_fa3(c, False, BF16, lse_base_e=True)
     assert "split-KV: 6 query tiles" in w.describe()
     assert ran_fa3(entries, BF16, False) in w.describe()
     check_gpu(c, False, BF16, out, lse, lse_base_e=True)
+
+
+@pytest.mark.gpu
+@sm90
+def test_mla_fa3_out_8_byte_aligned_takes_the_direct_stores(schedule, entries):
+    """The epilogue stages final rows in shared memory and stores 16-byte chunks where out allows it; an out at an
+    8-byte (not 16-byte) aligned address takes the accumulators' 4-byte stores: the same values, bit for bit."""
+    c = mla_case(39, [1, 2, 1], [700, 90, 2100], 64, heads=128)
+    w, out, lse = run_fa3(c, False, np.float16)
+    buf = _nan((out.size + 4,), np.float16)
+    shifted = buf[4:].reshape(out.shape)
+    assert shifted.data.ptr % 16 == 8
+    w.run(_dev(c["qn"]), _dev(c["qp"]), _dev(c["ckv"]), _dev(c["kpe"]), out=shifted)
+    assert bool((shifted.view(np.uint16) == out.view(np.uint16)).all())
+    assert bool(_cp().isnan(buf[:4]).all())          # the 4 elements before out untouched
+    check_gpu(c, False, np.float16, out, lse, lse_base_e=False)
+    ran_fa3(entries, seesaw=schedule)
 
 
 @pytest.mark.gpu
