@@ -11,6 +11,7 @@ Arrays the caller gives cuattn to write (``out=``, ``lse=``, a KV cache) pass ``
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Any, NamedTuple
 
@@ -221,6 +222,15 @@ def _check_strides(shape, strides, name: str, fn: str) -> None:
     if shape and shape[-1] > 1 and strides[-1] != 1 and all(shape):    # an empty array addresses nothing
         raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, "
                          f"got stride {strides[-1]} (elements); call .contiguous()/ascontiguousarray")
+
+
+def check_aligned(t, name: str, nbytes: int, fn: str) -> None:
+    """A kernel moves ``nbytes`` at a time through ``t`` (a ``Tensor``): its base address and strides must be
+    multiples of that (a misaligned access would fault and poison the CUDA context): ValueError naming ``name``."""
+    elems = max(nbytes // t.dtype.itemsize, 1)
+    if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:     # elems divides every stride
+        raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
+                         f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")
 
 
 def pointer_layout(x: Any) -> tuple | None:

@@ -560,7 +560,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if not arrays.same_storage(t.dtype, p.q_dtype):
                 raise ValueError(f"{fn}: {name} must have dtype {p.q_dtype} (q_data_type of plan), "
                                  f"got {t.dtype}")
-        _check_aligned(t, name, _ALIGN[name], fn)
+        arrays.check_aligned(t, name, _ALIGN[name], fn)
         if found is not None:
             if len(self._checked) >= 256:
                 self._checked.clear()
@@ -590,8 +590,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                              f"got {kv.dtype}")
         if kv.k.device != self._device:
             raise ValueError(f"{fn}: paged_kv_cache must be on GPU {self._device} like q, got GPU {kv.k.device}")
-        _check_aligned(kv.k, "paged_kv_cache", 16, fn)
-        _check_aligned(kv.v, "paged_kv_cache", 16, fn)
+        arrays.check_aligned(kv.k, "paged_kv_cache", 16, fn)
+        arrays.check_aligned(kv.v, "paged_kv_cache", 16, fn)
         maps = () if not p.run_spec.tma else _paged_tensor_maps(
             kv.k.ptr, kv.v.ptr, kv.num_pages, kv.page_size, kv.num_kv_heads, kv.head_dim, kv.stride_page,
             kv.stride_slot, kv.stride_head, p.run_spec.kv_bytes)
@@ -692,11 +692,3 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
 _NO_SCALES = (fp8.ONE, fp8.ONE)     # run() without k_scale / v_scale (host factors filled on use)
 
-
-def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
-    """The kernel moves ``nbytes`` at a time through ``t``: its base address and strides must be
-    multiples of that (a misaligned access would fault and poison the CUDA context)."""
-    elems = nbytes // t.dtype.itemsize
-    if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:     # elems divides every stride
-        raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
-                         f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")

@@ -464,7 +464,7 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"{fn}: {name} must have dtype {dt} ({'q' if want else 'kv'}_data_type of plan), "
                                  f"got {t.dtype}")
             if want is None or not self._f32q.active:     # (an fp32 q: the kernel reads its aligned copy)
-                _check_aligned(t, name, 16, fn)
+                arrays.check_aligned(t, name, 16, fn)
             ts[name] = t
         num_pages = min(ts["ckv_cache"].shape[0], ts["kpe_cache"].shape[0])
         if p.max_page >= num_pages:        # the page ids' maximum, found once in plan()
@@ -477,7 +477,7 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"{fn}: out must be a ({rows}, {h}, {HEAD_DIM_CKV}) {p.q_dtype} array on GPU "
                              f"{ctx.device}, got {ot.shape} {ot.dtype} on GPU {ot.device}")
         if not self._f32q.active:
-            _check_aligned(ot, "out", 8, fn)
+            arrays.check_aligned(ot, "out", 8, fn)
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, h), np.float32)
         lse_ptr = 0
@@ -563,10 +563,3 @@ def _check_batch_args(fn: str, p, kv_len, page_table, ctx) -> None:
             raise ValueError(f"{fn}: page_table row b must start with plan()'s pages of request b "
                              f"(kv_indices[kv_indptr[b]:kv_indptr[b + 1]]); {again}")
 
-
-def _check_aligned(t, name: str, nbytes: int, fn: str) -> None:
-    """The kernels move ``nbytes`` at a time through ``t``: its base and strides must be multiples of that."""
-    elems = nbytes // t.dtype.itemsize
-    if t.ptr % nbytes or math.gcd(*t.strides[:-1]) % elems:
-        raise ValueError(f"{fn}: {name} must start at a {nbytes}-byte aligned address with strides that are "
-                         f"multiples of {elems} elements, got address {t.ptr:#x} and strides {t.strides}")

@@ -136,6 +136,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         qt = self._run_checks(fn, q, plan)
         kt, vt = arrays.device_tensor(k, "k", fn), arrays.device_tensor(v, "v", fn)
         self._check_kv(kt.shape, vt.shape, plan, fn)
+        arrays.check_aligned(kt, "k", 16, fn)       # (16-byte copies and TMA boxes)
+        arrays.check_aligned(vt, "v", 16, fn)
         _check_kv_dtype(plan, kt.dtype, vt.dtype, "k and v", fn)
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)
@@ -287,6 +289,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                        f"stride + slot): their page / slot stride ratios must be equal, got "
                                        f"{kv.stride_page}/{kv.stride_slot} and {vv.stride_page}/{vv.stride_slot}")
         _check_kv_dtype(plan, kv.k.dtype, vv.v.dtype, "paged_kv_cache", fn)
+        for t in (kv.k, vv.v):                        # (16-byte copies and TMA boxes)
+            arrays.check_aligned(t, "paged_kv_cache", 16, fn)
         out, qk, ot, lse, lse_ptr = self._outputs(ctx, fn, plan, qt, out, lse, return_lse)
         strides = (kv.stride_slot, kv.stride_head, kv.stride_page)
         pdl = jit.pdl_launch(ctx.device, enable_pdl)

@@ -409,6 +409,8 @@ class _BatchPrefillBase:
         _check_q(qt.shape, fn, plan.num_qo_heads, plan.head_dim, int(plan.qo_indptr[-1]))
         if arrays.logical_dtype(qt.dtype) != plan.q_dtype:
             raise ValueError(f"{fn}: q must have the q_data_type given to plan ({plan.q_dtype}), got {qt.dtype}")
+        if not self._f32q.active:       # the kernels' 16-byte copies (an fp32 q: they read an aligned copy)
+            arrays.check_aligned(qt, "q", 16, fn)
         return qt
 
     def _outputs(self, ctx, fn, plan, qt, out, lse, return_lse):
@@ -416,6 +418,8 @@ class _BatchPrefillBase:
         if lse is None and return_lse:
             lse = arrays.empty(ctx, (rows, plan.num_qo_heads), np.float32)
         out, ot, lse, lse_ptr = _check_out(ctx, out, lse, rows, plan.num_qo_heads, plan.head_dim_vo, qt.dtype, fn)
+        if not self._f32q.active:       # the epilogue's 4-byte stores (an fp32 q: the kernels write a copy)
+            arrays.check_aligned(ot, "out", 4, fn)
         qk, ok = self._f32q.begin(ctx, qt.ptr, qt.strides, ot.ptr, ot.strides) if self._f32q.active else (qt, ot)
         return out, qk, ok, lse, lse_ptr      # qk, ok: what the kernel reads and writes (fp32 q: 16-bit copies)
 

@@ -436,6 +436,51 @@ def test_batch_paged_gpu_equals_ragged_bitwise(monkeypatch, backend):
     assert bool((a == b).all())
 
 
+def _shifted(x, elems):
+    """A device copy of ``x`` starting ``elems`` elements past an aligned allocation (same shape and values)."""
+    cp = _cp()
+    buf = cp.empty(x.size + elems, x.dtype)
+    out = buf[elems:].reshape(x.shape)
+    out[...] = x
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_misaligned_q_kv_and_out_are_refused_by_name(backend):
+    """The kernels copy q / K / V 16 bytes at a time and store out 4 bytes at a time: an array off those
+    alignments is a ValueError naming it (a misaligned access would fault and poison the CUDA context), and
+    the same call on aligned arrays still runs and matches the oracle."""
+    if backend == "fa3" and gpu_cc() < 90:
+        pytest.skip("the fa3 backend needs compute capability 9.0")
+    rng = np.random.default_rng(11)
+    kv_lens, qo_lens = [200, 70], [33, 9]
+    cache, indptr, indices, last, ks, vs = _paged_inputs(rng, kv_lens, 16, 8, 128, "NHD")
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    qh = rand(rng, (qo_indptr[-1], 32, 128), np.float16)
+    q, dcache = _to_dev(qh), _to_dev(cache)
+    wp = cuattn.BatchPrefillWithPagedKVCacheWrapper(backend=backend)
+    wp.plan(qo_indptr, indptr, indices, last, 32, 8, 128, 16, causal=True)
+    wr = cuattn.BatchPrefillWithRaggedKVCacheWrapper(backend=backend)
+    wr.plan(qo_indptr, np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32), 32, 8, 128, causal=True)
+    k, v = _to_dev(np.concatenate(ks)), _to_dev(np.concatenate(vs))
+    with pytest.raises(ValueError, match=r"run: q must start at a 16-byte aligned address"):
+        wp.run(_shifted(q, 2), dcache)
+    with pytest.raises(ValueError, match=r"run: paged_kv_cache must start at a 16-byte aligned address"):
+        wp.run(q, _shifted(dcache, 4))
+    with pytest.raises(ValueError, match=r"run: out must start at a 4-byte aligned address"):
+        wp.run(q, dcache, out=_shifted(_nan_like(q.shape, np.float16), 1))
+    with pytest.raises(ValueError, match=r"run: k must start at a 16-byte aligned address"):
+        wr.run(q, _shifted(k, 4), v)
+    with pytest.raises(ValueError, match=r"run: v must start at a 16-byte aligned address"):
+        wr.run(q, k, _shifted(v, 2))
+    out = _shifted(_nan_like(q.shape, np.float16), 2)           # 4-byte aligned: accepted
+    ref, _ = oracle_batch(qh, ks, vs, qo_indptr, True)
+    for o in (wp.run(q, dcache, out=out), wr.run(q, k, v)):
+        got = _from_dev(o, np.float16).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
 @pytest.mark.gpu
 def test_single_prefill_gpu_torch_inputs():
     torch = pytest.importorskip("torch")
