@@ -117,7 +117,8 @@ def test_fa3_fp8_gather_matches_dequantised_oracle(case, ahead, monkeypatch):
 @sm90
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-kernel", "ahead"])
 def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(ahead, monkeypatch):
-    """The gather's 16-byte loads, and the rows gathered ahead (prefill_ahead: its loads are 16 bytes too)."""
+    """The gather's 16-byte loads, and the rows gathered ahead (prefill_ahead: its loads are 16 bytes too): run()'s
+    alignment check (arrays.check_aligned, every prefill kernel's) refuses the cache before either is reached."""
     from cuattn import prefill_ahead
     for name in ("MIN_SHARING", "MIN_READS"):
         monkeypatch.setattr(prefill_ahead, name, {k: 0 if ahead else float("inf") for k in prefill_ahead.MIN_SHARING})
@@ -130,6 +131,6 @@ def test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run(ahead, monkeypatch):
     buf = _cp().empty(k.size + 16, _cp().uint8)
     off = buf[8:8 + k.size].reshape(k.shape)                   # K's pointer 8 bytes off 16
     off[...] = k
-    with pytest.raises(UnsupportedError, match="16-byte loads.*K pointer"):
+    with pytest.raises(ValueError, match="run: paged_kv_cache must start at a 16-byte aligned address"):
         w.run(_dev(c["q"]), (off, v))
     assert w.run(_dev(c["q"]), (k, v)).shape == (5, 8, 128)
