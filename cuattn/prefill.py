@@ -150,7 +150,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         if plan.kv_ahead:           # fp8 K / V converted once, contiguous NHD in q's type (prefill_ahead.py)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 kt, vt = self._ahead.gather(ctx, plan, kt, vt, (kt.strides[tok], kt.strides[head]),
-                                            (vt.strides[tok], vt.strides[head]), None, record, fn, pdl)
+                                            (vt.strides[tok], vt.strides[head]), None, record, pdl)
             k_tok, k_head, v_tok, v_head = 0, 1, 0, 1
         if plan.backend == "fa3":
             with arrays.cupy_module().cuda.Device(ctx.device):
@@ -298,8 +298,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         if plan.kv_ahead:       # the rows gathered (fp8: converted) once, then the contiguous fa3 kernel (prefill_ahead.py)
             with arrays.cupy_module().cuda.Device(ctx.device):
                 kt, vt = self._ahead.gather(ctx, plan, kv.k, vv.v, (kv.stride_page, kv.stride_slot, kv.stride_head),
-                                            (vv.stride_page, vv.stride_slot, vv.stride_head), kv.page_size, record, fn,
-                                            pdl)
+                                            (vv.stride_page, vv.stride_slot, vv.stride_head), kv.page_size, record, pdl)
                 prefill_sm90.launch(ctx, plan.run_spec, q=qk, k=kt, v=vt, k_strides=kt.strides[:2],
                                     v_strides=vt.strides[:2], kv_tokens=kt.shape[0], out=ot, lse_ptr=lse_ptr,
                                     num_work=plan.grid_work, num_kv_heads=plan.num_kv_heads, group=plan.group,

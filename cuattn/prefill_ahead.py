@@ -157,27 +157,18 @@ class RowsAhead:
                 self._buf = cp.empty(need, np.uint16)
 
     def gather(self, ctx, plan, k, v, k_strides: tuple, v_strides: tuple, page_size: int | None, record: list | None,
-               fn: str, pdl: bool = False):
+               pdl: bool = False):
         """The plan's rows of K / V (device tensors; (page, slot, head) element strides; ``page_size`` None: contiguous
         rows of a ragged batch, ``k_strides`` then (token, head)) gathered (fp8: converted) into the buffer on the
-        run's stream; returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). Pointers and byte
-        strides must be multiples of 16, as for the fa3 gather's 16-byte loads (else UnsupportedError; the pass itself
-        loads 16 bytes of a 16-bit row, 8 of an fp8 one)."""
+        run's stream; returns the (k, v) tensors there, contiguous NHD in q's 16-bit type (the kernel's). The pass loads
+        16 bytes of a 16-bit row, 8 of an fp8 one: run() has checked that pointers and strides are 16-byte multiples
+        (arrays.check_aligned)."""
         meta = plan.meta
         if page_size is None:            # one "page" a request, numbered by its first row: page stride = row stride
             k_strides, v_strides = (k_strides[0], *k_strides), (v_strides[0], *v_strides)
             ptrs, page_size = (meta["kv_indptr"], meta["page_indptr"], meta["row_starts"]), 2 ** 30
         else:
             ptrs = (meta["kv_indptr"], meta["page_indptr"], meta["kv_indices"])
-        item = k.dtype.itemsize
-        bad = {n: x for n, x in (("K pointer", k.ptr), ("V pointer", v.ptr),
-                                 *((f"K {w} stride", a * item) for w, a in zip(("page", "slot", "head"), k_strides)),
-                                 *((f"V {w} stride", a * item) for w, a in zip(("page", "slot", "head"), v_strides)))
-               if x % 16}
-        if bad:
-            raise UnsupportedError(f"{fn}: the fa3 kernel reads the K / V rows in 16-byte loads: their pointers and "
-                                   f"strides in bytes must be multiples of 16; got "
-                                   + ", ".join(f"{n} {x}" for n, x in bad.items()))
         nnz, h = self._nnz, plan.num_kv_heads
         base = self._buf.data.ptr
         gather_rows(ctx, k, v, k_strides, v_strides, page_size, h, plan.head_dim, self._spec, ptrs, nnz, plan.batch,

@@ -296,17 +296,9 @@ _NO_MAP = bytes(128)     # the tensor-map parameters of a gather spec (its produ
 def gather_args(k, v, k_strides, v_strides, paged: tuple, kv_bytes: int, fn: str) -> dict:
     """The gather producer's cache parameters: pointers, byte strides of a slot and a head, and the page
     stride in slots (K's and V's must agree: one row index serves both). Rows are addressed as page *
-    page_rows + slot in int32, slot strides under 4 GiB; an fp8 cache (kv_bytes 1) is read in 16-byte loads
-    (head_dim 128; 8-byte at 64), so its pointers and byte strides must be multiples of 16."""
+    page_rows + slot in int32, slot strides under 4 GiB. (Pointers and strides are 16-byte multiples: run() checks
+    that before any launch, arrays.check_aligned.)"""
     (ks, kh, kp), (vs, vh, vp) = k_strides, v_strides
-    if kv_bytes == 1:
-        bad = {n: x for n, x in (("K pointer", k.ptr), ("V pointer", v.ptr), ("K slot stride", ks), ("K head stride", kh),
-                                 ("K page stride", kp), ("V slot stride", vs), ("V head stride", vh),
-                                 ("V page stride", vp)) if x % 16}
-        if bad:
-            raise UnsupportedError(f"{fn}: the fa3 gather reads an fp8 paged_kv_cache in 16-byte loads: its pointers "
-                                   f"and strides in bytes must be multiples of 16; got "
-                                   + ", ".join(f"{n} {x}" for n, x in bad.items()))
     num_pages = max(paged[1], paged[2])
     if kp % ks or vp * ks != kp * vs or num_pages * (kp // ks) >= 2 ** 31:
         raise UnsupportedError(f"{fn}: the fa3 gather addresses rows as page * (page stride / slot stride) + slot "

@@ -14,7 +14,6 @@ import pytest
 
 import cuattn
 from cuattn import jit, prefill_sm90
-from cuattn.errors import UnsupportedError
 from tests.conftest import gpu_cc
 from tests.prefill_dtype_cases import FP8_NAME, _cp, _dev, _ids, paged_fp8_case, run_paged_fp8_and_check
 
@@ -40,22 +39,14 @@ def test_fp8_gather_compiles_without_spills():
     assert reg.spill_bytes == (64 if reg.dtype_kv == "e4m3" else 0) and "_ring" not in reg.name
 
 
-def _gather_args(kv_bytes, k_ptr=1 << 20, v_ptr=1 << 21, k_strides=(1024, 128, 16384), v_strides=(1024, 128, 16384)):
-    return prefill_sm90.gather_args(SimpleNamespace(ptr=k_ptr), SimpleNamespace(ptr=v_ptr), k_strides, v_strides,
-                                    (16, 100, 100), kv_bytes, "run")
-
-
-@pytest.mark.parametrize("bad, what", [(dict(k_ptr=(1 << 20) + 8), "K pointer 1048584"),
-                                       (dict(v_ptr=(1 << 21) + 4), "V pointer 2097156"),
-                                       (dict(k_strides=(1032, 128, 16512)), "K slot stride 1032"),
-                                       (dict(v_strides=(1024, 136, 16384)), "V head stride 136")])
-def test_fp8_gather_refuses_a_cache_off_16_bytes(bad, what):
-    """16-byte loads (ld.global.nc.v4, cp.async 16): an fp8 cache's pointers and byte strides are multiples of 16."""
-    assert _gather_args(1)["k_s_row"] == 1024 and _gather_args(1, k_ptr=(1 << 20) + 16)["k_cache"] == (1 << 20) + 16
-    with pytest.raises(UnsupportedError, match=f"run: the fa3 gather reads an fp8 paged_kv_cache in 16-byte loads.*{what}"):
-        _gather_args(1, **bad)
-    if "pointer" in what:                                      # (16-bit caches: unchanged)
-        assert _gather_args(2, **bad)["k_s_row"] == 2048
+def test_gather_args_give_byte_strides_and_the_page_stride_in_slots():
+    """The gather's cache parameters: element strides times the element size (fp8 1, 16-bit 2), the page stride in
+    slots. (Alignment is run()'s check before any launch: test_fa3_fp8_gather_refuses_a_cache_off_16_bytes_at_run.)"""
+    for kv_bytes in (1, 2):
+        a = prefill_sm90.gather_args(SimpleNamespace(ptr=1 << 20), SimpleNamespace(ptr=1 << 21), (1024, 128, 16384),
+                                     (1024, 128, 16384), (16, 100, 100), kv_bytes, "run")
+        assert a == dict(k_cache=1 << 20, v_cache=1 << 21, k_s_row=1024 * kv_bytes, k_s_head=128 * kv_bytes,
+                         v_s_row=1024 * kv_bytes, v_s_head=128 * kv_bytes, page_rows=16)
 
 
 # ============================================================================ GPU
