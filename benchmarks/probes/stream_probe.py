@@ -19,7 +19,7 @@ Geometry: 8 math warps, 128 tokens/stage, 1 CTA per SM (128 CTAs), or 4 math war
 tokens/stage, 2 CTAs per SM (256 CTAs); 134 MB (K+V of 8 heads x 32k tokens) and 2.1 GB.
 Timing: CUDA events, 256 MB read flush before each call, 3 warm-up + N timed, median.
 
-    python benchmarks/stream_probe.py [--reps 20] [--out probe.json]
+    python benchmarks/probes/stream_probe.py [--reps 20] [--out probe.json]
 """
 from __future__ import annotations
 

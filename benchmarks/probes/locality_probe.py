@@ -5,15 +5,15 @@ Each CTA reads its own list of chunks; a chunk is R segments of SEG bytes, STRID
     HND head block:  1 x 4 KB (one page's K of one head, contiguous)
     whole page:      1 x 32 KB (one page's K of all 8 heads), 1 x 64 KB (K and V)
     contiguous:      each CTA one contiguous region
-    PYTHONPATH=. python benchmarks/locality_probe.py
+    PYTHONPATH=. python benchmarks/probes/locality_probe.py
 """
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy as cp  # noqa: E402
 
 import bench_decode as b  # noqa: E402

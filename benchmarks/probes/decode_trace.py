@@ -6,15 +6,15 @@ end. A plain read kernel of the same bytes records its CTAs' start/end the same 
 The trace lines are inserted at anchors of decode.cu's text (PATCHES; each must occur once), so a
 change to those lines of the kernel needs the anchors updated. Timing and correctness are the
 benchmark's and the tests' business; this only says where an isolated call's time goes.
-    PYTHONPATH=. python benchmarks/decode_trace.py
+    PYTHONPATH=. python benchmarks/probes/decode_trace.py
 """
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cupy as cp  # noqa: E402
 
 from cuattn import jit  # noqa: E402
