@@ -5,7 +5,10 @@
    4 x nnz x R x C x heads x head_dim (QK^T and PV) against the fp16 matmul rate measured in the run.
 2. A mixed step (BatchAttention): 4 prefill chunks of 1024 new tokens over 1024-8192 cached + 256
    decodes over 2k-32k keys (32:8 heads, head_dim 128, fp16, page 16, random page order), in one
-   plan/run, against cuattn's separate paged prefill + decode launches and FlashInfer's BatchAttention.
+   plan/run, against cuattn's separate paged prefill + decode launches (and each alone) and FlashInfer's
+   BatchAttention. The step reads 18.3 GB of K/V (96% of it the decodes'): its floor is those bytes (plus q and
+   out) at the read-only ceiling measured in the run (bench_decode's), and each time is also given as a
+   fraction of that ceiling.
 Timing: CUDA events, L2 read-flushed before each call, 5 warm-up + N timed, median.
 
     python benchmarks/bench_sparse.py [--reps 20] [--out results.json]
@@ -26,7 +29,7 @@ import cupy as cp  # noqa: E402
 
 import cuattn  # noqa: E402
 from bench_cascade import matmul_tflops  # noqa: E402
-from bench_decode import fill_random, l2_flush, time_events  # noqa: E402
+from bench_decode import ceilings, fill_random, l2_flush, time_events  # noqa: E402
 
 
 def rand(shape, seed):
@@ -106,7 +109,7 @@ def mixed_step():
     return qo_indptr, indptr, indices, np.array(kv_lens, np.int32), last, q, cache
 
 
-def mixed(args, fi, torch, flush) -> dict:
+def mixed(args, fi, torch, flush, read_tbs: float) -> dict:
     hq, hkv, d, ps = MIXED_SHAPE
     qo_indptr, indptr, indices, kv_lens, last, q, cache = mixed_step()
     out = cp.empty_like(q)
@@ -122,8 +125,15 @@ def mixed(args, fi, torch, flush) -> dict:
     qp, qd = q[:4096], q[4096:]
     sep_us = time_events(lambda: (p.run(qp, cache, out=out[:4096]), dw.run(qd, cache, out=out[4096:])), args.reps,
                          flush)
+    prefill_us = time_events(lambda: p.run(qp, cache, out=out[:4096]), args.reps, flush)
+    decode_us = time_events(lambda: dw.run(qd, cache, out=out[4096:]), args.reps, flush)
+    step_bytes = int(kv_lens.sum()) * hkv * d * 2 * cache.itemsize + 2 * q.nbytes     # K and V once, q in, out
+    floor_us = step_bytes / (read_tbs * 1e12) * 1e6
     row = dict(case="4 x 1024-token chunks + 256 decodes (2k-32k)", batch_attention_us=round(one_us, 1),
-               separate_us=round(sep_us, 1), plan=w.describe())
+               separate_us=round(sep_us, 1), prefill_alone_us=round(prefill_us, 1), decode_alone_us=round(decode_us, 1),
+               step_gb=round(step_bytes / 1e9, 3), read_ceiling_tbs=round(read_tbs, 3), floor_us=round(floor_us, 1),
+               batch_attention_of_read=round(floor_us / one_us, 3), separate_of_read=round(floor_us / sep_us, 3),
+               plan=w.describe())
     if fi is not None:
         try:
             fw = fi.BatchAttention(kv_layout="NHD")
@@ -134,8 +144,17 @@ def mixed(args, fi, torch, flush) -> dict:
             row["flashinfer_us"] = round(time_events(lambda: fw.run(tq, tc), args.reps, flush), 1)
         except Exception as e:           # noqa: BLE001 - report and go on
             row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:200]
-    print(f"{row['case']:<40} BatchAttention {one_us:8.1f} us   separate prefill + decode {sep_us:8.1f} us   "
-          f"FlashInfer {row.get('flashinfer_us', row.get('flashinfer_error', '-'))}", flush=True)
+    fi_us = row.get("flashinfer_us")
+    print(f"{row['case']}: {row['step_gb']} GB of K/V, q and out; floor {floor_us:.1f} us at the read ceiling "
+          f"({read_tbs:.3f} TB/s, measured now)", flush=True)
+    for name, us in (("BatchAttention (one launch)", one_us), ("separate prefill + decode", sep_us),
+                     ("  prefill alone", prefill_us), ("  decode alone", decode_us), ("FlashInfer BatchAttention", fi_us)):
+        if us is not None:
+            share = f"{100 * floor_us / us:5.1f}% of read" if "alone" not in name else ""
+            vs_fi = f"FlashInfer / this {fi_us / us:5.3f}" if fi_us and "alone" not in name else ""
+            print(f"  {name:<28} {us:8.1f} us  {share:>14}  {vs_fi}", flush=True)
+    if "flashinfer_error" in row:
+        print(f"  FlashInfer: {row['flashinfer_error']}", flush=True)
     return row
 
 
@@ -148,12 +167,15 @@ def main():
     mma = matmul_tflops(10)
     print(f"# {dev}, cuattn {cuattn.__version__}, {datetime.date.today()}, fp16 matmul {mma:.0f} TFLOP/s")
     fi, torch = flashinfer_or_none()
+    read_tbs, _ = ceilings(10)
+    print(f"# read-only ceiling {read_tbs:.3f} TB/s (measured now)", flush=True)
     flush = l2_flush()
     rows = block_sparse(args, mma, fi, torch, flush)
-    mix = mixed(args, fi, torch, flush)
+    mix = mixed(args, fi, torch, flush, read_tbs)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), matmul_tflops=mma,
-                                                  method=__doc__, block_sparse=rows, mixed=mix), indent=1))
+                                                  read_tbs=read_tbs, method=__doc__, block_sparse=rows, mixed=mix),
+                                             indent=1))
 
 
 if __name__ == "__main__":
