@@ -82,12 +82,15 @@ def make_call(kind, b, n, causal):
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tunings", nargs="+", default=["", "PINGPONG=0"],
                     help='each a comma-separated list of defines ("" = the shipped kernel); ratios are to the first')
     ap.add_argument("--cases", nargs="+", default=["contig:1x16384:c", "paged:1x16384:c", "paged:8x2048"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=D, help="head_dim of every case (qk = vo)")
     args = ap.parse_args()
+    D = args.head_dim
     tunings = [tuple(t.split(",")) if t else () for t in args.tunings]
     current = []
     made = prefill_sm90.make_spec
@@ -122,7 +125,7 @@ def main():
         for case in args.cases:
             for tun in tunings[r % len(tunings):] + tunings[:r % len(tunings)]:
                 times[(case, tun)].append(gpu_us(calls[(case, tun)][0], 8))
-    print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, 32:8, hd128, fp16, page {PS}, GPU alone")
+    print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, 32:8, hd{D}, fp16, page {PS}, GPU alone")
     for case in args.cases:
         t0 = times[(case, tunings[0])]
         base = statistics.median(t0)
