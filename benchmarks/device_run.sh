@@ -50,7 +50,7 @@ else:
 PY
 fi
 if [ "$mode" = bench ]; then
-  python3 benchmarks/probes/host_probe.py --out "$OUT/host_probe.json" 2>&1 | tee "$OUT/host_probe.log" | tail -30
+  python3 benchmarks/bench_scheduler.py --out "$OUT/scheduler.json" 2>&1 | tee "$OUT/scheduler.log" | tail -30
   python3 benchmarks/bench_decode.py --stream --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | tail -40
   python3 benchmarks/bench_prefill.py --out "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.log" | tail -20
 fi
