@@ -39,8 +39,8 @@ PATCHES = [
      "  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;\n"
      "  TR(0, gtime()); TR(2, clock64());\n"
      "  { unsigned sm; asm(\"mov.u32 %0, %%smid;\" : \"=r\"(sm)); TR(9, sm); }\n"),
-    ("  const int page_base = w[1], kv_start = w[2], kv_end = w[3], slot = w[4];\n",
-     "  const int page_base = w[1], kv_start = w[2], kv_end = w[3], slot = w[4];\n"
+    ("  const int page_base = w[1], kv_end = w[3], slot = w[4];\n",
+     "  const int page_base = w[1], kv_end = w[3], slot = w[4];\n"
      "  TR(3, clk_after(kv_end));\n"),
     ("  int ids_t0 = 0, ids_cur = load_ids(0), ids_next = load_ids(32);\n",
      "  int ids_t0 = 0, ids_cur = load_ids(0), ids_next = load_ids(32);\n"
