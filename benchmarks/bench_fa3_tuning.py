@@ -6,7 +6,7 @@ each gets its own specialization) and timed GPU-alone (bench_prefill.gpu_us: a m
 timed call keeps host time out of the events), median of 8 calls, in --rounds rounds (each round starts a case's
 tunings at another one); the report gives the median over rounds, TFLOP/s, the time over the first tuning's, and the
 same ratio paired within rounds (median and range). Run a tuning twice (e.g. "" and "GATHER_UNROLL=0", the same code
-under another name) to see the harness's spread on the machine. 32:8 heads, head_dim 128, fp16, page 16
+under another name) to see the harness's spread on the machine. 32:8 heads, head_dim 128 (--head-dim: another), fp16, page 16
 in random order. Cases: KIND:BxN[:c] with KIND contig (ragged), paged, pagedseq (pages in order), fp8 (e4m3 pages, scales 0.5 / 0.25),
 fp8e5 (e5m2 pages), softcap / alibi (contiguous, with the variant); ":c" = causal. sm_90 only. Where the cases hold a
 paged case of an fp8 case's shape, a last table gives the fp8 case's speed over it (fp16 paged time / fp8 time, both
